@@ -1,0 +1,14 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="trunksplit",
+    version="0.1.0",
+    description="Train ResNet/RegNet trunks with checkpointed segments: less activation memory, the same gradients.",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["trunksplit", "trunksplit.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1", "torchvision>=0.16", "fvcore", "PyYAML", "tabulate", "tqdm", "matplotlib"],
+    extras_require={"test": ["pytest", "pytest-timeout"]},
+    entry_points={"console_scripts": ["trunksplit=trunksplit.cli:main"]},
+)

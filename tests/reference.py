@@ -1,0 +1,45 @@
+"""Independent references: the plain torchvision model, its features read with forward hooks."""
+import torch
+import torchvision
+from torch import nn
+
+# Where each trunksplit feature lives in the plain torchvision model.
+_RESNET_FEATURES = {"res2": "layer1", "res3": "layer2", "res4": "layer3", "res5": "layer4", "avgpool": "avgpool"}
+_REGNET_FEATURES = {"res2": "trunk_output.block1", "res3": "trunk_output.block2", "res4": "trunk_output.block3", "res5": "trunk_output.block4", "avgpool": "avgpool"}
+
+
+def build(arch, seed=0):
+    torch.manual_seed(seed)
+    model = getattr(torchvision.models, arch)()
+    # Non-trivial BatchNorm affine parameters and running stats, so a mix-up shows.
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+def plain_features(model, x, keys):
+    """The plain model's features: its own forward, read with hooks on its stages.
+
+    ``flatten`` is the avgpool output flattened, as the model's forward does before its classifier."""
+    table = _RESNET_FEATURES if isinstance(model, torchvision.models.ResNet) else _REGNET_FEATURES
+    found, handles = {}, []
+    for key in set(keys) - {"flatten"} | {"avgpool"}:
+        handles.append(model.get_submodule(table[key]).register_forward_hook(lambda m, i, o, key=key: found.__setitem__(key, o)))
+    model(x)
+    for h in handles:
+        h.remove()
+    found["flatten"] = torch.flatten(found["avgpool"], 1)
+    return [found[k] for k in keys]
+
+
+def loss_of(features, seed=123):
+    """A loss that weighs every output element differently."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((f * torch.randn(f.shape, generator=g)).sum() for f in features)
+
+
+def grads_by_name(model):
+    return {n: p.grad for n, p in model.named_parameters()}

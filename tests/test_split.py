@@ -1,0 +1,129 @@
+"""trunksplit's bucketing against vissl's own algorithm, and the SplitPlan value."""
+import random
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torchvision
+from torch import nn
+
+from trunksplit import checkpoint_trunk, feature_blocks, layer_splittable_before
+from trunksplit.trunk import CheckpointedTrunk
+
+from vissl_reference import vissl_checkpoint_trunk, vissl_layer_splittable_before
+
+
+def _random_layer(rng, inplace_kinds):
+    kind = rng.choice(["conv", "bn", "relu", "inplace", "inplace", "seq_inplace", "seq"])
+    if kind == "conv":
+        return nn.Conv2d(1, 1, 1)
+    if kind == "bn":
+        return nn.BatchNorm2d(1)
+    if kind == "relu":
+        return nn.ReLU()
+    if kind == "seq":
+        return nn.Sequential(nn.Conv2d(1, 1, 1), nn.ReLU(inplace=True))
+    if kind == "seq_inplace" and "seq" in inplace_kinds:
+        return nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(1, 1, 1))
+    return rng.choice([nn.ReLU(inplace=True)] + ([nn.SiLU(inplace=True), nn.ReLU6(inplace=True)] if "other" in inplace_kinds else []))
+
+
+def _random_trunk(rng, inplace_kinds):
+    blocks = OrderedDict()
+    for i in range(rng.randint(1, 7)):
+        if rng.random() < 0.5:
+            blocks[f"res{i}"] = nn.Sequential(*[_random_layer(rng, inplace_kinds) for _ in range(rng.randint(1, 9))])
+        else:
+            blocks[f"b{i}"] = _random_layer(rng, inplace_kinds)
+    keys = rng.sample(list(blocks), rng.randint(1, len(blocks)))
+    return blocks, keys
+
+
+def _cuts_before_unsplittable(buckets, predicate):
+    """Whether a cut the splitter added (after an activation_split_N bucket) lands before an in-place layer.
+
+    Cuts after requested features are the user's and are left as asked."""
+    items = list(buckets.items())
+    return any(prev.startswith("activation_split_") and len(seq) and not predicate(seq[0]) for (prev, _), (_, seq) in zip(items, items[1:]))
+
+
+def _same(ours, theirs):
+    assert list(ours) == list(theirs)
+    for name in ours:
+        assert [id(m) for m in ours[name]] == [id(m) for m in theirs[name]], name
+
+
+@pytest.mark.parametrize("inplace_kinds,predicate", [((), vissl_layer_splittable_before), (("seq", "other"), layer_splittable_before)])
+def test_buckets_match_vissl_on_random_trunks(inplace_kinds, predicate):
+    rng = random.Random(0)
+    compared = 0
+    for _ in range(600):
+        blocks, keys = _random_trunk(rng, inplace_kinds)
+        splits = rng.randint(1, 14)
+        try:
+            theirs = vissl_checkpoint_trunk(blocks, keys, splits, predicate)
+        except AssertionError:
+            continue  # vissl refuses this input
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = checkpoint_trunk(blocks, keys, splits)
+        assert not _cuts_before_unsplittable(ours, layer_splittable_before)
+        if _cuts_before_unsplittable(theirs, predicate):
+            continue  # vissl's layer-relu-relu TODO: it cuts before an in-place op, trunksplit does not
+        _same(ours, theirs)
+        compared += 1
+    assert compared > 400
+
+
+@pytest.mark.parametrize("arch", ["resnet50", "regnet_y_400mf"])
+@pytest.mark.parametrize("splits", [1, 2, 4, 6, 8, 16])
+def test_buckets_match_vissl_on_torchvision(arch, splits):
+    blocks = feature_blocks(getattr(torchvision.models, arch)())
+    for keys in (["flatten"], ["res3", "res5"], ["conv1", "res4", "flatten"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ours = checkpoint_trunk(blocks, keys, splits)
+        _same(ours, vissl_checkpoint_trunk(blocks, keys, splits, layer_splittable_before))
+
+
+def test_never_splits_before_the_stem_relu():
+    blocks = feature_blocks(torchvision.models.resnet18())
+    relu = blocks["conv1_relu"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for splits in range(1, 20):
+            assert all(seq[0] is not relu for seq in checkpoint_trunk(blocks, ["flatten"], splits).values())
+
+
+def test_unknown_key_names_it_and_the_known_keys():
+    blocks = feature_blocks(torchvision.models.resnet18())
+    with pytest.raises(ValueError, match=r"res9.*known keys.*conv1"):
+        checkpoint_trunk(blocks, ["res9"], 2)
+
+
+@pytest.mark.parametrize("splits", [0, -1, 1.5])
+def test_bad_split_count_is_refused(splits):
+    blocks = feature_blocks(torchvision.models.resnet18())
+    with pytest.raises(ValueError, match="splits"):
+        checkpoint_trunk(blocks, ["flatten"], splits)
+
+
+def test_unreachable_split_count_warns_with_count_reached():
+    blocks = OrderedDict(a=nn.Conv2d(1, 1, 1), b=nn.ReLU(inplace=True), c=nn.Conv2d(1, 1, 1))
+    with pytest.warns(UserWarning, match="only 2 can be made"):
+        out = checkpoint_trunk(blocks, ["c"], 5)
+    assert [len(s) for s in out.values()] == [2, 1]
+
+
+def test_plan_prints_a_table_of_segments():
+    trunk = CheckpointedTrunk(torchvision.models.resnet18(), ["flatten"], num_splits=3)
+    text = str(trunk.plan)
+    lines = text.splitlines()
+    assert lines[0].startswith("SplitPlan (vissl, 3 segments")
+    assert "segment" in lines[1] and "layers" in lines[1] and "count" in lines[1]
+    body = lines[3:]
+    assert len(body) == 3
+    counts = [int(line.split("|")[3]) for line in body]
+    assert sum(counts) == 4 + 8 + 2  # stem (4), 8 basic blocks, avgpool + flatten
+    assert body[0].split("|")[2].strip().startswith("conv1 ..")
+    assert body[-1].split("|")[2].strip().endswith(".. flatten")

@@ -1,0 +1,184 @@
+"""CheckpointedTrunk: one training step equals the plain model's, exactly."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from trunksplit import CheckpointedTrunk, feature_blocks
+
+from reference import build, grads_by_name, loss_of, plain_features
+
+ARCHS = ["resnet18", "resnet50", "resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf"]
+
+
+def _step_both(arch, keys, splits, reentrant, input_grad=False, strategy="vissl", **kw):
+    """One training step of the plain model and of the checkpointed trunk built from a copy of it."""
+    plain = build(arch)
+    model = copy.deepcopy(plain)
+    model.initial_buffers = {n: b.clone() for n, b in model.named_buffers()}
+    trunk = CheckpointedTrunk(model, keys, num_splits=splits, use_reentrant=reentrant, strategy=strategy, **kw)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    x_plain, x_trunk = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    want = plain_features(plain, x_plain, keys)
+    loss_of(want).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = trunk(x_trunk)
+    loss_of(got).backward()
+    return plain, model, trunk, want, got, (x_plain, x_trunk)
+
+
+def _close(a, b):
+    """Equal up to float32 rounding of a different summation order, relative to the tensor's scale."""
+    return a.shape == b.shape and bool((a - b).abs().max() <= 1e-5 * a.abs().max().clamp_min(1e-30))
+
+
+def _check_step(plain, model, trunk, want, got, reentrant):
+    assert len(got) == len(want)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    # Non-reentrant checkpointing replays the plain graph op for op: bit-exact. Reentrant
+    # checkpointing runs one inner backward per segment, which changes the order in which
+    # the gradients of a tensor used several times are summed: equal up to float rounding.
+    same = torch.equal if not reentrant else _close
+    trunk_params = {id(p) for p in trunk.parameters()}
+    want_grads, got_grads = grads_by_name(plain), grads_by_name(model)
+    for name, p in model.named_parameters():
+        if id(p) in trunk_params:
+            assert got_grads[name] is not None, name
+            assert same(want_grads[name], got_grads[name]), name
+        else:  # not run by the trunk: no gradient in either model
+            assert got_grads[name] is None and want_grads[name] is None, name
+    trunk_buffers = {id(b) for b in trunk.buffers()}
+    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        # BatchNorm statistics, num_batches_tracked included: as the plain step left them
+        # where the trunk runs the layer, untouched elsewhere.
+        assert torch.equal(a if id(b) in trunk_buffers else model.initial_buffers[name], b), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("keys", [["res3", "res4"], ["res3", "flatten"]])
+def test_training_step_equals_plain_model(arch, splits, reentrant, keys):
+    plain, model, trunk, want, got, _ = _step_both(arch, keys, splits, reentrant)
+    _check_step(plain, model, trunk, want, got, reentrant)
+    assert len(trunk.plan.segments) == max(splits, len(keys))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_input_that_requires_grad_gets_the_plain_gradient(reentrant):
+    plain, model, trunk, want, got, (xp, xt) = _step_both("resnet18", ["flatten"], 4, reentrant, input_grad=True)
+    _check_step(plain, model, trunk, want, got, reentrant)
+    assert xt.grad is not None and (torch.equal if not reentrant else _close)(xp.grad, xt.grad)
+
+
+def test_batchnorm_counts_one_batch_per_step():
+    plain, model, trunk, *_ = _step_both("resnet18", ["flatten"], 8, False)
+    counts = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}
+    assert counts == {1}
+
+
+def _count_calls(module):
+    calls = []
+    module.register_forward_hook(lambda *a: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad"])
+def test_eval_and_no_grad_run_plain_without_recompute(mode):
+    plain = build("resnet18")
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["res3", "flatten"], num_splits=4)
+    first_conv = _count_calls(model.conv1)
+    x = torch.randn(2, 3, 64, 64)
+    if mode == "eval":
+        plain.eval(), trunk.eval()
+        got = trunk(x)
+        loss_of(got).backward()  # backward in eval mode must not re-run anything either
+    else:
+        with torch.no_grad():
+            got = trunk(x)
+    with torch.no_grad():
+        want = plain_features(plain, x, ["res3", "flatten"])
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert len(first_conv) == 1
+
+
+def test_training_step_recomputes_checkpointed_segments_only():
+    model = build("resnet18")
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=2)
+    first, last = _count_calls(model.conv1), _count_calls(model.layer4[1])
+    assert trunk.plan.segments[0].start == 0 and not trunk.plan.segments[-1].checkpointed
+    loss_of(trunk(torch.randn(2, 3, 64, 64))).backward()
+    assert len(first) == 2  # first segment: forward + recompute
+    assert len(last) == 1  # last segment: never checkpointed
+
+
+@pytest.mark.parametrize("arch", ["resnet50", "regnet_x_400mf"])
+def test_trunk_owns_only_the_modules_it_runs(arch):
+    model = build(arch)
+    head = model.fc
+    trunk = CheckpointedTrunk(model, ["res4"])
+    owned = {id(p) for p in trunk.parameters()}
+    last_stage = model.layer4 if arch.startswith("resnet") else model.trunk_output.block4
+    assert not owned & {id(p) for p in head.parameters()}
+    assert not owned & {id(p) for p in last_stage.parameters()}
+    everything_else = {id(p) for p in model.parameters()} - {id(p) for p in head.parameters()} - {id(p) for p in last_stage.parameters()}
+    assert owned == everything_else
+
+
+def test_state_dict_keys_do_not_depend_on_the_plan():
+    a = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=2)
+    b = CheckpointedTrunk(build("resnet18", seed=5), ["flatten"], num_splits=7)
+    assert list(a.state_dict()) == list(b.state_dict())
+    assert "res2.0.conv1.weight" in a.state_dict()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    a.eval(), b.eval()
+    assert torch.equal(a(x)[0], b(x)[0])
+
+
+def test_ordered_dict_of_blocks_is_a_trunk():
+    model = build("resnet18")
+    blocks = feature_blocks(model)
+    trunk = CheckpointedTrunk(blocks, ["res5", "res3"], num_splits=3)
+    x = torch.randn(2, 3, 64, 64)
+    got = trunk(x)
+    want = plain_features(model, x, ["res5", "res3"])
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+def test_unreachable_split_count_warns_with_count_reached():
+    with pytest.warns(UserWarning, match=r"asked for 500 checkpoint segments but only \d+ can be made") as caught:
+        trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=500)
+    # resnet18: 14 units, and no cut may fall before the stem's in-place ReLU
+    assert len(trunk.plan.segments) == 13
+    assert "only 13 can be made" in str(caught[0].message)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(out_feat_keys=["res6"]), ValueError, r"res6.*known keys"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(strategy="magic"), ValueError, "strategy"),
+        (dict(memory_budget=1.5), ValueError, "memory_budget"),
+    ],
+)
+def test_bad_arguments_are_refused_and_the_model_is_untouched(kwargs, error, match):
+    model = build("resnet18")
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(error, match=match):
+        CheckpointedTrunk(model, **kwargs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert isinstance(model.fc, nn.Linear)
+
+
+def test_unsupported_model_names_the_supported_families():
+    with pytest.raises(TypeError, match=r"does not know Sequential\. Supported families: .*RegNet.*ResNet"):
+        CheckpointedTrunk(nn.Sequential(nn.Conv2d(3, 8, 3)))

@@ -1,0 +1,23 @@
+"""trunksplit: train vision trunks with less activation memory and the same gradients."""
+from .blocks import feature_blocks, layer_splittable_before, register_trunk
+from .profile import PeakMemory
+from .split import Segment, SplitPlan, checkpoint_trunk
+from .trunk import CheckpointedTrunk
+from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointedTrunk",
+    "PeakMemory",
+    "Segment",
+    "SplitPlan",
+    "checkpoint_trunk",
+    "checkpoint_wrapper",
+    "feature_blocks",
+    "is_checkpoint_wrapped",
+    "is_recomputing",
+    "layer_splittable_before",
+    "register_trunk",
+    "unwrap_checkpoint",
+]
