@@ -1,6 +1,7 @@
 """trunksplit: train vision trunks with less activation memory and the same gradients."""
 from .blocks import feature_blocks, layer_splittable_before, register_trunk
 from .profile import PeakMemory
+from .selective import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k
 from .split import Segment, SplitPlan, checkpoint_trunk
 from .trunk import CheckpointedTrunk
 from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
@@ -10,6 +11,11 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointedTrunk",
     "PeakMemory",
+    "apply_activation_checkpointing",
+    "by_name",
+    "by_type",
+    "condition_from_config",
+    "every_k",
     "Segment",
     "SplitPlan",
     "checkpoint_trunk",

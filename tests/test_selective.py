@@ -1,0 +1,87 @@
+"""apply_activation_checkpointing and its conditions."""
+import copy
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torchvision.models.resnet import Bottleneck
+
+from trunksplit import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k, is_checkpoint_wrapped
+
+from reference import loss_of
+
+
+def _bottleneck_names(model):
+    return [n for n, m in model.named_modules() if isinstance(m, Bottleneck)]
+
+
+def test_every_second_bottleneck_of_resnet50_counted_afresh_each_call():
+    names = _bottleneck_names(torchvision.models.resnet50())
+    assert len(names) == 16
+    condition = every_k(2, Bottleneck)
+    first = apply_activation_checkpointing(torchvision.models.resnet50(), condition)
+    second = apply_activation_checkpointing(torchvision.models.resnet50(), condition)
+    assert first == second == names[0::2]
+
+
+@pytest.mark.parametrize("condition", [by_type(Bottleneck), every_k(3, Bottleneck), by_name(r"layer[24]\.\d+")])
+def test_training_step_after_wrapping_gives_the_plain_gradients(condition):
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet50(num_classes=10)
+    model = copy.deepcopy(plain)
+    wrapped = apply_activation_checkpointing(model, condition)
+    assert wrapped and all(is_checkpoint_wrapped(model.get_submodule(n)) for n in wrapped)
+    x = torch.randn(2, 3, 64, 64)
+    loss_of([plain(x)]).backward()
+    loss_of([model(x)]).backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    for (n, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), n
+
+
+def test_by_name_matches_the_whole_name():
+    model = torchvision.models.resnet18()
+    assert apply_activation_checkpointing(model, by_name(r"layer\d\.0")) == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
+
+
+def test_any_callable_is_a_condition_and_the_root_is_never_wrapped():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert apply_activation_checkpointing(model, lambda name, m: True) == ["0", "1", "2"]
+    assert not is_checkpoint_wrapped(model)
+
+
+def test_already_wrapped_modules_and_their_insides_are_left_alone():
+    model = torchvision.models.resnet18()
+    assert apply_activation_checkpointing(model, by_name(r"layer1")) == ["layer1"]
+    # layer1's blocks are inside a wrapped module: only the other stages' blocks are new
+    again = apply_activation_checkpointing(model, by_type(torchvision.models.resnet.BasicBlock))
+    assert again == ["layer2.0", "layer2.1", "layer3.0", "layer3.1", "layer4.0", "layer4.1"]
+
+
+def test_nothing_selected_lists_the_types_present_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(ValueError, match=r"selected no submodule.*\['Linear', 'ReLU'\]"):
+        apply_activation_checkpointing(model, by_type(Bottleneck))
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("bad", [lambda: every_k(0, Bottleneck), lambda: by_type(), lambda: by_type(int)])
+def test_bad_conditions_are_refused(bad):
+    with pytest.raises((ValueError, TypeError)):
+        bad()
+
+
+def test_selection_from_config_equals_the_python_condition():
+    select = {"every_k": 2, "types": ["torchvision.models.resnet.Bottleneck"]}
+    a = apply_activation_checkpointing(torchvision.models.resnet50(), condition_from_config(select))
+    assert a == _bottleneck_names(torchvision.models.resnet50())[0::2]
+    b = apply_activation_checkpointing(torchvision.models.resnet50(), condition_from_config({"name_regex": r"layer3\.\d+", "types": ["torchvision.models.resnet.Bottleneck"]}))
+    assert b == [f"layer3.{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("select,match", [({"every": 2}, "unknown selection key"), ({"types": ["torchvision.models.Nope"]}, "cannot import"), ({}, "empty selection")])
+def test_bad_config_selection_is_refused(select, match):
+    with pytest.raises(ValueError, match=match):
+        condition_from_config(select)

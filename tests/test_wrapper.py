@@ -1,0 +1,176 @@
+"""checkpoint_wrapper: the wrapped module trains exactly like the plain one, and stays a normal module."""
+import copy
+import gc
+import io
+import pickle
+import weakref
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from trunksplit import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
+
+
+class Block(nn.Module):
+    """kwargs in, a nested structure with non-tensor members out; dropout and BatchNorm inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+        self.runs = []
+
+    def forward(self, x, scale=1.0, bias=None):
+        self.runs.append(is_recomputing())
+        y = self.drop(torch.relu(self.bn(self.conv(x)))) * scale
+        if bias is not None:
+            y = y + bias
+        return {"out": (y, y.mean()), "tag": "block", "n": 3}
+
+
+def _loss(res):
+    y, m = res["out"]
+    assert res["tag"] == "block" and res["n"] == 3
+    return (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum() + m
+
+
+def _pair():
+    torch.manual_seed(0)
+    plain = Block()
+    return plain, checkpoint_wrapper(copy.deepcopy(plain))
+
+
+def _run(module, x, bias, seed=7):
+    torch.manual_seed(seed)
+    loss = _loss(module(x, scale=2.0, bias=bias))
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_loss_gradients_dropout_and_batchnorm_equal_the_plain_module(input_grad):
+    plain, wrapped = _pair()
+    x = torch.randn(2, 3, 8, 8)
+    bias = torch.randn(4, 1, 1, requires_grad=True)
+    xp, xw = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    bp, bw = bias.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    assert torch.equal(_run(plain, xp, bp), _run(wrapped, xw, bw))
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert b.grad is not None and torch.equal(a.grad, b.grad), n
+    for (n, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
+        assert torch.equal(a, b), n  # running stats moved once, num_batches_tracked == 1
+    assert int(wrapped.bn.num_batches_tracked) == 1
+    assert torch.equal(bp.grad, bw.grad)
+    if input_grad:
+        assert torch.equal(xp.grad, xw.grad)
+
+
+def test_runs_twice_in_training_once_under_no_grad_and_flags_the_recompute():
+    _, wrapped = _pair()
+    x = torch.randn(2, 3, 8, 8)
+    _run(wrapped, x, None)
+    assert wrapped.runs == [False, True]
+    wrapped.runs.clear()
+    with torch.no_grad():
+        wrapped(x)
+    assert wrapped.runs == [False]
+    assert not is_recomputing()
+
+
+def test_bf16_autocast_on_cpu_is_restored_in_the_recompute():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 16)
+    for m in (plain, wrapped):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16
+        out.float().pow(2).sum().backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_state_dict_and_parameter_names_unchanged_and_loadable_both_ways():
+    model = torchvision.models.resnet18()
+    plain_keys = list(model.state_dict())
+    plain_names = [n for n, _ in model.layer1[0].named_parameters()]
+    wrapped = copy.deepcopy(model)
+    checkpoint_wrapper(wrapped.layer1[0])
+    assert list(wrapped.state_dict()) == plain_keys
+    assert [n for n, _ in wrapped.layer1[0].named_parameters()] == plain_names
+    model.load_state_dict(wrapped.state_dict(), strict=True)
+    wrapped.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_deepcopy_is_an_independent_copy_that_trains_itself():
+    _, wrapped = _pair()
+    twin = copy.deepcopy(wrapped)
+    assert is_checkpoint_wrapped(twin)
+    x = torch.randn(2, 3, 8, 8)
+    _run(twin, x, None)
+    assert all(p.grad is None for p in wrapped.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+    assert twin.runs[-2:] == [False, True] and wrapped.runs == []  # the copy ran its own forward, checkpointed
+    assert int(twin.bn.num_batches_tracked) == 1 and int(wrapped.bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_pickle_and_torch_save_round_trip(how):
+    plain, wrapped = _pair()
+    if how == "pickle":
+        back = pickle.loads(pickle.dumps(wrapped))
+    else:
+        buf = io.BytesIO()
+        torch.save(wrapped, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=False)
+    assert is_checkpoint_wrapped(back) and type(back) is type(wrapped)
+    back.runs.clear()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(_run(plain, x, None), _run(back, x, None))
+    assert back.runs == [False, True]
+    for (n, a), (_, b) in zip(plain.named_parameters(), back.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_a_deleted_wrapped_module_is_freed_without_gc():
+    gc.disable()
+    try:
+        module = checkpoint_wrapper(nn.Linear(4, 4))
+        module(torch.randn(2, 4)).sum().backward()
+        ref = weakref.ref(module)
+        del module
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_wrapping_twice_is_harmless_and_unwrap_restores_the_class():
+    _, wrapped = _pair()
+    again = checkpoint_wrapper(wrapped)
+    assert again is wrapped and type(wrapped).__mro__.count(type(wrapped)) == 1
+    _run(wrapped, torch.randn(2, 3, 8, 8), None)
+    assert wrapped.runs == [False, True]  # checkpointed once, not nested
+    unwrap_checkpoint(wrapped)
+    assert type(wrapped) is Block and not is_checkpoint_wrapped(wrapped)
+    wrapped.runs.clear()
+    _run(wrapped, torch.randn(2, 3, 8, 8), None)
+    assert wrapped.runs == [False]
+
+
+def test_offload_to_cpu_works_on_a_cpu_only_machine():
+    plain, _ = _pair()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain), offload_to_cpu=True)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(_run(plain, x, None), _run(wrapped, x, None))
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_wrapping_a_non_module_is_refused():
+    with pytest.raises(TypeError, match="nn.Module"):
+        checkpoint_wrapper(lambda x: x)
