@@ -1,5 +1,6 @@
 """trunksplit: train vision trunks with less activation memory and the same gradients."""
 from .blocks import feature_blocks, layer_splittable_before, register_trunk
+from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
 from .profile import PeakMemory
 from .selective import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k
 from .split import Segment, SplitPlan, checkpoint_trunk
@@ -24,6 +25,9 @@ __all__ = [
     "is_checkpoint_wrapped",
     "is_recomputing",
     "layer_splittable_before",
+    "manual_gradient_all_reduce",
+    "manual_gradient_reduction",
+    "manual_sync_params",
     "register_trunk",
     "unwrap_checkpoint",
 ]

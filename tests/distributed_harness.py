@@ -1,0 +1,53 @@
+"""Run a function in real processes on the gloo backend, with a timeout so a hang fails."""
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, errors, threads):
+    try:
+        # The same thread count as the test process, whose single-process reference
+        # must run the same CPU kernels (a conv's reduction order depends on it).
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+def run_processes(fn, world_size=2, args=(), timeout=240):
+    """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; fail on error or hang."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, errors, torch.get_num_threads())) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if not errors.empty():
+        rank, tb = errors.get()
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if hung:
+        raise AssertionError(f"ranks {hung} did not finish within {timeout}s (hang)")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"worker exit codes {bad}")

@@ -1,0 +1,126 @@
+"""Two real gloo processes: both DDP paths average the per-rank gradients, as one process computes them."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trunksplit import CheckpointedTrunk, manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
+
+from distributed_harness import run_processes
+from reference import build, loss_of, plain_features
+
+
+def _views(rank):
+    """Each rank's own data: two views, as SimCLR runs them."""
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(2, 3, 64, 64, generator=g), torch.randn(2, 3, 64, 64, generator=g)
+
+
+def _two_forward_step(rank, world_size, arch, manual, out):
+    model = build(arch)
+    trunk = CheckpointedTrunk(model, ["res4", "flatten"], num_splits=4, use_reentrant=manual)
+    ddp = DDP(trunk)
+    a, b = _views(rank)
+    if manual:
+        assert manual_gradient_reduction(ddp, True)
+        with ddp.no_sync():
+            manual_sync_params(ddp)
+            loss = loss_of(ddp(a)) + loss_of(ddp(b), seed=7)
+            loss.backward()
+        manual_gradient_all_reduce(ddp)
+    else:
+        loss = loss_of(ddp(a)) + loss_of(ddp(b), seed=7)
+        loss.backward()
+    torch.save({n: p.grad for n, p in trunk.named_parameters()}, f"{out}/rank{rank}.pt")
+
+
+def _reference_average(arch, world_size):
+    """Single process: each rank's plain-model gradients, averaged."""
+    total = None
+    for rank in range(world_size):
+        model = build(arch)
+        a, b = _views(rank)
+        (loss_of(plain_features(model, a, ["res4", "flatten"])) + loss_of(plain_features(model, b, ["res4", "flatten"]), seed=7)).backward()
+        # trunk names are the feature-block names: map the plain model's names to them
+        grads = {n: p.grad for n, p in CheckpointedTrunk(model, ["res4", "flatten"]).named_parameters()}
+        total = grads if total is None else {n: total[n] + g for n, g in grads.items()}
+    return {n: g / world_size for n, g in total.items()}
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "regnet_x_400mf"])
+@pytest.mark.parametrize("manual", [False, True], ids=["native_ddp", "manual_reentrant"])
+def test_both_ddp_paths_average_per_rank_gradients(arch, manual, tmp_path):
+    run_processes(_two_forward_step, 2, (arch, manual, str(tmp_path)))
+    want = _reference_average(arch, 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(got) == set(want)
+        for n in want:
+            # native path: exact; manual path runs reentrant checkpoint, whose summation order differs in the last bits
+            assert got[n] is not None, n
+            assert (got[n] - want[n]).abs().max() <= (0 if not manual else 1e-5 * want[n].abs().max()), n
+
+
+def _diverged_buffers(rank, world_size, out):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    ddp = DDP(model)  # DDP broadcasts rank 0's state here
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(rank + 1))
+        model[1].num_batches_tracked.fill_(10 * (rank + 1))
+    manual_sync_params(ddp)
+    torch.save({n: b for n, b in model.named_buffers()}, f"{out}/rank{rank}.pt")
+
+
+def test_manual_sync_params_restores_rank0_buffers(tmp_path):
+    run_processes(_diverged_buffers, 2, (str(tmp_path),))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["1.running_mean"], torch.ones(4))
+        assert int(got["1.num_batches_tracked"]) == 10
+
+
+def _subgroup_step(rank, world_size, out):
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ddp = DDP(model, process_group=groups[rank])
+    with ddp.no_sync():
+        ddp(torch.full((1, 3), float(rank + 1))).sum().backward()
+    manual_gradient_all_reduce(ddp)
+    torch.save(model.weight.grad, f"{out}/rank{rank}.pt")
+
+
+def test_a_subgroup_divides_by_its_own_size(tmp_path):
+    run_processes(_subgroup_step, 2, (str(tmp_path),))
+    for rank in range(2):
+        # one rank per group: the average is the rank's own gradient (dividing by the world would halve it)
+        assert torch.equal(torch.load(tmp_path / f"rank{rank}.pt"), torch.full((2, 3), float(rank + 1)))
+
+
+def _uneven_step(rank, world_size, out):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 1), "b": nn.Linear(3, 1)})
+    ddp = DDP(model, find_unused_parameters=True)
+    x = torch.ones(1, 3)
+    with ddp.no_sync():  # rank 0 uses head a only, rank 1 head b only
+        (model["a"] if rank == 0 else model["b"])(x).sum().backward()
+    manual_gradient_all_reduce(ddp)
+    torch.save({n: p.grad for n, p in model.named_parameters()}, f"{out}/rank{rank}.pt")
+
+
+def test_gradients_missing_on_some_ranks_count_as_zeros_without_hanging(tmp_path):
+    run_processes(_uneven_step, 2, (str(tmp_path),), timeout=120)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for head in "ab":
+            assert torch.equal(got[f"{head}.weight"], torch.full((1, 3), 0.5))
+            assert torch.equal(got[f"{head}.bias"], torch.full((1,), 0.5))
+
+
+def test_manual_reduction_needs_the_flag_and_a_ddp_model():
+    assert not manual_gradient_reduction(nn.Linear(2, 2), True)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        manual_gradient_all_reduce(nn.Linear(2, 2))
