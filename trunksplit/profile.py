@@ -1,7 +1,11 @@
 """Memory measurement: `PeakMemory`, on CUDA and on CPU alike."""
-from typing import Optional, Union
+import copy
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 # The CPU tracker needs to see every tensor an op creates and to know when its
 # storage dies. torch has no public API for either, so the two private imports
@@ -24,9 +28,17 @@ class _TensorAccounting(TorchDispatchMode):
         self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         self._sweep()
-        self._count(out)
+        # Outputs that share an input's storage (views, in-place ops, detach) allocate nothing.
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            ref = StorageWeakRef(storage)
+            if ref.cdata not in inputs and ref.cdata not in self.live:
+                self.live[ref.cdata] = (ref, storage.nbytes())
+                self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
 
@@ -35,16 +47,16 @@ class _TensorAccounting(TorchDispatchMode):
         for k in dead:
             self.current -= self.live.pop(k)[1]
 
-    def _count(self, out):
-        if isinstance(out, torch.Tensor):
-            storage = out.untyped_storage()
-            ref = StorageWeakRef(storage)
-            if ref.cdata not in self.live:
-                self.live[ref.cdata] = (ref, storage.nbytes())
-                self.current += storage.nbytes()
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                self._count(o)
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (tuple, list)):
+        for t in tree:
+            yield from _tensors(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _tensors(t)
 
 
 class PeakMemory:
@@ -84,3 +96,119 @@ class PeakMemory:
             self._mode.__exit__(*exc)
             self.peak_bytes = self._mode.peak
             self._mode = None
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Measured costs of each unit of a chain, for one input shape.
+
+    All byte counts are exact tensor-storage bytes (see :class:`PeakMemory`'s tracker):
+
+    - ``output``: the unit's output.
+    - ``saved``: what the unit's own forward creates and keeps for backward
+      (its output too, when backward needs it, as ReLU's does).
+    - ``saves_input``: whether the unit keeps its input for backward.
+    - ``input_from``: the unit that allocated the storage of this unit's input
+      (-1: the chain's input). In-place units pass their input's storage on, so
+      two units may keep the same storage; the peak model counts it once.
+    - ``keeps_output``: whether the unit's own backward needs its output.
+    - ``forward_peak``: peak of the unit's forward, beyond its input.
+    - ``backward_excess``: peak of the unit's backward above what its forward
+      left alive: gradient buffers of activations and transient weight gradients
+      (weights already holding a ``.grad``, as from the second step on).
+    - ``flops``: forward FLOPs (a multiply-add counts 2).
+    """
+
+    names: Tuple[str, ...]
+    output: Tuple[int, ...]
+    saved: Tuple[int, ...]
+    saves_input: Tuple[bool, ...]
+    input_from: Tuple[int, ...]
+    keeps_output: Tuple[bool, ...]
+    forward_peak: Tuple[int, ...]
+    backward_excess: Tuple[int, ...]
+    flops: Tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> UnitCosts:
+    """Measure every unit of a chain at the input it gets from ``x``.
+
+    Each unit runs on a private copy (the model's parameters, gradients,
+    BatchNorm statistics and RNG stay untouched, and hooks of wrappers such as
+    DDP never fire): one forward and one backward with weights that already hold
+    gradients. Costs about one training step plus one forward of the chain.
+    """
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops")
+    fields = {k: [] for k in keys}
+    allocated_by = {}  # storage -> unit that allocated it
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        h = x.detach()
+        for i, (_, unit) in enumerate(units):
+            fields["input_from"].append(allocated_by.get(StorageWeakRef(h.untyped_storage()).cdata, -1))
+            m = _private_copy(unit)
+            with torch.no_grad(), FlopCounterMode(display=False) as flops:
+                next_h = m(h)
+            cost = _measure_unit(m, h, input_needs_grad=i > 0)
+            fields["output"].append(cost["output"])
+            fields["saved"].append(cost["saved"])
+            fields["saves_input"].append(cost["saves_input"])
+            fields["keeps_output"].append(cost["keeps_output"])
+            fields["forward_peak"].append(cost["forward_peak"])
+            fields["backward_excess"].append(cost["backward_excess"])
+            fields["flops"].append(int(flops.get_total_flops()))
+            allocated_by.setdefault(StorageWeakRef(next_h.untyped_storage()).cdata, i)
+            h = next_h
+    return UnitCosts(tuple(n for n, _ in units), **{k: tuple(v) for k, v in fields.items()})
+
+
+def _private_copy(unit: nn.Module) -> nn.Module:
+    m = copy.deepcopy(unit)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    return m
+
+
+def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict:
+    leaf = h.detach().requires_grad_(input_needs_grad)
+    inp = leaf.clone() if input_needs_grad else leaf  # not a leaf, so an in-place first op is allowed
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
+    in_key = StorageWeakRef(inp.untyped_storage()).cdata
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    tracker = _TensorAccounting()
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = m(inp)
+    forward_peak, after_forward = tracker.peak, tracker.current
+    out_key = StorageWeakRef(out.untyped_storage()).cdata
+    saved, saves_input, keeps_output = {}, False, False
+    for t in packed:
+        key = StorageWeakRef(t.untyped_storage()).cdata
+        if key == in_key:
+            saves_input = True
+        elif key not in params and key in tracker.live:
+            saved[key] = t.untyped_storage().nbytes()
+            keeps_output |= key == out_key
+    del packed
+    grad = torch.ones_like(out)
+    if out.requires_grad:
+        tracker.peak = tracker.current
+        with tracker:
+            out.backward(grad)
+        backward_excess = tracker.peak - after_forward
+    else:
+        backward_excess = 0
+    return dict(
+        output=out.untyped_storage().nbytes(),
+        saved=sum(saved.values()),
+        saves_input=saves_input,
+        keeps_output=keeps_output,
+        forward_peak=forward_peak,
+        backward_excess=backward_excess,
+    )
