@@ -160,11 +160,16 @@ def plan_from_starts(units: Sequence[str], starts: Sequence[int], feature_stops:
     return annotate(SplitPlan(tuple(units), tuple(segments), strategy), model)
 
 
+def peak_model(trunk, x) -> PeakModel:
+    """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks."""
+    return PeakModel(profile_units(expand_units(trunk._blocks()), x), [stop - 1 for stop in trunk._ends.values()])
+
+
 def plan_trunk(trunk, x) -> SplitPlan:
     """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``."""
     units = expand_units(trunk._blocks())
     names = [n for n, _ in units]
-    model = PeakModel(profile_units(units, x), [stop - 1 for stop in trunk._ends.values()])
+    model = peak_model(trunk, x)
     splittable = [layer_splittable_before(m) for _, m in units]
     forced = [stop for stop in trunk._ends.values() if stop < len(units)]
     if trunk.memory_budget is None:
