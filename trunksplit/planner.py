@@ -17,12 +17,16 @@ dynamic programming over Pareto sets of (P, peak so far, recompute), with forced
 cuts after requested features and no cut before an in-place op.
 """
 import itertools
+import warnings
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .blocks import layer_splittable_before
 from .profile import UnitCosts, profile_units
 from .split import Segment, SplitPlan, expand_units
+
+
+PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
 
 
 class PeakModel:
@@ -179,9 +183,10 @@ def plan_trunk(trunk, x) -> SplitPlan:
             k -= 1
             starts = best_plan(model, splittable, forced, num_segments=k)
         if k < (trunk.num_splits or 0):
-            import warnings
-
             warnings.warn(f"asked for {trunk.num_splits} checkpoint segments but only {k} can be made", UserWarning, stacklevel=4)
+        # Peaks within the model's own accuracy are a tie: take the least recompute among them.
+        near_best = int(model.peak(starts) * (1 + PEAK_TOLERANCE))
+        starts = best_plan(model, splittable, forced, num_segments=k, budget=near_best)
         return plan_from_starts(names, starts, trunk._ends, "balanced", model)
     unsplit = model.peak([0])
     budget = trunk.memory_budget

@@ -1,0 +1,40 @@
+#!/usr/bin/env python
+"""Train a self-supervised model on a checkpointed trunk.
+
+    python tools/train.py --config-file configs/quickstart.yaml [KEY VALUE ...] [--resume]
+    torchrun --standalone --nproc_per_node=2 tools/train.py --config-file configs/quickstart.yaml
+"""
+import argparse
+import sys
+
+from trunksplit.config import load_config
+from trunksplit.ssl.loop import train
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config-file", default="", help="YAML file that overrides the defaults in trunksplit/config.py")
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="KEY VALUE pairs, e.g. TRAIN.STEPS 5")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config_file, args.overrides)
+        last = train(cfg, resume=args.resume)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if last is not None:
+        vs = last["memory_vs_plain"]
+        print(
+            f"done: step {last['step']}, loss {last['loss']:.4f}, {last['images_per_sec']:.1f} images/s, "
+            f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond parameters and gradients "
+            f"(trunk plan: {last['plan']})\n"
+            f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
+            f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)\n"
+            f"metrics: {cfg.OUTPUT_DIR}/metrics.jsonl"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

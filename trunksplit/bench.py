@@ -1,0 +1,198 @@
+"""The benchmark behind ``trunksplit bench`` and ``tools/benchmark.py``.
+
+Every row is one way of running the same trunk on the same batch: the plain
+trunk, torch's ``checkpoint_sequential`` with equal segments, vissl's plan,
+the balanced plan, memory-budget plans, and selective wrapping of residual
+blocks. Peaks are measured (``PeakMemory``) on a step whose parameters already
+hold gradients; step times are medians of interleaved repeats, reported as
+ratios to the plain trunk measured in the same run.
+"""
+import copy
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+from tqdm import tqdm
+
+from .planner import annotate, peak_model
+from .profile import PeakMemory
+from .selective import apply_activation_checkpointing, every_k
+from .split import expand_units
+from .trunk import CheckpointedTrunk
+
+
+@dataclass
+class Row:
+    arch: str
+    name: str
+    strategy: str  # line in the plot: plain, checkpoint_sequential, vissl, balanced, budget, selective
+    run: Optional[Callable[[torch.Tensor], torch.Tensor]]  # x -> scalar loss; None where it cannot run
+    predicted: Optional[int] = None
+    recompute: Optional[float] = None  # recomputed FLOPs / forward FLOPs
+    note: str = ""
+    peak: Optional[int] = None
+    times: Optional[List[float]] = None
+
+
+def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool) -> List[Row]:
+    torch.manual_seed(0)
+    base = getattr(torchvision.models, arch)().to(x.device)
+    plain = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
+    model = peak_model(plain, x)
+    total_flops = sum(model.costs.flops)
+
+    def trunk_row(name, strategy, trunk):
+        plan = annotate(trunk.plan_for(x), model)
+        recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
+        return Row(arch, name, strategy, _loss_fn(trunk), plan.predicted_peak_bytes, recompute)
+
+    rows = [Row(arch, "plain", "plain", _loss_fn(plain), model.peak([0]), 0.0)]
+    for k in splits:
+        rows.append(_sequential_row(arch, base, x, k, model, total_flops))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows.append(trunk_row(f"vissl k={k}", "vissl", CheckpointedTrunk(copy.deepcopy(base), ["flatten"], num_splits=k)))
+            rows.append(trunk_row(f"balanced k={k}", "balanced", CheckpointedTrunk(copy.deepcopy(base), ["flatten"], num_splits=k, strategy="balanced")))
+    for b in budgets:
+        try:
+            rows.append(trunk_row(f"budget {b:g}", "budget", CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=b)))
+        except ValueError as e:
+            rows.append(Row(arch, f"budget {b:g}", "budget", None, note=str(e).split("; ")[-1]))
+    if selective:
+        block = type(plain.res2[0])
+        for k, label in [(1, "every block"), (2, "every 2nd block")]:
+            trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
+            names = apply_activation_checkpointing(trunk, every_k(k, block))
+            rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(trunk)))
+    return rows
+
+
+def _sequential_row(arch, base, x, k, model, total_flops) -> Row:
+    """torch's checkpoint_sequential with k equal segments over the flattened trunk."""
+    trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
+    chain = nn.Sequential(*[m for _, m in expand_units(trunk._blocks())])
+    n = len(chain)
+    size = n // k
+    starts = [i * size for i in range(k)]
+    row = Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, model.peak(starts), model.total_recompute(starts) / total_flops)
+    run = lambda x: checkpoint_sequential(chain, k, x, use_reentrant=False).sum()  # noqa: E731
+    try:
+        run(x).backward()
+        row.run = run
+    except RuntimeError as e:
+        row.predicted = row.recompute = None
+        row.note = "fails: " + str(e).split("\n")[0][:60]
+    return row
+
+
+def _loss_fn(trunk):
+    return lambda x: sum(f.sum() for f in trunk(x))
+
+
+def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool) -> None:
+    runnable = [r for r in rows if r.run is not None]
+    bar = tqdm(total=len(runnable) * (2 + repeats), desc="bench", disable=not progress)
+    for r in runnable:
+        r.run(x).backward()  # parameters get their .grad, as from the second step of training on
+        with PeakMemory(x.device) as mem:
+            r.run(x).backward()
+        r.peak, r.times = mem.peak_bytes, []
+        bar.update(2)
+    for _ in range(repeats):  # interleaved, so drifting machine load hits every row alike
+        for r in runnable:
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            r.run(x).backward()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            r.times.append(time.perf_counter() - t)
+            bar.update(1)
+    bar.close()
+
+
+def run_benchmark(
+    archs: Sequence[str] = ("resnet50",),
+    batch: int = 4,
+    resolution: int = 224,
+    splits: Sequence[int] = (4, 6),
+    budgets: Sequence[float] = (0.5, 0.45),
+    repeats: int = 5,
+    device: str = "cpu",
+    out_dir: Optional[str] = "output/bench",
+    selective: bool = True,
+    progress: bool = True,
+) -> str:
+    """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``)."""
+    dev = torch.device(device)
+    x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
+    tables, all_rows = [], []
+    for arch in archs:
+        rows = _trunk_rows(arch, x, splits, budgets, selective)
+        _measure(rows, x, repeats, progress)
+        all_rows += rows
+        tables.append(_table(rows, arch, x))
+    text = "\n\n".join(tables)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
+            f.write(text + "\n")
+        _plot(all_rows, os.path.join(out_dir, "benchmark.png"))
+    return text
+
+
+def _table(rows: List[Row], arch: str, x: torch.Tensor) -> str:
+    from tabulate import tabulate
+
+    plain = rows[0]
+    t_plain = statistics.median(plain.times)
+    body = []
+    for r in rows:
+        measured = r.peak is not None
+        body.append(
+            [
+                r.name,
+                f"{r.peak / 2**20:.1f}" if measured else "-",
+                f"{r.peak / plain.peak:.2f}" if measured else "-",
+                f"{r.predicted / 2**20:.1f}" if r.predicted is not None else "-",
+                f"{r.predicted / r.peak - 1:+.1%}" if measured and r.predicted is not None else "-",
+                f"{r.recompute:.2f}" if r.recompute is not None else "-",
+                f"{statistics.median(r.times) / t_plain:.2f}" if measured else "-",
+                r.note,
+            ]
+        )
+    head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond parameters and gradients"
+    headers = ["plan", "peak MiB", "peak / plain", "predicted MiB", "predicted vs measured", "recompute / forward", "step time / plain", "note"]
+    return head + "\n\n" + tabulate(body, headers=headers, tablefmt="github")
+
+
+def _plot(rows: List[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    archs = sorted({r.arch for r in rows}, key=[r.arch for r in rows].index)
+    fig, axes = plt.subplots(1, len(archs), figsize=(5.5 * len(archs), 4.2), squeeze=False)
+    for ax, arch in zip(axes[0], archs):
+        mine = [r for r in rows if r.arch == arch and r.peak is not None and r.recompute is not None]
+        plain = next(r for r in mine if r.strategy == "plain")
+        for strategy in ["checkpoint_sequential", "vissl", "balanced", "budget"]:
+            pts = sorted((r.recompute, r.peak / plain.peak) for r in mine if r.strategy == strategy)
+            if pts:
+                ax.plot(*zip(*([(0.0, 1.0)] + pts)), marker="o", label=strategy)
+        ax.set_title(arch)
+        ax.set_xlabel("recomputed FLOPs / forward FLOPs")
+        ax.set_ylabel("step peak / plain peak")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

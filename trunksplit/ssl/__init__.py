@@ -1,0 +1,1 @@
+"""What ``tools/train.py`` needs to train a self-supervised model on a checkpointed trunk."""

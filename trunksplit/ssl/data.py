@@ -1,0 +1,95 @@
+"""Images and their views: deterministic synthetic images by default, ImageFolder when a path is given.
+
+Every batch is a pure function of (seed, step, rank): which images, which crops,
+which flips. That is what makes a resumed run equal an uninterrupted one, and
+what shards the data across ranks without a sampler's state.
+"""
+import os
+from typing import List
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torchvision.transforms.v2 import functional as TF
+
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """``n`` images of ``size`` x ``size``: smooth random colour fields, the same for the same index, every run."""
+
+    def __init__(self, n: int, size: int, seed: int = 0):
+        self.n, self.size, self.seed = n, size, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        coarse = torch.rand(1, 3, 6, 6, generator=g)
+        return F.interpolate(coarse, size=(self.size, self.size), mode="bicubic", align_corners=False)[0].clamp(0, 1)
+
+
+def image_dataset(cfg) -> torch.utils.data.Dataset:
+    if not cfg.DATA.PATH:
+        return SyntheticImages(cfg.DATA.NUM_IMAGES, cfg.DATA.IMAGE_SIZE, cfg.SEED)
+    if not os.path.isdir(cfg.DATA.PATH):
+        raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} is not a directory; give an ImageFolder root (class folders of images) or leave it empty for synthetic data")
+    size = cfg.DATA.IMAGE_SIZE
+    transform = torchvision.transforms.Compose(
+        [torchvision.transforms.Resize(size), torchvision.transforms.CenterCrop(size), torchvision.transforms.ToTensor()]
+    )
+    folder = torchvision.datasets.ImageFolder(cfg.DATA.PATH, transform=transform)
+    return _ImagesOnly(folder)
+
+
+class _ImagesOnly(torch.utils.data.Dataset):
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitem__(self, i):
+        return self.folder[i][0]
+
+
+def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: int) -> List[int]:
+    """This rank's images for ``step``: epoch-wise shuffles of the data set, split across ranks."""
+    per_step = batch * world
+    start = step * per_step
+    indices = []
+    for pos in range(start + rank * batch, start + (rank + 1) * batch):
+        epoch, offset = divmod(pos, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        indices.append(int(order[offset]))
+    return indices
+
+
+def views(images: torch.Tensor, sizes, counts, scales, g: torch.Generator) -> List[torch.Tensor]:
+    """Multi-crop: for each resolution, ``count`` random-resized, randomly flipped crops of every image.
+
+    Returns one tensor per crop, ``[B, 3, size, size]``, grouped by resolution."""
+    out = []
+    for size, count, (lo, hi) in zip(sizes, counts, scales):
+        for _ in range(count):
+            crops = []
+            for img in images:
+                _, h, w = img.shape
+                area = float(torch.empty(()).uniform_(lo, hi, generator=g)) * h * w
+                side = max(1, min(h, w, int(round(area**0.5))))
+                top = int(torch.randint(0, h - side + 1, (), generator=g))
+                left = int(torch.randint(0, w - side + 1, (), generator=g))
+                crop = TF.resized_crop(img, top, left, side, side, [size, size], antialias=True)
+                if torch.rand((), generator=g) < 0.5:
+                    crop = crop.flip(-1)
+                crop = crop * float(torch.empty(()).uniform_(0.6, 1.4, generator=g))  # brightness
+                crops.append(crop)
+            out.append(torch.stack(crops))
+    return out
+
+
+def step_views(dataset, cfg, step: int, rank: int, world: int) -> List[torch.Tensor]:
+    """The views this rank trains on at ``step``."""
+    idx = batch_indices(len(dataset), cfg.TRAIN.BATCH_SIZE_PER_RANK, step, rank, world, cfg.SEED)
+    images = torch.stack([dataset[i] for i in idx])
+    g = torch.Generator().manual_seed(cfg.SEED * 1_000_003 + step * 1009 + rank)
+    return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, g)

@@ -1,0 +1,197 @@
+"""The training loop: one process or many (``torchrun``), either DDP path, resumable."""
+import contextlib
+import json
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from ..distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
+from ..profile import PeakMemory
+from .data import image_dataset, step_views
+from .losses import nt_xent, swav_loss
+from .model import build_model
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+
+
+def setup_distributed(cfg):
+    """(rank, world size, device); joins the process group that torchrun describes, if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.TRAIN.DEVICE:
+        device = torch.device(cfg.TRAIN.DEVICE)
+    else:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(cfg.DISTRIBUTED.BACKEND or ("nccl" if device.type == "cuda" else "gloo"), init_method="env://")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    return 0, 1, device
+
+
+def learning_rate(cfg, step: int) -> float:
+    """Linear warmup, then cosine decay to zero over TRAIN.STEPS."""
+    base, warmup, total = cfg.OPTIM.LR, cfg.OPTIM.WARMUP_STEPS, cfg.TRAIN.STEPS
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return 0.5 * base * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        missing = {"model", "optimizer", "step"} - set(state)
+    except Exception as e:  # truncated or not a checkpoint: say so, touch nothing
+        raise ValueError(f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {e}); the file is left as it is") from None
+    if missing:
+        raise ValueError(f"--resume: {path} is not a trunksplit checkpoint (missing {sorted(missing)}); the file is left as it is")
+    return state
+
+
+def save_atomically(obj, path: str) -> None:
+    """Write to a temporary file beside ``path``, then rename: a crash never leaves half a checkpoint."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(cfg, resume: bool = False) -> Optional[dict]:
+    """Train as ``cfg`` says; returns the last logged metrics on rank 0."""
+    rank, world, device = setup_distributed(cfg)
+    dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
+    torch.manual_seed(cfg.SEED)
+    model = build_model(cfg).to(device)
+    manual = cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION
+    if world > 1 and not manual and model.trunk.use_reentrant and len(set(cfg.DATA.CROP_SIZES)) > 1:
+        raise ValueError(
+            "reentrant checkpointing under native DDP with several trunk forwards per step fails "
+            "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
+        )
+    wrapped = DDP(model) if world > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.OPTIM.LR, momentum=cfg.OPTIM.MOMENTUM, weight_decay=cfg.OPTIM.WEIGHT_DECAY)
+    start = 0
+    ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
+    if resume:
+        state = load_checkpoint(ckpt_path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"]
+    if rank == 0:
+        os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+        with open(os.path.join(cfg.OUTPUT_DIR, "config.yaml"), "w") as f:
+            f.write(cfg.dump())
+        _keep_metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start)
+    autocast = _autocast(cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
+    bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0, desc="train")
+    last = None
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
+        crops = [c.to(device, non_blocking=True) for c in step_views(dataset, cfg, step, rank, world)]
+        logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
+        start_time = time.perf_counter()
+        with PeakMemory(device) if logging else contextlib.nullcontext() as mem:
+            loss = _forward_backward(cfg, wrapped, model, crops, manual, autocast, scaler)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start_time
+        if logging and rank == 0:
+            last = {
+                "step": step + 1,
+                "loss": float(loss),
+                "lr": optimizer.param_groups[0]["lr"],
+                "images_per_sec": cfg.TRAIN.BATCH_SIZE_PER_RANK * world / seconds,
+                "peak_memory_bytes": mem.peak_bytes,
+                "step_seconds": seconds,
+            }
+            with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "a") as f:
+                f.write(json.dumps(last) + "\n")
+            bar.set_postfix(loss=f"{last['loss']:.3f}", lr=f"{last['lr']:.3g}", img_s=f"{last['images_per_sec']:.1f}", peak_MiB=f"{mem.peak_bytes / 2**20:.0f}")
+        if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
+            if rank == 0:
+                save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "config": cfg.dump()}, ckpt_path)
+            if world > 1:
+                dist.barrier()
+    if last is not None:
+        plan = model.trunk.plan
+        last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
+        last["memory_vs_plain"] = compare_with_plain(model, crops, autocast)
+    return last
+
+
+def compare_with_plain(model, crops, autocast) -> dict:
+    """Peak bytes of one step of ``model`` and of a plain (never checkpointed) copy, side by side.
+
+    Both run the same surrogate loss on the same crops, in this process only (no
+    collectives), on copies that already hold gradients, so the real model is untouched.
+    """
+    import copy
+
+    from ..trunk import CheckpointedTrunk
+    from ..wrapper import unwrap_checkpoint
+
+    checkpointed = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    for m in plain.modules():
+        unwrap_checkpoint(m)
+    plain.trunk = CheckpointedTrunk(dict(plain.trunk.named_children()), plain.trunk.out_feat_keys)
+    device = crops[0].device
+    peaks = {}
+    for name, m in (("checkpointed", checkpointed), ("plain", plain)):
+        for p in m.parameters():  # deepcopy drops .grad; the figure is beyond parameters and gradients
+            p.grad = torch.zeros_like(p)
+        with PeakMemory(device) as mem, autocast:
+            sum(o.float().pow(2).mean() for o in m(crops)).backward()
+        peaks[name] = mem.peak_bytes
+    return peaks
+
+
+def _forward_backward(cfg, wrapped, model, crops, manual_flag, autocast, scaler):
+    """One step's loss and gradients, on the DDP path the config picks."""
+    manual = manual_gradient_reduction(wrapped, manual_flag)
+    with wrapped.no_sync() if manual else contextlib.nullcontext():
+        if manual:
+            manual_sync_params(wrapped)
+        model.normalize_prototypes()
+        with autocast:
+            outputs = wrapped(crops)
+            if cfg.METHOD.NAME == "simclr":
+                loss = nt_xent(outputs[0], outputs[1], cfg.METHOD.TEMPERATURE)
+            else:
+                loss = swav_loss(outputs, cfg.DATA.CROP_COUNTS[0], cfg.METHOD.TEMPERATURE, cfg.METHOD.SINKHORN_ITERATIONS, cfg.METHOD.SINKHORN_EPSILON)
+        scaler.scale(loss).backward()
+    if manual:
+        manual_gradient_all_reduce(wrapped)
+    return loss.detach()
+
+
+def _autocast(cfg, device):
+    if not cfg.TRAIN.AUTOCAST:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.TRAIN.AUTOCAST == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _keep_metrics_before(path: str, step: int) -> None:
+    """On resume, drop logged rows past the checkpoint; they will be logged again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(rows)

@@ -1,0 +1,65 @@
+"""SimCLR's NT-Xent and SwAV's swapped prediction, both across ranks."""
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """All ranks' ``x``, concatenated; gradients flow back to every rank's own part."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    from torch.distributed.nn.functional import all_gather  # differentiable all_gather
+
+    return torch.cat(all_gather(x), dim=0)
+
+
+def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:
+    """SimCLR's loss: each view must pick its partner among all views of all ranks."""
+    z1, z2 = F.normalize(z1.float(), dim=1), F.normalize(z2.float(), dim=1)
+    b = z1.shape[0]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    everyone = torch.cat([gather_with_grad(z1), gather_with_grad(z2)], dim=0)  # [2 * world * b, d]
+    n = everyone.shape[0] // 2
+    mine = torch.cat([z1, z2], dim=0)
+    logits = mine @ everyone.t() / temperature
+    own = torch.cat([torch.arange(b) + rank * b, torch.arange(b) + rank * b + n]).to(z1.device)
+    logits[torch.arange(2 * b), own] = float("-inf")  # a view is not its own positive
+    partner = torch.cat([own[b:], own[:b]])
+    return F.cross_entropy(logits, partner)
+
+
+@torch.no_grad()
+def sinkhorn(scores: torch.Tensor, iterations: int, epsilon: float) -> torch.Tensor:
+    """SwAV's equal-partition soft assignment of a (global) batch to prototypes."""
+    q = torch.exp((scores.float() - scores.float().max()) / epsilon).t()  # [K, B]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    total_b = q.shape[1] * world
+    k = q.shape[0]
+    total = q.sum().reshape(1)
+    _all_reduce(total)
+    q /= total
+    for _ in range(iterations):
+        rows = q.sum(dim=1, keepdim=True)
+        _all_reduce(rows)
+        q /= rows * k
+        q /= q.sum(dim=0, keepdim=True) * total_b
+    return (q * total_b).t()
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+
+
+def swav_loss(scores: List[torch.Tensor], num_large: int, temperature: float, iterations: int, epsilon: float) -> torch.Tensor:
+    """Predict each large crop's code from every other crop (SwAV's swapped prediction)."""
+    total, terms = 0.0, 0
+    for i in range(num_large):
+        q = sinkhorn(scores[i].detach(), iterations, epsilon)
+        for j, s in enumerate(scores):
+            if j != i:
+                total = total - (q * F.log_softmax(s.float() / temperature, dim=1)).sum(dim=1).mean()
+                terms += 1
+    return total / terms

@@ -1,0 +1,79 @@
+"""An SSL model: a checkpointed torchvision trunk, a projection head, SwAV's prototypes."""
+from typing import List
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from ..selective import apply_activation_checkpointing, condition_from_config
+from ..trunk import CheckpointedTrunk
+
+
+def build_trunk(cfg) -> CheckpointedTrunk:
+    """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
+    name = cfg.MODEL.TRUNK.NAME
+    if not name.islower() or not callable(getattr(torchvision.models, name, None)):
+        raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r} (try resnet50, resnext50_32x4d, regnet_y_1_6gf)")
+    model = getattr(torchvision.models, name)()  # random init: nothing is downloaded
+    keys = list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS)
+    ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
+    if not ac.USE_ACTIVATION_CHECKPOINTING:
+        return CheckpointedTrunk(model, keys)
+    if len(ac.SELECT):
+        trunk = CheckpointedTrunk(model, keys)  # one unsplit segment; the selected blocks checkpoint themselves
+        apply_activation_checkpointing(trunk, condition_from_config(dict(ac.SELECT)))
+        return trunk
+    return CheckpointedTrunk(
+        model,
+        keys,
+        num_splits=ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
+        strategy=ac.STRATEGY,
+        memory_budget=ac.MEMORY_BUDGET or None,
+        use_reentrant=ac.USE_REENTRANT,
+    )
+
+
+class SSLModel(nn.Module):
+    """Runs the trunk once per crop resolution (crops of one size are batched), then the head."""
+
+    def __init__(self, trunk: CheckpointedTrunk, feature_dim: int, hidden_dim: int, output_dim: int, num_prototypes: int = 0):
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Sequential(nn.Linear(feature_dim, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, output_dim))
+        self.prototypes = nn.Linear(output_dim, num_prototypes, bias=False) if num_prototypes else None
+
+    def forward(self, crops: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop."""
+        out, i = [], 0
+        while i < len(crops):
+            j = i
+            while j < len(crops) and crops[j].shape[-2:] == crops[i].shape[-2:]:
+                j += 1
+            feature = self.trunk(torch.cat(crops[i:j]))[-1]
+            if feature.dim() == 4:
+                feature = feature.mean(dim=(2, 3))
+            z = self.head(feature)
+            if self.prototypes is not None:
+                z = self.prototypes(F.normalize(z, dim=1))
+            out += list(z.chunk(j - i))
+            i = j
+        return out
+
+    @torch.no_grad()
+    def normalize_prototypes(self) -> None:
+        if self.prototypes is not None:
+            self.prototypes.weight.copy_(F.normalize(self.prototypes.weight, dim=1))
+
+
+def build_model(cfg) -> SSLModel:
+    trunk = build_trunk(cfg)
+    trunk_was_training = trunk.training
+    with torch.no_grad():
+        trunk.eval()
+        size = cfg.DATA.CROP_SIZES[0]
+        feature = trunk(torch.zeros(1, 3, size, size))[-1]
+        trunk.train(trunk_was_training)
+    dim = feature.shape[1]
+    prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
+    return SSLModel(trunk, dim, cfg.MODEL.HEAD.HIDDEN_DIM, cfg.MODEL.HEAD.OUTPUT_DIM, prototypes)
