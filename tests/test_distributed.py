@@ -124,3 +124,17 @@ def test_manual_reduction_needs_the_flag_and_a_ddp_model():
     assert not manual_gradient_reduction(nn.Linear(2, 2), True)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         manual_gradient_all_reduce(nn.Linear(2, 2))
+
+
+def _reentrant_native_ddp_two_forwards(rank, world_size):
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=3, use_reentrant=True)
+    ddp = DDP(trunk)
+    a, b = _views(rank)
+    (loss_of(ddp(a)) + loss_of(ddp(b[:, :, :32, :32]))).backward()
+
+
+def test_why_the_manual_path_exists_reentrant_native_ddp_fails_with_two_forwards():
+    # The README and the training loop's guard rely on this: each reentrant segment runs its own
+    # backward, so with two forwards DDP sees a parameter's hook fire twice.
+    with pytest.raises(AssertionError, match="marked (as )?ready twice|mark a variable ready only once"):
+        run_processes(_reentrant_native_ddp_two_forwards, 2, timeout=120)

@@ -15,11 +15,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-file", default="", help="YAML file that overrides the defaults in trunksplit/config.py")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
-    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="KEY VALUE pairs, e.g. TRAIN.STEPS 5")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="KEY VALUE pairs, e.g. TRAIN.STEPS 5")
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config_file, args.overrides)
-        last = train(cfg, resume=args.resume)
+        _, last = train(cfg, resume=args.resume)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@ import json
 import math
 import os
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ from ..distributed import manual_gradient_all_reduce, manual_gradient_reduction,
 from ..profile import PeakMemory
 from .data import image_dataset, step_views
 from .losses import nt_xent, swav_loss
-from .model import build_model
+from .model import SSLModel, build_model
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -66,8 +66,8 @@ def save_atomically(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg, resume: bool = False) -> Optional[dict]:
-    """Train as ``cfg`` says; returns the last logged metrics on rank 0."""
+def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
+    """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
     rank, world, device = setup_distributed(cfg)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     torch.manual_seed(cfg.SEED)
@@ -127,11 +127,13 @@ def train(cfg, resume: bool = False) -> Optional[dict]:
                 save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "config": cfg.dump()}, ckpt_path)
             if world > 1:
                 dist.barrier()
+    if world > 1:  # BatchNorm statistics of the last step differ per rank; end with rank 0's, as saved
+        manual_sync_params(wrapped)
     if last is not None:
         plan = model.trunk.plan
         last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
         last["memory_vs_plain"] = compare_with_plain(model, crops, autocast)
-    return last
+    return model, last
 
 
 def compare_with_plain(model, crops, autocast) -> dict:

@@ -6,13 +6,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+class _Gather(torch.autograd.Function):
+    """all_gather whose backward sends each rank the gradient of its own part, summed over ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = torch.stack(grads)
+        dist.all_reduce(grad)
+        return grad[dist.get_rank()]
+
+
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """All ranks' ``x``, concatenated; gradients flow back to every rank's own part."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
-    from torch.distributed.nn.functional import all_gather  # differentiable all_gather
-
-    return torch.cat(all_gather(x), dim=0)
+    return torch.cat(_Gather.apply(x), dim=0)
 
 
 def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:
