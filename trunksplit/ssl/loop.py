@@ -121,7 +121,10 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             }
             with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "a") as f:
                 f.write(json.dumps(last) + "\n")
-            bar.set_postfix(loss=f"{last['loss']:.3f}", lr=f"{last['lr']:.3g}", img_s=f"{last['images_per_sec']:.1f}", peak_MiB=f"{mem.peak_bytes / 2**20:.0f}")
+            bar.write(
+                f"step {step + 1}/{cfg.TRAIN.STEPS}  loss {last['loss']:.4f}  lr {last['lr']:.4g}  "
+                f"{last['images_per_sec']:.1f} images/s  peak {mem.peak_bytes / 2**20:.1f} MiB"
+            )
         if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
             if rank == 0:
                 save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "config": cfg.dump()}, ckpt_path)
