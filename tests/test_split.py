@@ -127,3 +127,10 @@ def test_plan_prints_a_table_of_segments():
     assert sum(counts) == 4 + 8 + 2  # stem (4), 8 basic blocks, avgpool + flatten
     assert body[0].split("|")[2].strip().startswith("conv1 ..")
     assert body[-1].split("|")[2].strip().endswith(".. flatten")
+
+
+def test_where_vissl_would_assert_a_clear_error_is_raised():
+    # vissl: "assert max(lengths) > 0, 'Something wrong, we shouldn't have an empty list'"
+    blocks = OrderedDict(res2=nn.Sequential(), res3=nn.Sequential())
+    with pytest.raises(ValueError, match="empty"):
+        checkpoint_trunk(blocks, ["res2", "res3"], 4)

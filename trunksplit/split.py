@@ -48,9 +48,6 @@ class SplitPlan:
         """Unit indices where a new segment starts (the first one excluded)."""
         return [s.start for s in self.segments[1:]]
 
-    def segment_units(self, segment: Segment) -> Tuple[str, ...]:
-        return self.units[segment.start : segment.stop]
-
     def __str__(self) -> str:
         with_costs = any(s.predicted_bytes is not None for s in self.segments)
         rows = []

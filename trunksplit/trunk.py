@@ -75,10 +75,16 @@ class CheckpointedTrunk(nn.Module):
         return self._plan
 
     def plan_for(self, x: torch.Tensor) -> SplitPlan:
-        """The plan used for an input like ``x``; cost-aware plans are measured once per input shape."""
+        """The plan used for an input like ``x``.
+
+        Cost-aware plans are measured once per input shape, dtype, device and autocast
+        dtype, and cached. Call it with a sample batch to plan up front (before wrapping
+        in DDP, say); otherwise the first training forward does."""
         if self.strategy == "vissl" and self.memory_budget is None:
             return self._vissl
-        key = (tuple(x.shape), x.dtype, x.device.type)
+        device = x.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        key = (tuple(x.shape), x.dtype, device, autocast)
         if key not in self._plans:
             from .planner import plan_trunk
 
