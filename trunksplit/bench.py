@@ -39,13 +39,16 @@ class Row:
     note: str = ""
     peak: Optional[int] = None
     times: Optional[List[float]] = None
+    profile_seconds: Optional[float] = None  # plain row: the time a cost-aware plan spends measuring
 
 
 def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool) -> List[Row]:
     torch.manual_seed(0)
     base = getattr(torchvision.models, arch)().to(x.device)
     plain = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
-    model = peak_model(plain, x)
+    start = time.perf_counter()
+    model = peak_model(plain, x)  # what a cost-aware plan measures, once per input shape
+    profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
 
     def trunk_row(name, strategy, trunk):
@@ -53,7 +56,7 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
         recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
         return Row(arch, name, strategy, _loss_fn(trunk), plan.predicted_peak_bytes, recompute)
 
-    rows = [Row(arch, "plain", "plain", _loss_fn(plain), model.peak([0]), 0.0)]
+    rows = [Row(arch, "plain", "plain", _loss_fn(plain), model.peak([0]), 0.0, profile_seconds=profile_seconds)]
     for k in splits:
         rows.append(_sequential_row(arch, base, x, k, model, total_flops))
         with warnings.catch_warnings():
@@ -153,6 +156,7 @@ def _table(rows: List[Row], arch: str, x: torch.Tensor) -> str:
 
     plain = rows[0]
     t_plain = statistics.median(plain.times)
+    plain.note = f"profiling for a cost-aware plan: {plain.profile_seconds:.2f} s = {plain.profile_seconds / t_plain:.1f} plain steps"
     body = []
     for r in rows:
         measured = r.peak is not None

@@ -19,7 +19,7 @@ _C.MODEL.ACTIVATION_CHECKPOINTING = CN()
 _C.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = True
 _C.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS = 2
 _C.MODEL.ACTIVATION_CHECKPOINTING.STRATEGY = "vissl"  # vissl | balanced
-_C.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET = 0.0  # 0: off; bytes (> 1) or a fraction of the unsplit peak
+_C.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET = 0.0  # 0: off; a fraction in (0, 1] of the unsplit peak, or bytes as a float (2.0e+9)
 _C.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT = False
 # Selective wrapping instead of trunk splitting, e.g. {every_k: 2, types: [torchvision.models.resnet.Bottleneck]}
 _C.MODEL.ACTIVATION_CHECKPOINTING.SELECT = CN(new_allowed=True)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .blocks import feature_blocks
+from .planner import plan_trunk
 from .split import SplitPlan, expand_units, feature_ends, vissl_plan
 from .wrapper import batchnorms, run_checkpointed
 
@@ -52,6 +53,7 @@ class CheckpointedTrunk(nn.Module):
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
             raise ValueError(f"num_splits must be an integer >= 1 or None, got {num_splits!r}")
+        memory_budget = _check_budget(memory_budget)
         ends = feature_ends(blocks, out_feat_keys)  # validates the keys
         last = list(blocks).index(next(reversed(ends)))
         for name, block in list(blocks.items())[: last + 1]:
@@ -59,7 +61,7 @@ class CheckpointedTrunk(nn.Module):
         self.out_feat_keys = tuple(out_feat_keys)
         self.num_splits = num_splits
         self.strategy = strategy
-        self.memory_budget = _check_budget(memory_budget)
+        self.memory_budget = memory_budget
         self.use_reentrant = bool(use_reentrant)
         self._ends = ends
         self._plans: Dict[Tuple, SplitPlan] = {}
@@ -86,8 +88,6 @@ class CheckpointedTrunk(nn.Module):
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         key = (tuple(x.shape), x.dtype, device, autocast)
         if key not in self._plans:
-            from .planner import plan_trunk
-
             self._plans[key] = plan_trunk(self, x)
         return self._plans[key]
 

@@ -29,7 +29,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         keys,
         num_splits=ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
         strategy=ac.STRATEGY,
-        memory_budget=ac.MEMORY_BUDGET or None,
+        memory_budget=_budget(ac.MEMORY_BUDGET),
         use_reentrant=ac.USE_REENTRANT,
     )
 
@@ -77,3 +77,10 @@ def build_model(cfg) -> SSLModel:
     dim = feature.shape[1]
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
     return SSLModel(trunk, dim, cfg.MODEL.HEAD.HIDDEN_DIM, cfg.MODEL.HEAD.OUTPUT_DIM, prototypes)
+
+
+def _budget(value: float):
+    """The config's float: 0 is off, (0, 1] a fraction of the unsplit peak, above 1 bytes."""
+    if not value:
+        return None
+    return int(value) if value > 1 else float(value)
