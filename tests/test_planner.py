@@ -152,6 +152,19 @@ def test_balanced_plan_cuts_after_requested_features_and_never_before_inplace():
     assert "predicted peak (MiB)" in text and "recompute (GFLOP)" in text
 
 
+def test_balanced_with_fewer_splits_than_features_cuts_after_each_feature():
+    trunk = CheckpointedTrunk(build("resnet18"), ["res3", "flatten"], num_splits=1, strategy="balanced")
+    plan = trunk.plan_for(torch.randn(2, 3, 32, 32))
+    assert plan.names == ["res3", "flatten"]
+
+
+def test_balanced_warns_when_the_split_count_cannot_be_reached():
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=50, strategy="balanced")
+    with pytest.warns(UserWarning, match="asked for 50 checkpoint segments but only 13 can be made"):
+        plan = trunk.plan_for(torch.randn(2, 3, 32, 32))
+    assert len(plan.segments) == 13
+
+
 def test_replans_when_the_input_shape_changes():
     trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=3, strategy="balanced")
     small = trunk.plan_for(torch.randn(2, 3, 64, 64))

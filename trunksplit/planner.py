@@ -177,7 +177,7 @@ def plan_trunk(trunk, x) -> SplitPlan:
     splittable = [layer_splittable_before(m) for _, m in units]
     forced = [stop for stop in trunk._ends.values() if stop < len(units)]
     if trunk.memory_budget is None:
-        k = trunk.num_splits or len(trunk._ends)
+        k = max(trunk.num_splits or 1, len(forced) + 1)  # the cuts after requested features always exist
         starts = best_plan(model, splittable, forced, num_segments=k)
         while starts is None:  # fewer valid cuts than asked for
             k -= 1

@@ -65,15 +65,20 @@ class CheckpointedTrunk(nn.Module):
         self.use_reentrant = bool(use_reentrant)
         self._ends = ends
         self._plans: Dict[Tuple, SplitPlan] = {}
-        self._vissl = vissl_plan(self._blocks(), list(ends), num_splits or 1)
-        self._plan: SplitPlan = self._vissl
+        # vissl's plan needs no measurement; cost-aware ones start from the cuts after the features
+        self._fixed_plan = vissl_plan(self._blocks(), list(ends), 1 if self._cost_aware else (num_splits or 1))
+        self._plan: SplitPlan = self._fixed_plan
 
     def _blocks(self) -> "OrderedDict[str, nn.Module]":
         return OrderedDict(self.named_children())
 
     @property
+    def _cost_aware(self) -> bool:
+        return self.strategy != "vissl" or self.memory_budget is not None
+
+    @property
     def plan(self) -> SplitPlan:
-        """The plan of the last training forward (or the vissl plan before one)."""
+        """The plan of the last training forward (a cost-aware trunk: only the feature cuts before one)."""
         return self._plan
 
     def plan_for(self, x: torch.Tensor) -> SplitPlan:
@@ -82,8 +87,8 @@ class CheckpointedTrunk(nn.Module):
         Cost-aware plans are measured once per input shape, dtype, device and autocast
         dtype, and cached. Call it with a sample batch to plan up front (before wrapping
         in DDP, say); otherwise the first training forward does."""
-        if self.strategy == "vissl" and self.memory_budget is None:
-            return self._vissl
+        if not self._cost_aware:
+            return self._fixed_plan
         device = x.device.type
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         key = (tuple(x.shape), x.dtype, device, autocast)
@@ -94,7 +99,7 @@ class CheckpointedTrunk(nn.Module):
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
         checkpointing = self.training and torch.is_grad_enabled()
         units = [m for _, m in expand_units(self._blocks())]
-        plan = self._vissl
+        plan = self._fixed_plan
         if checkpointing:
             plan = self._plan = self.plan_for(x)
         stops = {stop: name for name, stop in self._ends.items()}
