@@ -143,11 +143,11 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops")
     fields = {k: [] for k in keys}
-    allocated_by = {}  # storage -> unit that allocated it
+    source = -1  # the unit that allocated the storage of the current activation
     with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         h = x.detach()
         for i, (_, unit) in enumerate(units):
-            fields["input_from"].append(allocated_by.get(StorageWeakRef(h.untyped_storage()).cdata, -1))
+            fields["input_from"].append(source)
             m = _private_copy(unit)
             with torch.no_grad(), FlopCounterMode(display=False) as flops:
                 next_h = m(h)
@@ -159,7 +159,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
             fields["forward_peak"].append(cost["forward_peak"])
             fields["backward_excess"].append(cost["backward_excess"])
             fields["flops"].append(int(flops.get_total_flops()))
-            allocated_by.setdefault(StorageWeakRef(next_h.untyped_storage()).cdata, i)
+            if next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
+                source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
     return UnitCosts(tuple(n for n, _ in units), **{k: tuple(v) for k, v in fields.items()})
 
