@@ -93,6 +93,14 @@ def test_dp_matches_brute_force_on_random_chains():
         else:
             want = min((model.peak(p), model.total_recompute(p)) for p in exact)
             assert (model.peak(got), model.total_recompute(got)) == want
+        # lowest peak under a recompute cap
+        cap = rng.choice([model.total_recompute(p) for p in plans])
+        capped = [p for p in exact if model.total_recompute(p) <= cap]
+        got = best_plan(model, splittable, forced, num_segments=k, max_recompute=cap)
+        if not capped:
+            assert got is None
+        else:
+            assert (model.peak(got), model.total_recompute(got)) == min((model.peak(p), model.total_recompute(p)) for p in capped)
         # least recompute under a budget (ties: lowest peak), at most k segments
         budget = rng.choice([model.peak(p) for p in plans])
         fits = [p for p in plans if model.peak(p) <= budget and len(p) <= k]
@@ -150,6 +158,33 @@ def test_balanced_plan_cuts_after_requested_features_and_never_before_inplace():
     assert [s.checkpointed for s in plan.segments] == [True] * 4 + [False]
     text = str(plan)
     assert "predicted peak (MiB)" in text and "recompute (GFLOP)" in text
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50", "regnet_x_400mf"])
+def test_balanced_never_recomputes_more_than_vissl_plus_10_percent(arch):
+    x = torch.randn(2, 3, 32, 32)
+    for k in (2, 3, 4, 6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vissl = CheckpointedTrunk(build(arch), ["flatten"], num_splits=k)
+            balanced = CheckpointedTrunk(build(arch), ["flatten"], num_splits=k, strategy="balanced").plan_for(x)
+        # FLOPs of everything before the last segment, counted independently with torch's FlopCounterMode
+        assert _recompute_flops(balanced, arch, x) <= 1.10 * _recompute_flops(vissl.plan, arch, x), k
+        assert balanced.predicted_peak_bytes <= annotate(vissl.plan, peak_model(vissl, x)).predicted_peak_bytes
+
+
+def _recompute_flops(plan, arch, x):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trunksplit import feature_blocks
+    from trunksplit.split import expand_units
+
+    units = [m for _, m in expand_units(feature_blocks(build(arch)))][: plan.segments[-1].start]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        h = x
+        for m in units:
+            h = m(h)
+    return counter.get_total_flops()
 
 
 def test_balanced_with_fewer_splits_than_features_cuts_after_each_feature():

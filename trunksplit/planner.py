@@ -23,10 +23,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .blocks import layer_splittable_before
 from .profile import UnitCosts, profile_units
-from .split import Segment, SplitPlan, expand_units
+from .split import Segment, SplitPlan, expand_units, vissl_plan
 
 
 PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
+RECOMPUTE_SLACK = 0.10  # balanced plans recompute at most this much more than vissl's plan of the same count
 
 
 class PeakModel:
@@ -94,13 +95,15 @@ def best_plan(
     num_segments: Optional[int] = None,
     max_segments: Optional[int] = None,
     budget: Optional[int] = None,
+    max_recompute: Optional[int] = None,
 ) -> Optional[List[int]]:
     """Segment starts of the optimal plan under ``model``, or None if none qualifies.
 
     With ``budget``: the least recompute whose peak fits (ties: lower peak).
     Without: the lowest peak (ties: less recompute). ``num_segments`` asks for an
-    exact count, ``max_segments`` bounds it. A cut may fall before unit i only
-    where ``splittable[i]``, and must fall at every index in ``forced``.
+    exact count, ``max_segments`` bounds it; ``max_recompute`` bounds the FLOPs
+    run again. A cut may fall before unit i only where ``splittable[i]``, and
+    must fall at every index in ``forced``.
     """
     n = model.n
     forced_set = set(forced)
@@ -122,6 +125,8 @@ def best_plan(
                     if budget is not None and new_peak > budget:
                         continue
                     new_recompute = recompute if last else recompute + model.recompute(p, q)
+                    if max_recompute is not None and new_recompute > max_recompute:
+                        continue
                     states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,)))
     finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
     if not finals:
@@ -184,9 +189,20 @@ def plan_trunk(trunk, x) -> SplitPlan:
             starts = best_plan(model, splittable, forced, num_segments=k)
         if k < (trunk.num_splits or 0):
             warnings.warn(f"asked for {trunk.num_splits} checkpoint segments but only {k} can be made", UserWarning, stacklevel=4)
-        # Peaks within the model's own accuracy are a tie: take the least recompute among them.
-        near_best = int(model.peak(starts) * (1 + PEAK_TOLERANCE))
-        starts = best_plan(model, splittable, forced, num_segments=k, budget=near_best)
+        # Switching from vissl to balanced must not cost compute: cap the recompute at vissl's
+        # (plus RECOMPUTE_SLACK), where a plan under the cap exists.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vissl = vissl_plan(trunk._blocks(), list(trunk._ends), k)
+        cap = int(model.total_recompute([s.start for s in vissl.segments]) * (1 + RECOMPUTE_SLACK))
+        if best_plan(model, splittable, forced, num_segments=k, max_recompute=cap) is None:
+            cap = None
+        lowest = best_plan(model, splittable, forced, num_segments=k, max_recompute=cap)
+        # Peaks within the model's own accuracy are a tie: take the least recompute among them,
+        # but never a plan predicted to peak above vissl's.
+        lowest_peak, vissl_peak = model.peak(lowest), model.peak([s.start for s in vissl.segments])
+        near_best = min(int(lowest_peak * (1 + PEAK_TOLERANCE)), max(lowest_peak, vissl_peak))
+        starts = best_plan(model, splittable, forced, num_segments=k, budget=near_best, max_recompute=cap)
         return plan_from_starts(names, starts, trunk._ends, "balanced", model)
     unsplit = model.peak([0])
     budget = trunk.memory_budget
