@@ -50,7 +50,7 @@ def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--resume: no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
         missing = {"model", "optimizer", "step"} - set(state)
     except Exception as e:  # truncated or not a checkpoint: say so, touch nothing
         raise ValueError(f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {e}); the file is left as it is") from None
