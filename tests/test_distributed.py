@@ -138,3 +138,34 @@ def test_why_the_manual_path_exists_reentrant_native_ddp_fails_with_two_forwards
     # backward, so with two forwards DDP sees a parameter's hook fire twice.
     with pytest.raises(AssertionError, match="marked (as )?ready twice|mark a variable ready only once"):
         run_processes(_reentrant_native_ddp_two_forwards, 2, timeout=120)
+
+
+def _count_collectives(rank, world_size, out):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(50)])  # 100 parameters
+    ddp = DDP(model)
+    with ddp.no_sync():
+        model(torch.full((2, 8), float(rank))).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        manual_gradient_all_reduce(ddp)
+    finally:
+        dist.all_reduce = real
+    torch.save({"calls": len(calls), "grads": {n: p.grad for n, p in model.named_parameters()}, "own": want}, f"{out}/rank{rank}.pt")
+
+
+def test_gradients_travel_in_a_few_flat_buckets_not_one_collective_per_parameter(tmp_path):
+    run_processes(_count_collectives, 2, (str(tmp_path),))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["calls"] == r1["calls"] == 2  # one to agree on which gradients exist, one bucket
+    for n in r0["grads"]:
+        avg = (r0["own"][n] + r1["own"][n]) / 2
+        assert torch.equal(r0["grads"][n], avg) and torch.equal(r1["grads"][n], avg), n
