@@ -43,9 +43,12 @@ def test_profiler_bytes_on_a_toy_chain_known_by_hand():
     assert c.keeps_output == (False, True, False, False, False)
     assert c.input_from == (-1, 0, 1, 2, 2)  # the in-place ReLU passes fc2's storage on to dropout
     assert c.forward_peak == (batch * 16 * F32, batch * 16 * F32, batch * 4 * F32, 0, 2 * batch * 4 * F32)
+    # Each backward holds the gradient arriving at its output while it works, plus:
     # fc1: weight grad 16x8 + bias grad 16 (the chain's input needs no grad);
     # fc2: input grad 5x16 + weight grad 4x16 + bias grad 4; ReLU, dropout: one input grad each
-    assert c.backward_excess == ((16 * 8 + 16) * F32, batch * 16 * F32, (batch * 16 + 4 * 16 + 4) * F32, batch * 4 * F32, batch * 4 * F32)
+    arriving = (batch * 16 * F32, batch * 16 * F32, batch * 4 * F32, batch * 4 * F32, batch * 4 * F32)
+    own = ((16 * 8 + 16) * F32, batch * 16 * F32, (batch * 16 + 4 * 16 + 4) * F32, batch * 4 * F32, batch * 4 * F32)
+    assert c.backward_excess == tuple(a + o for a, o in zip(arriving, own))
     assert c.flops == (2 * batch * 8 * 16, 0, 2 * batch * 16 * 4, 0, 0)
     assert all(p.grad is None for _, m in units for p in m.parameters())  # the model is untouched
     for (_, m), sd in zip(units, before):

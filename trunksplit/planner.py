@@ -61,7 +61,7 @@ class PeakModel:
         if key not in self._local:
             c = self.costs
             held = sum(c.output[f] for f in self.features if f >= b - 1)
-            backward = max(self._kept(a, i + 1) + c.output[i] + c.backward_excess[i] for i in range(a, b))
+            backward = max(self._kept(a, i + 1) + c.backward_excess[i] for i in range(a, b))
             if last:  # the forward keeps what it saves
                 forward = max(self._kept(a, i) + c.forward_peak[i] for i in range(a, b))
             else:  # the forward keeps nothing; the recompute keeps everything, with the output's gradient waiting

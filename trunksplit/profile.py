@@ -114,8 +114,9 @@ class UnitCosts:
     - ``keeps_output``: whether the unit's own backward needs its output.
     - ``forward_peak``: peak of the unit's forward, beyond its input.
     - ``backward_excess``: peak of the unit's backward above what its forward
-      left alive: gradient buffers of activations and transient weight gradients
-      (weights already holding a ``.grad``, as from the second step on).
+      left alive: the gradient arriving at its output (until backward frees it),
+      gradient buffers of activations and transient weight gradients (weights
+      already holding a ``.grad``, as from the second step on).
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     """
 
@@ -197,11 +198,15 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict
             saved[key] = t.untyped_storage().nbytes()
             keeps_output |= key == out_key
     del packed
-    grad = torch.ones_like(out)
     if out.requires_grad:
+        # The gradient arriving at the unit must be allocated inside the measured window and
+        # held by nobody else, as in a real step, where backward frees it once consumed:
+        # so it is made by the multiply's backward from a scalar loss, not passed in.
+        loss = (out * torch.ones_like(out)).sum()
+        seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
         tracker.peak = tracker.current
         with tracker:
-            out.backward(grad)
+            loss.backward(seed)
         backward_excess = tracker.peak - after_forward
     else:
         backward_excess = 0
