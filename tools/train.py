@@ -24,15 +24,18 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if last is not None:
-        vs = last["memory_vs_plain"]
         print(
             f"done: step {last['step']}, loss {last['loss']:.4f}, {last['images_per_sec']:.1f} images/s, "
             f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond parameters and gradients "
-            f"(trunk plan: {last['plan']})\n"
-            f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
-            f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)\n"
-            f"metrics: {cfg.OUTPUT_DIR}/metrics.jsonl"
+            f"(trunk plan: {last['plan']})"
         )
+        vs = last["memory_vs_plain"]
+        if vs:
+            print(
+                f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
+                f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)"
+            )
+        print(f"metrics: {cfg.OUTPUT_DIR}/metrics.jsonl")
     return 0
 
 

@@ -92,7 +92,8 @@ def run_checkpointed(function: Callable, bns: List[_BatchNorm], *args: Any, use_
         raise TypeError("reentrant checkpointing takes positional arguments only; use use_reentrant=False to pass keywords")
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return checkpoint(run, *args, use_reentrant=True)
-    anchor = torch.empty(0, requires_grad=True)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    anchor = torch.empty(0, device=device, requires_grad=True)  # same device: torch infers the RNG device from the inputs
     return checkpoint(lambda _anchor, *a: run(*a), anchor, *args, use_reentrant=True)
 
 

@@ -1,5 +1,6 @@
 """The training loop: one process or many (``torchrun``), either DDP path, resumable."""
 import contextlib
+import copy
 import json
 import math
 import os
@@ -13,6 +14,8 @@ from tqdm import tqdm
 
 from ..distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
 from ..profile import PeakMemory
+from ..trunk import CheckpointedTrunk
+from ..wrapper import unwrap_checkpoint
 from .data import image_dataset, step_views
 from .losses import nt_xent, swav_loss
 from .model import SSLModel, build_model
@@ -139,31 +142,35 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     return model, last
 
 
-def compare_with_plain(model, crops, autocast) -> dict:
+def compare_with_plain(model, crops, autocast) -> Optional[dict]:
     """Peak bytes of one step of ``model`` and of a plain (never checkpointed) copy, side by side.
 
     Both run the same surrogate loss on the same crops, in this process only (no
-    collectives), on copies that already hold gradients, so the real model is untouched.
+    collectives), on copies that already hold gradients, one copy at a time, so the
+    real model is untouched. None where a GPU has no room for a copy.
     """
-    import copy
-
-    from ..trunk import CheckpointedTrunk
-    from ..wrapper import unwrap_checkpoint
-
-    checkpointed = copy.deepcopy(model)
-    plain = copy.deepcopy(model)
-    for m in plain.modules():
-        unwrap_checkpoint(m)
-    plain.trunk = CheckpointedTrunk(dict(plain.trunk.named_children()), plain.trunk.out_feat_keys)
-    device = crops[0].device
     peaks = {}
-    for name, m in (("checkpointed", checkpointed), ("plain", plain)):
-        for p in m.parameters():  # deepcopy drops .grad; the figure is beyond parameters and gradients
-            p.grad = torch.zeros_like(p)
-        with PeakMemory(device) as mem, autocast:
-            sum(o.float().pow(2).mean() for o in m(crops)).backward()
+    for name in ("checkpointed", "plain"):
+        try:
+            m = _copy_for_comparison(model, plain=name == "plain")
+            with PeakMemory(crops[0].device) as mem, autocast:
+                sum(o.float().pow(2).mean() for o in m(crops)).backward()
+        except torch.cuda.OutOfMemoryError:
+            return None
         peaks[name] = mem.peak_bytes
+        del m
     return peaks
+
+
+def _copy_for_comparison(model, plain: bool):
+    m = copy.deepcopy(model)
+    if plain:
+        for sub in m.modules():
+            unwrap_checkpoint(sub)
+        m.trunk = CheckpointedTrunk(dict(m.trunk.named_children()), m.trunk.out_feat_keys)
+    for p in m.parameters():  # deepcopy drops .grad; the figure is beyond parameters and gradients
+        p.grad = torch.zeros_like(p)
+    return m
 
 
 def _forward_backward(cfg, wrapped, model, crops, manual_flag, autocast, scaler):
