@@ -1,5 +1,4 @@
 """Two real gloo processes: both DDP paths average the per-rank gradients, as one process computes them."""
-import copy
 
 import pytest
 import torch

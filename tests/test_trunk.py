@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 import torch
-import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, feature_blocks

@@ -153,12 +153,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
             with torch.no_grad(), FlopCounterMode(display=False) as flops:
                 next_h = m(h)
             cost = _measure_unit(m, h, input_needs_grad=i > 0)
-            fields["output"].append(cost["output"])
-            fields["saved"].append(cost["saved"])
-            fields["saves_input"].append(cost["saves_input"])
-            fields["keeps_output"].append(cost["keeps_output"])
-            fields["forward_peak"].append(cost["forward_peak"])
-            fields["backward_excess"].append(cost["backward_excess"])
+            for key, value in cost.items():
+                fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
             if next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
@@ -197,7 +193,7 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict
         elif key not in params and key in tracker.live:
             saved[key] = t.untyped_storage().nbytes()
             keeps_output |= key == out_key
-    del packed
+    packed.clear()  # release the saved tensors' extra references before backward
     if out.requires_grad:
         # The gradient arriving at the unit must be allocated inside the measured window and
         # held by nobody else, as in a real step, where backward frees it once consumed:
