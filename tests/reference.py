@@ -4,7 +4,7 @@ import torchvision
 from torch import nn
 
 # Where each trunksplit feature lives in the plain torchvision model.
-_RESNET_FEATURES = {"res2": "layer1", "res3": "layer2", "res4": "layer3", "res5": "layer4", "avgpool": "avgpool"}
+_RESNET_FEATURES = {"conv1": "conv1", "bn1": "bn1", "maxpool": "maxpool", "res2": "layer1", "res3": "layer2", "res4": "layer3", "res5": "layer4", "avgpool": "avgpool"}
 _REGNET_FEATURES = {"res2": "trunk_output.block1", "res3": "trunk_output.block2", "res4": "trunk_output.block3", "res5": "trunk_output.block4", "avgpool": "avgpool"}
 
 
@@ -23,11 +23,13 @@ def build(arch, seed=0):
 def plain_features(model, x, keys):
     """The plain model's features: its own forward, read with hooks on its stages.
 
-    ``flatten`` is the avgpool output flattened, as the model's forward does before its classifier."""
+    ``flatten`` is the avgpool output flattened, as the model's forward does before its classifier.
+    A feature is the block's output as the block left it: bn1's is copied in the hook,
+    before the ReLU(inplace=True) that follows overwrites it."""
     table = _RESNET_FEATURES if isinstance(model, torchvision.models.ResNet) else _REGNET_FEATURES
     found, handles = {}, []
     for key in set(keys) - {"flatten"} | {"avgpool"}:
-        handles.append(model.get_submodule(table[key]).register_forward_hook(lambda m, i, o, key=key: found.__setitem__(key, o)))
+        handles.append(model.get_submodule(table[key]).register_forward_hook(lambda m, i, o, key=key: found.__setitem__(key, o.clone() if key == "bn1" else o)))
     model(x)
     for h in handles:
         h.remove()

@@ -35,3 +35,45 @@ def test_bench_writes_a_table_and_a_plot(tmp_path, capsys):
         assert f"| {row}" in table
     assert (out / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
     assert table in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "--splits", "0"], "--splits: expected a whole number >= 1"),
+        (["plan", "--budget", "nan"], "--budget: a budget must be"),
+        (["plan", "--budget", "-5"], "--budget: a budget must be"),
+        (["plan", "--budget", "inf"], "--budget: a budget must be"),
+        (["bench", "--repeats", "0"], "--repeats: expected a whole number >= 1"),
+        (["bench", "--splits", "0"], "--splits: expected a whole number >= 1"),
+        (["bench", "--out", "/proc/cannot/write"], "--out: cannot write to"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(args)
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "--arch", "resnet18", "--features", "res9", "--input", "2x3x64x64"], "unknown feature key(s) ['res9']"),
+        (["plan", "--arch", "resnet18", "--input", "2x4x64x64"], "resnet18 cannot run an input of shape 2x4x64x64"),
+        (["plan", "--arch", "get_model", "--input", "2x3x64x64"], "torchvision has no model 'get_model'"),
+        (["bench", "--arch", "resnet18", "nope"], "torchvision has no model 'nope'"),
+    ],
+)
+def test_bad_requests_are_errors_not_tracebacks(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_takes_byte_budgets_and_more_splits_than_layers(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "30", "--budgets", "2e9", "--repeats", "1", "--no-selective", "--out", str(out)]
+    assert main(args) == 0
+    table = (out / "benchmark.md").read_text()
+    assert "| budget 2e+09" in table and "only 14 layers" in table
+    budget_row = next(line for line in table.splitlines() if line.startswith("| budget 2e+09"))
+    assert "| 1.00 " in budget_row  # 2 GB is above the unsplit peak: nothing is cut

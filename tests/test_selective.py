@@ -85,3 +85,51 @@ def test_selection_from_config_equals_the_python_condition():
 def test_bad_config_selection_is_refused(select, match):
     with pytest.raises(ValueError, match=match):
         condition_from_config(select)
+
+
+def test_in_place_modules_alone_are_refused_and_nothing_is_wrapped():
+    model = torchvision.models.resnet18()
+    with pytest.raises(ValueError, match=r"first operation is in-place \(relu, layer1\.0\.relu"):
+        apply_activation_checkpointing(model, by_type(nn.ReLU))
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules())
+
+
+def test_in_place_matches_are_skipped_with_a_warning_and_the_step_stays_exact():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3), nn.ReLU(inplace=True), nn.Conv2d(4, 2, 3))
+    model = copy.deepcopy(plain)
+    with pytest.warns(UserWarning, match=r"not checkpointing 2 selected module\(s\) whose first operation is in-place \(1, 3\)"):
+        names = apply_activation_checkpointing(model, every_k(1))  # every module, no types
+    assert names == ["0", "2", "4"]
+    x = torch.randn(2, 3, 12, 12)
+    loss_of([plain(x)]).backward()
+    loss_of([model(x)]).backward()
+    for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_applying_the_same_counting_condition_again_selects_the_same_modules():
+    model = torchvision.models.resnet50()
+    condition = every_k(2, Bottleneck)
+    first = apply_activation_checkpointing(model, condition)
+    assert apply_activation_checkpointing(model, condition) == first == _bottleneck_names(torchvision.models.resnet50())[0::2]
+
+
+@pytest.mark.parametrize(
+    "select,match",
+    [
+        ({"every_k": 0, "types": ["torchvision.models.resnet.Bottleneck"]}, "every_k must be an integer >= 1"),
+        ({"every_k": "2"}, "every_k must be an integer >= 1"),
+        ({"name_regex": "layer[1"}, "not a valid regular expression"),
+        ({"types": [3]}, "list of dotted class paths"),
+        ({"types": ["torch.nn.functional.relu"]}, "not an nn.Module class"),
+    ],
+)
+def test_more_bad_config_selections_are_refused(select, match):
+    with pytest.raises(ValueError, match=match):
+        condition_from_config(select)
+
+
+def test_types_written_as_one_string_select_that_class():
+    one = condition_from_config({"types": "torchvision.models.resnet.Bottleneck"})
+    assert apply_activation_checkpointing(torchvision.models.resnet50(), one) == _bottleneck_names(torchvision.models.resnet50())

@@ -130,3 +130,169 @@ def test_image_folder_data(tmp_path):
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), "DATA.PATH", str(tmp_path / "images"), "TRAIN.STEPS", "1", *SMALL])
     _, last = train(cfg)
     assert math.isfinite(last["loss"])
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fp16_resume_keeps_the_grad_scaler(tmp_path, monkeypatch):
+    overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", "TRAIN.AUTOCAST", "fp16", *SMALL]
+    train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
+    real_views = loop.step_views
+
+    def interrupt_at_step_3(dataset, cfg, step, rank, world):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_views(dataset, cfg, step, rank, world)
+
+    monkeypatch.setattr(loop, "step_views", interrupt_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(loop, "step_views", real_views)
+    train(cfg, resume=True)
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True) for d in "ab")
+    assert a["scaler"] == b["scaler"] and a["scaler"]["_growth_tracker"] + (a["scaler"]["scale"] != 65536.0) > 0
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+
+
+def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
+    out = tmp_path / "run"
+    base = ["OUTPUT_DIR", str(out), "TRAIN.CHECKPOINT_EVERY", "2", *SMALL]
+    train(load_config(QUICK, base + ["TRAIN.STEPS", "2"]))
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1')  # killed while writing step 3's row
+    train(load_config(QUICK, base + ["TRAIN.STEPS", "3"]), resume=True)
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]
+
+
+def test_a_damaged_metrics_line_before_the_last_names_the_file(tmp_path):
+    out = tmp_path / "run"
+    base = ["OUTPUT_DIR", str(out), "TRAIN.CHECKPOINT_EVERY", "2", *SMALL]
+    train(load_config(QUICK, base + ["TRAIN.STEPS", "2"]))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("garbage\n" + "\n".join(lines) + "\n")
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not a metrics row"):
+        train(load_config(QUICK, base + ["TRAIN.STEPS", "3"]), resume=True)
+    assert _snapshot(out) == before
+
+
+def test_a_new_run_never_overwrites_an_earlier_runs_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    assert _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL).returncode == 0
+    before = _snapshot(out)
+    result = _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL)
+    assert result.returncode == 2 and "--resume" in result.stderr and "another OUTPUT_DIR" in result.stderr
+    assert _snapshot(out) == before
+
+
+def test_interrupted_saves_leave_no_temporary_files(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt.tmp4242").write_bytes(b"x" * 1000)  # a save killed by SIGKILL in an earlier run
+    real_save = torch.save
+
+    def disk_full(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+def test_the_first_row_logs_set_up_apart_from_the_step(tmp_path):
+    out = tmp_path / "run"
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL]))
+    rows = _rows(out)
+    assert rows[0]["setup_seconds"] > 0 and all("setup_seconds" not in r for r in rows[1:])
+    # the plan is made and the gradients exist before the first step: it measures what the others do
+    assert rows[0]["peak_memory_bytes"] == rows[1]["peak_memory_bytes"] == rows[2]["peak_memory_bytes"]
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "make_config,overrides,message",
+    [
+        (lambda d: str(d), [], "is a directory"),
+        (lambda d: _write(d / "bad.yaml", "TRAIN: [unclosed\n"), [], "is not valid YAML"),
+        (lambda d: _write(d / "child.yaml", "_BASE_: missing_base.yaml\n"), [], "missing_base.yaml does not exist"),
+        (None, ["MODEL.TRUNK.NAME", "get_model"], "torchvision has no model 'get_model'"),
+        (None, ["MODEL.TRUNK.NAME", "resnet"], "torchvision has no model 'resnet'"),
+        (None, ["TRAIN.LOG_EVERY", "0"], "TRAIN.LOG_EVERY must be >= 1"),
+        (None, ["TRAIN.CHECKPOINT_EVERY", "0"], "TRAIN.CHECKPOINT_EVERY must be >= 1"),
+        (None, ["DATA.NUM_IMAGES", "0"], "DATA.NUM_IMAGES must be >= 1"),
+        (None, ["TRAIN.BATCH_SIZE_PER_RANK", "0"], "TRAIN.BATCH_SIZE_PER_RANK must be >= 1"),
+        (None, ["TRAIN.STEPS", "-3"], "TRAIN.STEPS must be >= 1"),
+        (None, ["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "1.5"], "neither a fraction in (0, 1] nor a whole number of bytes"),
+        (None, ["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "1e400"], "MEMORY_BUDGET must be 0 (off)"),
+        (None, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT", "{every_k: 0}"], "every_k must be an integer >= 1"),
+        (None, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT", "{name_regex: 'a[b'}"], "not a valid regular expression"),
+        (None, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT", "[1, 2]"], "takes a mapping"),
+        (None, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT.types", "[3]"], "list of dotted class paths"),
+    ],
+)
+def test_config_mistakes_are_clear_errors(tmp_path, make_config, overrides, message):
+    path = make_config(tmp_path) if make_config else QUICK
+    with pytest.raises(ValueError) as caught:
+        load_config(path, overrides)
+    assert message in str(caught.value)
+
+
+def test_select_from_the_command_line_equals_select_from_yaml(tmp_path):
+    from trunksplit import is_checkpoint_wrapped
+    from trunksplit.ssl.model import build_trunk
+
+    base = os.path.join(ROOT, "configs", "simclr_resnet50.yaml")
+    yaml_cfg = load_config(os.path.join(ROOT, "configs", "simclr_resnet50_selective.yaml"), ["MODEL.TRUNK.NAME", "resnet50"])
+    flow = "{every_k: 2, types: [torchvision.models.resnet.Bottleneck]}"
+    one_split = ["MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "1"]
+    cli_cfg = load_config(base, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT", flow, *one_split])
+    keyed = load_config(base, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT.every_k", "2", "MODEL.ACTIVATION_CHECKPOINTING.SELECT.types",
+                                "[torchvision.models.resnet.Bottleneck]", *one_split])
+    wrapped = [[n for n, m in build_trunk(c).named_modules() if is_checkpoint_wrapped(m)] for c in (yaml_cfg, cli_cfg, keyed)]
+    assert wrapped[0] == wrapped[1] == wrapped[2] and len(wrapped[0]) == 8
+
+
+def test_select_with_a_budget_says_which_wins():
+    with pytest.warns(UserWarning, match=r"SELECT wins.*MEMORY_BUDGET 0.5 is ignored"):
+        load_config(QUICK, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT", "{every_k: 2}", "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.5"])
+
+
+@pytest.mark.parametrize(
+    "setup,overrides,message",
+    [
+        (lambda d: None, ["TRAIN.DEVICE", "cuda"] if not torch.cuda.is_available() else ["TRAIN.DEVICE", "cuda:99"], "TRAIN.DEVICE"),
+        (lambda d: None, ["TRAIN.DEVICE", "potato"], "not a device"),
+        (lambda d: (d / "afile").write_text("x"), ["OUTPUT_DIR", "{d}/afile/run"], "is a file"),
+        (lambda d: (d / "empty").mkdir(), ["DATA.PATH", "{d}/empty"], "holds no images"),
+    ],
+)
+def test_launcher_mistakes_are_clear_errors_and_write_nothing(tmp_path, setup, overrides, message):
+    setup(tmp_path)
+    overrides = [o.replace("{d}", str(tmp_path)) for o in overrides]
+    if "OUTPUT_DIR" not in overrides:
+        overrides += ["OUTPUT_DIR", str(tmp_path / "run")]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ValueError, match=message):
+        train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "1", *overrides]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_resume_with_another_architecture_is_refused(tmp_path):
+    out = tmp_path / "run"
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
+    before = _snapshot(out)
+    with pytest.raises(ValueError, match="holds a resnet18 run, but the config asks for resnet34"):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, "MODEL.TRUNK.NAME", "resnet34"]), resume=True)
+    assert _snapshot(out) == before

@@ -198,3 +198,90 @@ def test_bf16_autocast_step_equals_the_plain_model_under_the_same_autocast(reent
     # non-reentrant: bit-exact; reentrant: activation gradients are bf16, so a different
     # summation order rounds at bf16's precision (8 bits of mantissa)
     _check_step(plain, model, trunk, want, got, reentrant, reentrant_rtol=2e-2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("how", [dict(num_splits=4), dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.85)])
+def test_a_feature_followed_by_an_in_place_op_trains_exactly(reentrant, how):
+    # The cut forced after bn1 starts a segment with ReLU(inplace=True): the segment must
+    # not overwrite its checkpointed input, and the feature is bn1's output, unmodified.
+    plain, model, trunk, want, got, _ = _step_both("resnet18", ["bn1", "flatten"], how.pop("num_splits", None), reentrant, **how)
+    assert trunk.plan.units[trunk.plan.segments[1].start] == "conv1_relu"
+    assert got[0].min() < 0  # pre-ReLU values: not overwritten by the in-place ReLU
+    _check_step(plain, model, trunk, want, got, reentrant)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_planning_under_no_grad_measures_the_training_step(mode):
+    x = torch.randn(2, 3, 64, 64)
+    reference = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=4, strategy="balanced").plan_for(x)
+    for how in [dict(num_splits=4, strategy="balanced"), dict(memory_budget=int(reference.predicted_peak_bytes))]:
+        trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], **how)
+        with mode():
+            plan = trunk.plan_for(x)
+        with_grad = CheckpointedTrunk(build("resnet18"), ["flatten"], **how).plan_for(x)
+        assert plan.boundaries == with_grad.boundaries and plan.predicted_peak_bytes == with_grad.predicted_peak_bytes
+        assert len(plan.segments) > 1  # a byte budget below the unsplit peak needs cuts
+        loss_of(trunk(x)).backward()  # the cached plan trains
+
+
+def test_planning_does_not_run_the_users_hooks():
+    model = build("resnet18")
+    calls = []
+    model.layer1[0].register_forward_hook(lambda *a: calls.append("forward"))
+    model.layer1[0].conv1.register_forward_pre_hook(lambda *a: calls.append("pre"))
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=3, strategy="balanced")
+    trunk.plan_for(torch.randn(2, 3, 64, 64))
+    assert calls == []
+    loss_of(trunk(torch.randn(2, 3, 64, 64))).backward()
+    assert calls.count("forward") >= 1  # the real forward still runs them
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_instance_norm_running_stats_move_once_per_step(reentrant):
+    def blocks(seed):
+        torch.manual_seed(seed)
+        layers = [nn.Conv2d(3, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True, track_running_stats=True), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                  nn.InstanceNorm2d(8, track_running_stats=True, momentum=0.3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(1)]
+        return layers
+
+    plain = nn.Sequential(*blocks(0))
+    mine = nn.Sequential(*blocks(0))
+    from collections import OrderedDict
+
+    trunk = CheckpointedTrunk(OrderedDict((f"b{i}", m) for i, m in enumerate(mine)), ["b7"], num_splits=4, use_reentrant=reentrant)
+    x = torch.randn(2, 3, 16, 16)
+    for _ in range(2):
+        plain(x).pow(2).sum().backward()
+        trunk(x)[0].pow(2).sum().backward()
+    for (name, a), b in zip(plain.named_buffers(), mine.buffers()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(mine[4].running_mean, torch.zeros(8))  # the statistics did move
+
+
+def test_model_state_dict_loads_strictly_into_a_fresh_torchvision_model():
+    import torchvision
+
+    trunk = CheckpointedTrunk(build("resnet18"), ["res4"], num_splits=3)
+    loss_of(trunk(torch.randn(2, 3, 64, 64))).backward()
+    with torch.no_grad():
+        for p in trunk.parameters():
+            p.add_(torch.randn_like(p))  # trained weights, unlike any fresh model's
+    fresh = torchvision.models.resnet18()
+    fc = fresh.fc.weight.clone()
+    fresh.load_state_dict(trunk.model_state_dict(fresh))  # strict
+    assert torch.equal(fresh.layer3[1].conv2.weight, trunk.res4[1].conv2.weight)
+    assert torch.equal(fresh.bn1.running_mean, trunk.bn1.running_mean)
+    assert torch.equal(fresh.fc.weight, fc) and torch.equal(fresh.layer4[0].conv1.weight, fresh.state_dict()["layer4.0.conv1.weight"])
+    names = trunk.model_state_dict()
+    assert "layer3.1.conv2.weight" in names and not any(k.startswith(("layer4", "fc")) for k in names)
+
+
+def test_model_state_dict_refuses_a_different_architecture():
+    import torchvision
+
+    trunk = CheckpointedTrunk(build("resnet50"), ["flatten"])
+    with pytest.raises(ValueError, match="not the trunk's architecture"):
+        trunk.model_state_dict(torchvision.models.regnet_x_400mf())
+    with pytest.raises(ValueError, match="built from feature blocks"):
+        CheckpointedTrunk(feature_blocks(build("resnet18")), ["flatten"]).model_state_dict()

@@ -174,3 +174,37 @@ def test_offload_to_cpu_works_on_a_cpu_only_machine():
 def test_wrapping_a_non_module_is_refused():
     with pytest.raises(TypeError, match="nn.Module"):
         checkpoint_wrapper(lambda x: x)
+
+
+class TakesTorchsNames(nn.Module):
+    """A module whose own keywords share names with torch.utils.checkpoint's and run_checkpointed's."""
+
+    def forward(self, x, debug=None, preserve_rng_state=None, early_stop=None, use_reentrant=None, context_fn=None,
+                determinism_check=None, function=None, bns=None):
+        got = dict(debug=debug, preserve_rng_state=preserve_rng_state, early_stop=early_stop, use_reentrant=use_reentrant,
+                   context_fn=context_fn, determinism_check=determinism_check, function=function, bns=bns)
+        return x * 2, got
+
+
+def test_every_keyword_reaches_the_module_unchanged():
+    wrapped = checkpoint_wrapper(TakesTorchsNames())
+    kwargs = dict(debug="d", preserve_rng_state="p", early_stop="e", use_reentrant="u", context_fn="c", determinism_check="dc", function="f", bns="b")
+    x = torch.randn(3, requires_grad=True)
+    y, got = wrapped(x, **kwargs)
+    assert got == kwargs
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_a_slice_of_a_wrapped_sequential_runs_and_trains_like_the_plain_slice():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(3, 4)
+    part = wrapped[1:]
+    assert is_checkpoint_wrapped(part) and list(part.state_dict()) == list(plain[1:].state_dict())
+    plain[1:](x).pow(2).sum().backward()
+    part(x).pow(2).sum().backward()
+    assert torch.equal(plain[2].weight.grad, wrapped[2].weight.grad)
+    unwrap_checkpoint(part)  # a slice made by the container can be unwrapped too
+    assert type(part) is nn.Sequential

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from .planner import annotate, peak_model
 from .profile import PeakMemory
+from .ssl.model import build_backbone
 from .selective import apply_activation_checkpointing, every_k
 from .split import expand_units
 from .trunk import CheckpointedTrunk
@@ -44,7 +45,7 @@ class Row:
 
 def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool) -> List[Row]:
     torch.manual_seed(0)
-    base = getattr(torchvision.models, arch)().to(x.device)
+    base = build_backbone(arch).to(x.device)
     plain = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
     start = time.perf_counter()
     model = peak_model(plain, x)  # what a cost-aware plan measures, once per input shape
@@ -82,6 +83,8 @@ def _sequential_row(arch, base, x, k, model, total_flops) -> Row:
     trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
     chain = nn.Sequential(*[m for _, m in expand_units(trunk._blocks())])
     n = len(chain)
+    if k > n:
+        return Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, note=f"only {n} layers")
     size = n // k
     starts = [i * size for i in range(k)]
     row = Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, model.peak(starts), model.total_recompute(starts) / total_flops)

@@ -7,10 +7,37 @@ model (the values are the model's own module objects, so training the blocks
 trains the model), and :func:`register_trunk` teaches it other families.
 """
 from collections import OrderedDict
-from typing import Callable, Dict, Type
+from typing import Callable, Dict, Iterable, Mapping, Optional, Type
 
 import torchvision
 from torch import nn
+
+
+class FeatureBlocks(OrderedDict):
+    """Ordered feature blocks that also say which of them are stages.
+
+    A stage is an iterable of blocks (an ``nn.Sequential`` or ``nn.ModuleList``);
+    the splitter may cut between its children. Every other block is one unit.
+    ``stages`` defaults to vissl's rule: the names that start with ``res``.
+    """
+
+    def __init__(self, *args, stages: Optional[Iterable[str]] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stages = frozenset(n for n in self if n.startswith("res")) if stages is None else frozenset(stages)
+        unknown = self.stages - set(self)
+        if unknown:
+            raise ValueError(f"stages {sorted(unknown)} are not among the feature blocks {list(self)}")
+
+    def __reduce__(self):
+        return (type(self), (list(self.items()),), {"stages": self.stages})
+
+
+def stage_names(blocks: Mapping[str, nn.Module]) -> frozenset:
+    """The names of ``blocks`` that are stages (see :class:`FeatureBlocks`)."""
+    if isinstance(blocks, FeatureBlocks):
+        return blocks.stages
+    return frozenset(n for n in blocks if n.startswith("res"))
+
 
 
 _TRUNK_FAMILIES: Dict[type, Callable[[nn.Module], "OrderedDict[str, nn.Module]"]] = {}

@@ -1,6 +1,8 @@
 """The ``trunksplit`` command: ``plan`` shows how a trunk would be cut, ``bench`` measures plans."""
 import argparse
+import os
 import sys
+import tempfile
 import warnings
 from typing import List, Optional
 
@@ -16,8 +18,36 @@ def _shape(text: str):
 
 
 def _budget(text: str):
-    value = float(text)
-    return int(value) if value > 1 else value
+    from .config import budget_bytes
+
+    try:
+        value = budget_bytes(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("MEMORY_BUDGET", "a budget")) from None
+    if value is None:
+        raise argparse.ArgumentTypeError("a budget must be above 0: a fraction in (0, 1] or bytes")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _writable_dir(path: str) -> str:
+    """Checked before a long run, not after it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write to {path!r}: {e.strerror or e}") from None
+    return path
 
 
 def _plan(args) -> int:
@@ -27,22 +57,25 @@ def _plan(args) -> int:
     from .planner import annotate, peak_model
     from .trunk import CheckpointedTrunk
 
-    if not hasattr(torchvision.models, args.arch):
-        print(f"error: torchvision has no model {args.arch!r}", file=sys.stderr)
-        return 2
-    model = getattr(torchvision.models, args.arch)()
+    from .ssl.model import build_backbone
+
     x = torch.randn(*args.input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget)
         try:
-            plan = annotate(trunk.plan_for(x), peak_model(trunk, x))
+            model = build_backbone(args.arch)
+            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget)
+            costs = peak_model(trunk, x)
+            plan = annotate(trunk.plan_for(x), costs)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            return 2
+        except RuntimeError as e:  # the model cannot run this input (channels, size)
+            print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
             return 2
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    unsplit = peak_model(trunk, x).peak([0])
+    unsplit = costs.peak([0])
     print(plan)
     print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit ({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, args.input))}")
     return 0
@@ -50,13 +83,24 @@ def _plan(args) -> int:
 
 def _bench(args) -> int:
     from .bench import run_benchmark
+    from .ssl.model import build_backbone
 
-    print(
-        run_benchmark(
+    for arch in args.arch:  # every name checked before an hour of measuring
+        try:
+            build_backbone(arch)
+        except ValueError as e:
+            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            return 2
+
+    try:
+        table = run_benchmark(
             args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
             repeats=args.repeats, device=args.device, out_dir=args.out, selective=not args.no_selective,
         )
-    )
+    except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
+        print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(table)
     print(f"\nwritten to {args.out}/benchmark.md and {args.out}/benchmark.png")
     return 0
 
@@ -66,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
     p.add_argument("--arch", default="resnet50")
-    p.add_argument("--splits", type=int, default=None)
+    p.add_argument("--splits", type=_positive, default=None)
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl")
     p.add_argument("--budget", type=_budget, default=None, help="bytes, or a fraction of the unsplit peak")
     p.add_argument("--features", nargs="+", default=["flatten"])
@@ -74,13 +118,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.set_defaults(fn=_plan)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"])
-    b.add_argument("--batch", type=int, default=4)
-    b.add_argument("--resolution", type=int, default=224)
-    b.add_argument("--splits", type=int, nargs="+", default=[4, 6])
-    b.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.45])
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--batch", type=_positive, default=4)
+    b.add_argument("--resolution", type=_positive, default=224)
+    b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6])
+    b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="fractions of the unsplit peak, or bytes (2e9)")
+    b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    b.add_argument("--out", default="output/bench")
+    b.add_argument("--out", type=_writable_dir, default="output/bench")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
     b.set_defaults(fn=_bench)
     args = parser.parse_args(argv)

@@ -3,8 +3,12 @@
 Key names follow vissl where vissl had the concept (``MODEL.TRUNK.*``,
 ``MODEL.ACTIVATION_CHECKPOINTING.*``, ``DISTRIBUTED.MANUAL_GRADIENT_REDUCTION``).
 """
+import math
+import os
+import warnings
 from typing import Sequence
 
+import yaml
 from fvcore.common.config import CfgNode as CN
 
 _C = CN()
@@ -22,6 +26,7 @@ _C.MODEL.ACTIVATION_CHECKPOINTING.STRATEGY = "vissl"  # vissl | balanced
 _C.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET = 0.0  # 0: off; a fraction in (0, 1] of the unsplit peak, or bytes as a float (2.0e+9)
 _C.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT = False
 # Selective wrapping instead of trunk splitting, e.g. {every_k: 2, types: [torchvision.models.resnet.Bottleneck]}
+# From the command line: SELECT "{every_k: 2, types: [torchvision.models.resnet.Bottleneck]}" or SELECT.every_k 2.
 _C.MODEL.ACTIVATION_CHECKPOINTING.SELECT = CN(new_allowed=True)
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.HIDDEN_DIM = 512
@@ -65,37 +70,98 @@ def default_config() -> CN:
     return _C.clone()
 
 
+SELECT_KEY = "MODEL.ACTIVATION_CHECKPOINTING.SELECT"
+
+
 def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
     """Defaults, then the YAML file, then ``KEY VALUE`` pairs, as detectron2 does.
 
-    Unknown keys raise ``ValueError`` naming the key; the result is frozen.
+    Every mistake is a ``ValueError`` that names what to change (an unknown key, a
+    missing file or ``_BASE_``, bad YAML, a value out of range); the result is frozen.
     """
     cfg = default_config()
     if path:
-        try:
-            cfg.merge_from_file(path)
-        except KeyError as e:  # fvcore: "Non-existent config key: A.B"
-            raise ValueError(f"unknown config key in {path}: {str(e.args[0]).split(': ')[-1]}") from None
-        except FileNotFoundError:
-            raise ValueError(f"config file not found: {path}") from None
+        _merge_file(cfg, path)
     if len(overrides) % 2:
         raise ValueError(f"overrides come in KEY VALUE pairs; got an odd count: {list(overrides)}")
-    for key in overrides[0::2]:
+    plain = []
+    for key, value in zip(overrides[0::2], overrides[1::2]):
+        if key == SELECT_KEY or key.startswith(SELECT_KEY + "."):
+            _set_select(cfg, key[len(SELECT_KEY) + 1 :], value)
+            continue
         node = cfg
         for part in key.split("."):
             if not isinstance(node, CN) or part not in node:
                 raise ValueError(f"unknown config key: {key}")
             node = node[part]
-    cfg.merge_from_list(list(overrides))
+        plain += [key, value]
+    try:
+        cfg.merge_from_list(plain)
+    except (ValueError, KeyError, AssertionError) as e:  # yacs: a value of the wrong type
+        raise ValueError(f"bad command-line value: {e}") from None
     _check(cfg)
     cfg.freeze()
     return cfg
 
 
+def _merge_file(cfg: CN, path: str) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"config file {path} is a directory; give a YAML file such as configs/quickstart.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"config file not found: {path}")
+    try:
+        cfg.merge_from_file(path)
+    except KeyError as e:  # fvcore: "Non-existent config key: A.B"
+        raise ValueError(f"unknown config key in {path}: {str(e.args[0]).split(': ')[-1]}") from None
+    except FileNotFoundError as e:  # the file exists, so its _BASE_ does not
+        raise ValueError(f"{path}: its _BASE_ file {e.filename or e} does not exist (a _BASE_ path is relative to the file that names it)") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
+    except (ValueError, AssertionError, TypeError) as e:  # yacs: a value of the wrong type
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _set_select(cfg: CN, sub: str, text: str) -> None:
+    """SELECT from the command line: a YAML mapping for the whole node, or one of its keys."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{SELECT_KEY}: {text!r} is not valid YAML ({e})") from None
+    node = cfg.MODEL.ACTIVATION_CHECKPOINTING
+    if not sub:
+        if value in (None, {}):
+            node.SELECT = CN(new_allowed=True)
+            return
+        if not isinstance(value, dict):
+            raise ValueError(f"{SELECT_KEY} takes a mapping such as \"{{every_k: 2, types: [torchvision.models.resnet.Bottleneck]}}\", got {text!r}")
+        node.SELECT = CN(value, new_allowed=True)
+    else:
+        node.SELECT[sub] = value
+
+
 def _check(cfg: CN) -> None:
+    from .selective import condition_from_config  # here, so that importing the config stays light
+    from .ssl.model import check_backbone_name
+
+    check_backbone_name(cfg.MODEL.TRUNK.NAME)
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if ac.STRATEGY not in ("vissl", "balanced"):
         raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.STRATEGY must be vissl or balanced, got {ac.STRATEGY!r}")
+    budget_bytes(ac.MEMORY_BUDGET)  # validates
+    if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS < 1:
+        raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS must be >= 1, got {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS}")
+    if len(ac.SELECT):
+        try:
+            condition_from_config(dict(ac.SELECT))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{SELECT_KEY}: {e}") from None
+        _say_which_wins(ac)
+    for key in ("TRAIN.BATCH_SIZE_PER_RANK", "TRAIN.STEPS", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "DATA.NUM_IMAGES", "DATA.IMAGE_SIZE"):
+        section, name = key.split(".")
+        if cfg[section][name] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[section][name]}")
+    if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
+        raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
     if cfg.METHOD.NAME not in ("simclr", "swav"):
         raise ValueError(f"METHOD.NAME must be simclr or swav, got {cfg.METHOD.NAME!r}")
     if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
@@ -104,3 +170,42 @@ def _check(cfg: CN) -> None:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def budget_bytes(value: float):
+    """MEMORY_BUDGET as ``CheckpointedTrunk`` takes it: None (0, off), a fraction in (0, 1], or whole bytes.
+
+    YAML has no separate integer type for a float key, so bytes are written as a
+    float (``2.0e+9``); a value above 1 that is not a whole number (``1.5``) is
+    most likely a fraction gone wrong and is refused, as are negative, infinite
+    and NaN values."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"MEMORY_BUDGET must be 0 (off), a fraction in (0, 1] or a whole number of bytes, got {value!r}")
+    if value <= 1:
+        return float(value)
+    if value != int(value):
+        raise ValueError(f"MEMORY_BUDGET {value!r} is neither a fraction in (0, 1] nor a whole number of bytes (did you mean {value / 100:g}?)")
+    return int(value)
+
+
+def _say_which_wins(ac: CN) -> None:
+    """SELECT replaces trunk splitting; say so where the config also asks for splitting."""
+    if not ac.USE_ACTIVATION_CHECKPOINTING:
+        warnings.warn("USE_ACTIVATION_CHECKPOINTING is False, so SELECT is ignored: nothing is checkpointed", UserWarning, stacklevel=3)
+        return
+    ignored = []
+    if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS != 1:
+        ignored.append(f"NUM_ACTIVATION_CHECKPOINTING_SPLITS {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS}")
+    if ac.STRATEGY != "vissl":
+        ignored.append(f"STRATEGY {ac.STRATEGY}")
+    if ac.MEMORY_BUDGET:
+        ignored.append(f"MEMORY_BUDGET {ac.MEMORY_BUDGET:g}")
+    if ignored:
+        warnings.warn(
+            f"SELECT wins: the selected blocks are wrapped and the trunk runs as one segment, so {', '.join(ignored)} "
+            "is ignored (leave those at 1 segment, vissl and 0, or clear SELECT to split the trunk)",
+            UserWarning,
+            stacklevel=3,
+        )

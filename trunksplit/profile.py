@@ -14,6 +14,19 @@ from torch.multiprocessing.reductions import StorageWeakRef  # private: storage 
 from torch.utils._python_dispatch import TorchDispatchMode  # private: see every op's outputs
 
 
+def _drop_hooks(module: nn.Module) -> None:
+    """Remove the module hooks that ``deepcopy`` carried over to a private copy.
+
+    A user's hook (logging, feature capture) must not fire on the profiler's
+    copies. torch has no public call that removes hooks without their handles,
+    so this clears nn.Module's hook dicts directly (private attributes)."""
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+        hooks = getattr(module, attr, None)
+        if hooks is not None:
+            hooks.clear()
+
+
 class _TensorAccounting(TorchDispatchMode):
     """Counts the bytes of every storage created under it, and when each dies.
 
@@ -138,15 +151,17 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
-    BatchNorm statistics and RNG stay untouched, and hooks of wrappers such as
-    DDP never fire): one forward and one backward with weights that already hold
-    gradients. Costs about one training step plus one forward of the chain.
+    BatchNorm statistics and RNG stay untouched, and neither users' module hooks
+    nor those of wrappers such as DDP fire): one forward and one backward with
+    weights that already hold gradients. Costs about one training step plus one
+    forward of the chain. Measures with autograd on whatever the caller's mode: a
+    plan made under ``no_grad`` or ``inference_mode`` is the training plan.
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops")
     fields = {k: [] for k in keys}
     source = -1  # the unit that allocated the storage of the current activation
-    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-        h = x.detach()
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        h = x.detach().clone() if x.is_inference() else x.detach()  # an inference tensor cannot enter autograd
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
             m = _private_copy(unit)
@@ -164,6 +179,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
 
 def _private_copy(unit: nn.Module) -> nn.Module:
     m = copy.deepcopy(unit)
+    for sub in m.modules():
+        _drop_hooks(sub)
     for p in m.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     return m

@@ -6,10 +6,12 @@ ones, and :func:`condition_from_config` builds them from a YAML mapping.
 """
 import importlib
 import re
+import warnings
 from typing import Callable, List, Mapping, Type
 
 from torch import nn
 
+from .blocks import layer_splittable_before
 from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped
 
 Condition = Callable[[str, nn.Module], bool]
@@ -23,7 +25,12 @@ def by_type(*types: Type[nn.Module]) -> Condition:
 
 def by_name(pattern: str) -> Condition:
     """Select modules whose full name (as in ``named_modules()``) matches ``pattern`` entirely."""
-    regex = re.compile(pattern)
+    if not isinstance(pattern, str):
+        raise TypeError(f"by_name needs a regular expression string, got {pattern!r}")
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"by_name: {pattern!r} is not a valid regular expression ({e})") from None
     return lambda name, module: regex.fullmatch(name) is not None
 
 
@@ -63,26 +70,41 @@ def _check_types(types, who):
 def apply_activation_checkpointing(model: nn.Module, condition: Condition, offload_to_cpu: bool = False) -> List[str]:
     """Wrap, in place, every submodule of ``model`` that ``condition(name, module)`` selects.
 
-    Returns the wrapped names in ``named_modules()`` order. The root is never
-    wrapped; a module inside one that is (or already was) wrapped is left alone,
+    Returns the selected names in ``named_modules()`` order. The root is never
+    wrapped; a module inside a selected or already wrapped one is left alone,
     since its parent's checkpoint already covers it. The condition sees every
-    other submodule, in order, so counting conditions count all matches. Raises
-    ``ValueError`` listing the module types present when nothing is selected.
+    other submodule, in order, wrapped ones included, so counting conditions count
+    all matches and applying the same condition again selects the same modules
+    (wrapping twice changes nothing).
+
+    A module whose first operation is in-place (``ReLU(inplace=True)``, or a
+    ``Sequential`` starting with one) cannot be checkpointed: it would overwrite
+    the input the recompute needs. Such matches are skipped with a warning that
+    names them. Raises ``ValueError`` when nothing can be wrapped, naming the
+    module types present; the model is then unchanged.
     """
     if not callable(condition):
         raise TypeError(f"condition must be a (name, module) -> bool callable, got {condition!r}")
     if hasattr(condition, "reset"):
         condition.reset()
-    selected, covered = [], []
+    selected, in_place, covered = [], [], []
     for name, module in model.named_modules():
         if not name or any(name.startswith(c + ".") for c in covered):
             continue
-        if is_checkpoint_wrapped(module):
-            covered.append(name)
-            continue
         if condition(name, module):
-            selected.append((name, module))
+            if layer_splittable_before(module):
+                selected.append((name, module))
+                covered.append(name)
+            else:
+                in_place.append(name)
+        elif is_checkpoint_wrapped(module):
             covered.append(name)
+    if in_place:
+        shown = ", ".join(in_place[:5]) + (f" and {len(in_place) - 5} more" if len(in_place) > 5 else "")
+        message = f"not checkpointing {len(in_place)} selected module(s) whose first operation is in-place ({shown}): a checkpoint would overwrite its own input"
+        if not selected:
+            raise ValueError(message + "; nothing else was selected. Select the blocks that contain them instead (by_type of the block class)")
+        warnings.warn(message, UserWarning, stacklevel=2)
     if not selected:
         present = sorted({type(m).__name__ for n, m in model.named_modules() if n})
         raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}")
@@ -112,12 +134,25 @@ def condition_from_config(select: Mapping) -> Condition:
     unknown = set(select) - {"types", "every_k", "name_regex"}
     if unknown:
         raise ValueError(f"unknown selection key(s) {sorted(unknown)}; use types, every_k, name_regex")
-    types = tuple(_import_class(p) for p in select.get("types", ()))
+    paths = select.get("types", ())
+    if isinstance(paths, str):  # one class written without brackets
+        paths = [paths]
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) for p in paths):
+        raise ValueError(f"SELECT.types must be a list of dotted class paths (torchvision.models.resnet.Bottleneck), got {paths!r}")
+    types = tuple(_import_class(p) for p in paths)
+    for path, t in zip(paths, types):
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise ValueError(f"SELECT.types: {path!r} is not an nn.Module class")
     parts = []
-    if select.get("name_regex"):
+    if "name_regex" in select:
+        if not isinstance(select["name_regex"], str) or not select["name_regex"]:
+            raise ValueError(f"SELECT.name_regex must be a non-empty regular expression, got {select['name_regex']!r}")
         parts.append(by_name(select["name_regex"]))
-    if select.get("every_k"):
-        parts.append(every_k(int(select["every_k"]), *types))
+    if "every_k" in select:
+        k = select["every_k"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"SELECT.every_k must be an integer >= 1, got {k!r}")
+        parts.append(every_k(k, *types))
     elif types:
         parts.append(by_type(*types))
     if not parts:

@@ -1,8 +1,12 @@
 """vissl's trunk splitting, exactly, and the :class:`SplitPlan` value it yields.
 
-The trunk is a chain of *units*: every feature block, with the ``res*`` stages
-expanded into their residual blocks. A plan cuts the chain into contiguous
-segments; segment boundaries fall at least after every requested feature.
+The trunk is a chain of *units*: every feature block, with the *stages*
+expanded into their blocks. A plan cuts the chain into contiguous segments;
+segment boundaries fall at least after every requested feature.
+
+Which blocks are stages: those a :class:`FeatureBlocks` names in ``stages``
+(what :func:`trunksplit.feature_blocks` returns says so for every family); in a
+plain dict, vissl's rule, the names that start with ``res``.
 """
 import warnings
 from collections import OrderedDict
@@ -12,7 +16,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 from tabulate import tabulate
 from torch import nn
 
-from .blocks import layer_splittable_before
+from .blocks import layer_splittable_before, stage_names
 
 
 @dataclass(frozen=True)
@@ -75,12 +79,12 @@ def _gflops(n: Optional[int]) -> str:
 
 
 def expand_units(blocks: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]:
-    """The chain of units: each block, with ``res*`` stages expanded into their children."""
-    units = []
+    """The chain of units: each block, with the stages expanded into their children."""
+    units, stages = [], stage_names(blocks)
     for name, block in blocks.items():
-        if name.startswith("res"):
+        if name in stages:
             if not isinstance(block, Iterable):
-                raise TypeError(f"feature block {name!r} starts with 'res' so it must be an iterable stage, got {type(block).__name__}")
+                raise TypeError(f"feature block {name!r} is a stage so it must be an iterable of blocks, got {type(block).__name__}")
             child_names = {id(m): n for n, m in block.named_children()} if isinstance(block, nn.Module) else {}
             for i, child in enumerate(block):
                 units.append((f"{name}.{child_names.get(id(child), i)}", child))
@@ -92,9 +96,9 @@ def expand_units(blocks: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]
 def feature_ends(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> "OrderedDict[str, int]":
     """For each requested feature in chain order: the unit index just past it."""
     _check_keys(blocks, keys)
-    ends, n = OrderedDict(), 0
+    ends, n, stages = OrderedDict(), 0, stage_names(blocks)
     for name, block in blocks.items():
-        n += len(block) if name.startswith("res") else 1
+        n += len(block) if name in stages else 1
         if name in keys:
             ends[name] = n
     return ends

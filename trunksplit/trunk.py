@@ -5,7 +5,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .blocks import feature_blocks
+from .blocks import FeatureBlocks, feature_blocks, layer_splittable_before, stage_names
 from .planner import plan_trunk
 from .split import SplitPlan, expand_units, feature_ends, vissl_plan
 from .wrapper import batchnorms, run_checkpointed
@@ -48,7 +48,8 @@ class CheckpointedTrunk(nn.Module):
         use_reentrant: bool = False,
     ):
         super().__init__()
-        blocks = trunk if isinstance(trunk, Mapping) else feature_blocks(trunk)
+        source = None if isinstance(trunk, Mapping) else trunk
+        blocks = trunk if source is None else feature_blocks(trunk)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
@@ -56,8 +57,11 @@ class CheckpointedTrunk(nn.Module):
         memory_budget = _check_budget(memory_budget)
         ends = feature_ends(blocks, out_feat_keys)  # validates the keys
         last = list(blocks).index(next(reversed(ends)))
+        self._stages = stage_names(blocks)
         for name, block in list(blocks.items())[: last + 1]:
             self.add_module(name, block)
+        # trunk state_dict key -> the source model's, for model_state_dict(); names only, no reference
+        self._model_keys = _key_map(self, source) if source is not None else {}
         self.out_feat_keys = tuple(out_feat_keys)
         self.num_splits = num_splits
         self.strategy = strategy
@@ -69,8 +73,30 @@ class CheckpointedTrunk(nn.Module):
         self._fixed_plan = vissl_plan(self._blocks(), list(ends), 1 if self._cost_aware else (num_splits or 1))
         self._plan: SplitPlan = self._fixed_plan
 
-    def _blocks(self) -> "OrderedDict[str, nn.Module]":
-        return OrderedDict(self.named_children())
+    def _blocks(self) -> FeatureBlocks:
+        return FeatureBlocks(self.named_children(), stages=self._stages & set(self._modules))
+
+    def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
+        """The trunk's weights and buffers under the names of the model it was built from.
+
+        ``state_dict()`` keys are feature-block names (``res2.0.conv1.weight``); this
+        gives the torchvision names (``layer1.0.conv1.weight``). The trunk does not
+        hold the classifier; pass a model of the same architecture to fill in its
+        other entries from it, so that ``model.load_state_dict(trunk.model_state_dict(model))``
+        loads strictly. A trunk built from an ordered dict of blocks has no source
+        names and raises ``ValueError``.
+        """
+        if not self._model_keys:
+            raise ValueError("this trunk was built from feature blocks, not a model: there are no model names to map to")
+        mine = self.state_dict()
+        out = OrderedDict((self._model_keys[k], v) for k, v in mine.items() if k in self._model_keys)
+        if model is not None:
+            theirs = model.state_dict()
+            extra = sorted(set(out) - set(theirs))
+            if extra:
+                raise ValueError(f"the model has no entries {extra[:5]}{' ...' if len(extra) > 5 else ''}: it is not the trunk's architecture")
+            out = OrderedDict((k, out.get(k, v)) for k, v in theirs.items())
+        return out
 
     @property
     def _cost_aware(self) -> bool:
@@ -106,10 +132,14 @@ class CheckpointedTrunk(nn.Module):
         features = {}
         for seg in plan.segments:
             layers = units[seg.start : seg.stop]
+            # A cut forced after a requested feature may fall before an in-place op (bn1 then
+            # ReLU(inplace=True)). Running it on a copy keeps the feature as its block left it
+            # and, inside a checkpoint, keeps the checkpoint's input intact for the recompute.
+            run = _run_layers_on_copy if seg.start > 0 and not layer_splittable_before(layers[0]) else _run_layers
             if checkpointing and seg.checkpointed:
-                x = run_checkpointed(_run_layers, batchnorms(layers), x, *layers, use_reentrant=self.use_reentrant)
+                x = run_checkpointed(run, batchnorms(layers), (x, *layers), use_reentrant=self.use_reentrant)
             else:
-                x = _run_layers(x, *layers)
+                x = run(x, *layers)
             if seg.stop in stops:
                 features[stops[seg.stop]] = x
         return [features[k] for k in self.out_feat_keys]
@@ -122,6 +152,20 @@ def _run_layers(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
     for layer in layers:
         x = layer(x)
     return x
+
+
+def _run_layers_on_copy(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
+    return _run_layers(x.clone(), *layers)
+
+
+def _key_map(trunk: nn.Module, model: nn.Module) -> Dict[str, str]:
+    """Trunk state_dict key -> model state_dict key, matched by tensor identity."""
+    names = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), name)
+    tensors = dict(trunk.named_parameters(remove_duplicate=False))
+    tensors.update(trunk.named_buffers(remove_duplicate=False))
+    return {k: names[id(t)] for k, t in tensors.items() if id(t) in names}
 
 
 def _check_budget(budget):

@@ -13,11 +13,11 @@ other than BatchNorm's sees them twice (ask :func:`is_recomputing`).
 """
 import contextlib
 import threading
-from typing import Any, Callable, Iterable, List
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, InstanceNorm: the norms with running stats
 from torch.utils.checkpoint import checkpoint
 
 _local = threading.local()
@@ -28,19 +28,22 @@ def is_recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def batchnorms(modules: Iterable[nn.Module]) -> List[_BatchNorm]:
-    """Every BatchNorm layer inside ``modules`` (each once)."""
+def batchnorms(modules: Iterable[nn.Module]) -> List[_NormBase]:
+    """Every norm layer with running statistics inside ``modules`` (each once).
+
+    BatchNorm is the common case; InstanceNorm with ``track_running_stats=True``
+    moves its statistics the same way and needs the same care."""
     seen, found = set(), []
     for top in modules:
         for m in top.modules():
-            if isinstance(m, _BatchNorm) and id(m) not in seen:
+            if isinstance(m, _NormBase) and id(m) not in seen:
                 seen.add(id(m))
                 found.append(m)
     return found
 
 
 @contextlib.contextmanager
-def _recomputing(bns: List[_BatchNorm]):
+def _recomputing(bns: List[_NormBase]):
     """Mark a recompute and keep BatchNorm buffers as the first forward left them.
 
     The recompute must normalise with the batch statistics, exactly as the first
@@ -67,15 +70,22 @@ def _recomputing(bns: List[_BatchNorm]):
         _local.depth -= 1
 
 
-def run_checkpointed(function: Callable, bns: List[_BatchNorm], *args: Any, use_reentrant: bool = False, **kwargs: Any) -> Any:
+def run_checkpointed(
+    function: Callable, bns: List[_NormBase], args: Tuple = (), kwargs: Optional[dict] = None, use_reentrant: bool = False
+) -> Any:
     """``function(*args, **kwargs)`` under activation checkpointing.
 
-    ``bns`` are the BatchNorm layers that ``function`` runs (see :func:`batchnorms`).
-    Non-reentrant mode (the default) takes keyword arguments and any output
+    ``bns`` are the norm layers with running stats that ``function`` runs (see
+    :func:`batchnorms`). ``args`` and ``kwargs`` are passed as a tuple and a dict,
+    never spread into this call or torch's, so a module's own keyword named
+    ``debug``, ``use_reentrant`` or ``function`` reaches the module unchanged.
+    Non-reentrant mode (the default) takes keyword arguments (closed over: torch's
+    non-reentrant checkpoint follows any tensor the function uses) and any output
     structure. Reentrant mode takes positional tensors only; where no input
     requires grad, torch's reentrant checkpoint would silently give the
     parameters no gradient, so a zero-size input that requires grad is added.
     """
+    kwargs = kwargs or {}
     calls = 0
 
     def run(*a, **kw):
@@ -87,7 +97,7 @@ def run_checkpointed(function: Callable, bns: List[_BatchNorm], *args: Any, use_
             return function(*a, **kw)
 
     if not use_reentrant:
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
         raise TypeError("reentrant checkpointing takes positional arguments only; use use_reentrant=False to pass keywords")
     if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -108,6 +118,9 @@ class _Checkpointed:
     """
 
     _checkpoint_base: type  # the module's class before wrapping
+    # A class default, not only an instance attribute: containers build new instances of
+    # their own class (``wrapped_sequential[1:]``), and those must run too.
+    _checkpoint_offload_to_cpu = False
 
     def forward(self, *args, **kwargs):
         forward = super().forward
@@ -116,7 +129,7 @@ class _Checkpointed:
         if self._checkpoint_offload_to_cpu:
             args, kwargs = _offload(args), _offload(kwargs)
             forward = _loading_back(forward)
-        return run_checkpointed(forward, batchnorms([self]), *args, **kwargs)
+        return run_checkpointed(forward, batchnorms([self]), args, kwargs)
 
     def __reduce_ex__(self, protocol):
         # Rebuild through the plain class so pickle never looks the generated class up by name.
@@ -174,7 +187,7 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
     """Undo :func:`checkpoint_wrapper` in place; returns the module."""
     if isinstance(module, _Checkpointed):
         module.__class__ = module._checkpoint_base
-        del module._checkpoint_offload_to_cpu
+        module.__dict__.pop("_checkpoint_offload_to_cpu", None)
     return module
 
 

@@ -37,7 +37,10 @@ def image_dataset(cfg) -> torch.utils.data.Dataset:
     transform = torchvision.transforms.Compose(
         [torchvision.transforms.Resize(size), torchvision.transforms.CenterCrop(size), torchvision.transforms.ToTensor()]
     )
-    folder = torchvision.datasets.ImageFolder(cfg.DATA.PATH, transform=transform)
+    try:
+        folder = torchvision.datasets.ImageFolder(cfg.DATA.PATH, transform=transform)
+    except FileNotFoundError as e:  # no class folders, or class folders without images
+        raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} holds no images in ImageFolder layout (root/class_name/image.jpg): {e}") from None
     return _ImagesOnly(folder)
 
 

@@ -1,6 +1,7 @@
 """The training loop: one process or many (``torchrun``), either DDP path, resumable."""
 import contextlib
 import copy
+import glob
 import json
 import math
 import os
@@ -9,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -29,7 +31,14 @@ def setup_distributed(cfg):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cfg.TRAIN.DEVICE:
-        device = torch.device(cfg.TRAIN.DEVICE)
+        try:
+            device = torch.device(cfg.TRAIN.DEVICE)
+        except RuntimeError:
+            raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE!r} is not a device; use cpu, cuda, cuda:1, or leave it empty") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("TRAIN.DEVICE asks for cuda but this machine has no usable GPU; use cpu, or leave it empty to pick")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE}: this machine has {torch.cuda.device_count()} GPU(s)")
     else:
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -49,6 +58,21 @@ def learning_rate(cfg, step: int) -> float:
     return 0.5 * base * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
+def check_output_dir(path: str, resume: bool) -> None:
+    """Refuse, before anything is written, an OUTPUT_DIR that cannot be used or would destroy a run."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"OUTPUT_DIR {path!r} cannot be created: {parent} is a file")
+    ckpt = os.path.join(path, CHECKPOINT)
+    if not resume and os.path.exists(ckpt):
+        raise ValueError(
+            f"OUTPUT_DIR {path} holds a checkpoint of an earlier run ({ckpt}): pass --resume to continue it, "
+            f"or start afresh in another OUTPUT_DIR (or delete {ckpt} first); nothing was overwritten"
+        )
+
+
 def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--resume: no checkpoint at {path}")
@@ -63,14 +87,28 @@ def load_checkpoint(path: str) -> dict:
 
 
 def save_atomically(obj, path: str) -> None:
-    """Write to a temporary file beside ``path``, then rename: a crash never leaves half a checkpoint."""
+    """Write to a temporary file beside ``path``, then rename: a crash never leaves half a checkpoint.
+
+    An exception during the save removes the temporary file; one a killed process left
+    behind is removed by :func:`remove_stale_temporaries` at the next start."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Delete ``path.tmp<pid>`` files of saves that never finished (rank 0, before training)."""
+    for tmp in glob.glob(glob.escape(path) + ".tmp*"):
+        os.remove(tmp)
 
 
 def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
+    check_output_dir(cfg.OUTPUT_DIR, resume)
     rank, world, device = setup_distributed(cfg)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     torch.manual_seed(cfg.SEED)
@@ -83,20 +121,40 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         )
     wrapped = DDP(model) if world > 1 else model
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.OPTIM.LR, momentum=cfg.OPTIM.MOMENTUM, weight_decay=cfg.OPTIM.WEIGHT_DECAY)
-    start = 0
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
+    start, rows = 0, []
     ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
+    metrics_path = os.path.join(cfg.OUTPUT_DIR, METRICS)
     if resume:
         state = load_checkpoint(ckpt_path)
-        model.load_state_dict(state["model"])
+        _check_same_model(state, cfg, ckpt_path)
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            raise ValueError(f"--resume: {ckpt_path} does not fit the configured model: {str(e).splitlines()[0]} ...; resume with the config it was trained with") from None
         optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
         start = state["step"]
+        rows = _metrics_before(metrics_path, start)  # read (and checked) before anything is written
     if rank == 0:
         os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+        remove_stale_temporaries(ckpt_path)
         with open(os.path.join(cfg.OUTPUT_DIR, "config.yaml"), "w") as f:
             f.write(cfg.dump())
-        _keep_metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start)
+        with open(metrics_path, "w") as f:
+            f.writelines(rows)
     autocast = _autocast(cfg, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
+    # Set-up that the first step would otherwise time and measure: the cost-aware plan's
+    # profiling, and allocating the gradients (zeros: backward adds into them exactly).
+    setup_start = time.perf_counter()
+    if start < cfg.TRAIN.STEPS:
+        model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
+    optimizer.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    setup_seconds = time.perf_counter() - setup_start
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0, desc="train")
     last = None
     for step in bar:
@@ -116,6 +174,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         if logging and rank == 0:
             last = {
                 "step": step + 1,
+                **({"setup_seconds": setup_seconds} if step == start else {}),
                 "loss": float(loss),
                 "lr": optimizer.param_groups[0]["lr"],
                 "images_per_sec": cfg.TRAIN.BATCH_SIZE_PER_RANK * world / seconds,
@@ -130,7 +189,8 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             )
         if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
             if rank == 0:
-                save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "config": cfg.dump()}, ckpt_path)
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": step + 1, "config": cfg.dump()}
+                save_atomically(state, ckpt_path)
             if world > 1:
                 dist.barrier()
     if world > 1:  # BatchNorm statistics of the last step differ per rank; end with rank 0's, as saved
@@ -199,11 +259,39 @@ def _autocast(cfg, device):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _keep_metrics_before(path: str, step: int) -> None:
-    """On resume, drop logged rows past the checkpoint; they will be logged again."""
+def _metrics_before(path: str, step: int) -> list:
+    """On resume: the logged rows up to the checkpoint (later ones are logged again).
+
+    A torn last line (a run killed while writing it) is dropped; a damaged line
+    before it is an error that names the file and the line."""
     if not os.path.exists(path):
-        return
+        return []
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(rows)
+        lines = f.readlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step_of_row = row["step"]
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):
+                break  # torn by an interruption: it will be logged again
+            raise ValueError(f"--resume: {path} line {number} is not a metrics row ({line.strip()[:60]!r}); fix or remove that line") from None
+        if step_of_row <= step:
+            rows.append(line if line.endswith("\n") else line + "\n")
+    return rows
+
+
+def _check_same_model(state: dict, cfg, path: str) -> None:
+    """The checkpoint must be of the configured architecture (a clear error instead of a size mismatch)."""
+    try:
+        saved = yaml.safe_load(state.get("config") or "{}")["MODEL"]["TRUNK"]["NAME"]
+    except (yaml.YAMLError, KeyError, TypeError):
+        saved = None
+    if saved is not None and saved != cfg.MODEL.TRUNK.NAME:
+        raise ValueError(
+            f"--resume: {path} holds a {saved} run, but the config asks for {cfg.MODEL.TRUNK.NAME}; "
+            "resume with the same MODEL.TRUNK.NAME, or start afresh in another OUTPUT_DIR"
+        )

@@ -6,16 +6,33 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+from ..config import budget_bytes
 from ..selective import apply_activation_checkpointing, condition_from_config
+from ..blocks import feature_blocks
 from ..trunk import CheckpointedTrunk
+
+
+def check_backbone_name(name: str) -> None:
+    """A torchvision classification model's name, or a ``ValueError`` that lists them."""
+    names = torchvision.models.list_models(module=torchvision.models)
+    if name not in names:
+        raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r} (try resnet50, convnext_tiny, vit_b_16; all: {', '.join(names)})")
+
+
+def build_backbone(name: str) -> nn.Module:
+    """A randomly initialised torchvision classification model (nothing is downloaded) that trunksplit can cut."""
+    check_backbone_name(name)
+    model = torchvision.models.get_model(name)
+    try:
+        feature_blocks(model)
+    except TypeError as e:
+        raise ValueError(f"MODEL.TRUNK.NAME {name!r}: {e}") from None
+    return model
 
 
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
-    name = cfg.MODEL.TRUNK.NAME
-    if not name.islower() or not callable(getattr(torchvision.models, name, None)):
-        raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r} (try resnet50, resnext50_32x4d, regnet_y_1_6gf)")
-    model = getattr(torchvision.models, name)()  # random init: nothing is downloaded
+    model = build_backbone(cfg.MODEL.TRUNK.NAME)
     keys = list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS)
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
@@ -29,7 +46,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         keys,
         num_splits=ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
         strategy=ac.STRATEGY,
-        memory_budget=_budget(ac.MEMORY_BUDGET),
+        memory_budget=budget_bytes(ac.MEMORY_BUDGET),
         use_reentrant=ac.USE_REENTRANT,
     )
 
@@ -45,11 +62,8 @@ class SSLModel(nn.Module):
 
     def forward(self, crops: List[torch.Tensor]) -> List[torch.Tensor]:
         """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop."""
-        out, i = [], 0
-        while i < len(crops):
-            j = i
-            while j < len(crops) and crops[j].shape[-2:] == crops[i].shape[-2:]:
-                j += 1
+        out = []
+        for i, j in _same_size_runs(crops):
             feature = self.trunk(torch.cat(crops[i:j]))[-1]
             if feature.dim() == 4:
                 feature = feature.mean(dim=(2, 3))
@@ -57,13 +71,29 @@ class SSLModel(nn.Module):
             if self.prototypes is not None:
                 z = self.prototypes(F.normalize(z, dim=1))
             out += list(z.chunk(j - i))
-            i = j
         return out
+
+    def plan_for(self, crops: List[torch.Tensor], autocast) -> None:
+        """Make the trunk's cost-aware plans for these crops now (one per resolution), not in the first step."""
+        for i, j in _same_size_runs(crops):
+            with autocast:
+                self.trunk.plan_for(torch.cat(crops[i:j]))
 
     @torch.no_grad()
     def normalize_prototypes(self) -> None:
         if self.prototypes is not None:
             self.prototypes.weight.copy_(F.normalize(self.prototypes.weight, dim=1))
+
+
+def _same_size_runs(crops: List[torch.Tensor]):
+    """(start, stop) of each run of consecutive crops of one size: they are batched through the trunk together."""
+    i = 0
+    while i < len(crops):
+        j = i
+        while j < len(crops) and crops[j].shape[-2:] == crops[i].shape[-2:]:
+            j += 1
+        yield i, j
+        i = j
 
 
 def build_model(cfg) -> SSLModel:
@@ -78,9 +108,3 @@ def build_model(cfg) -> SSLModel:
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
     return SSLModel(trunk, dim, cfg.MODEL.HEAD.HIDDEN_DIM, cfg.MODEL.HEAD.OUTPUT_DIM, prototypes)
 
-
-def _budget(value: float):
-    """The config's float: 0 is off, (0, 1] a fraction of the unsplit peak, above 1 bytes."""
-    if not value:
-        return None
-    return int(value) if value > 1 else float(value)
