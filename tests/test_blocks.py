@@ -92,3 +92,23 @@ def test_vissl_plan_is_made_once_not_on_every_forward(monkeypatch):
     for _ in range(2):
         sum(f.sum() for f in trunk(torch.randn(2, 3, 32, 32))).backward()
     assert calls == []
+
+
+def test_stages_are_what_feature_blocks_name_not_a_res_prefix():
+    from trunksplit.blocks import FeatureBlocks
+
+    model = TinyNet()
+    named = FeatureBlocks([("stem", model.stem), ("body", model.stage), ("flatten", nn.Flatten(1))], stages=["body"])
+    trunk = CheckpointedTrunk(named, ["flatten"], num_splits=3)
+    assert trunk.plan.units == ("stem", "body.0", "body.1", "body.2", "body.3", "flatten")
+    # a plain dict keeps vissl's rule: "res*" expands, anything else is one unit
+    plain = CheckpointedTrunk(OrderedDict(stem=model.stem, body=model.stage, flatten=nn.Flatten(1)), ["flatten"])
+    assert plain.plan.units == ("stem", "body", "flatten")
+    with pytest.raises(ValueError, match=r"stages \['nope'\] are not among the feature blocks"):
+        FeatureBlocks([("stem", model.stem)], stages=["nope"])
+
+
+@pytest.mark.parametrize("arch", ["alexnet", "googlenet", "squeezenet1_0"])
+def test_families_that_are_not_chains_name_the_supported_ones(arch):
+    with pytest.raises(TypeError, match=r"Supported families: .*ConvNeXt.*VisionTransformer"):
+        feature_blocks(torchvision.models.get_model(arch))

@@ -77,3 +77,10 @@ def test_bench_takes_byte_budgets_and_more_splits_than_layers(tmp_path, capsys):
     assert "| budget 2e+09" in table and "only 14 layers" in table
     budget_row = next(line for line in table.splitlines() if line.startswith("| budget 2e+09"))
     assert "| 1.00 " in budget_row  # 2 GB is above the unsplit peak: nothing is cut
+
+
+@pytest.mark.parametrize("arch,shape", [("vit_b_16", "1x3x64x64"), ("mobilenet_v3_small", "2x3x64x64"), ("swin_t", "1x3x64x64")])
+def test_plan_takes_every_family(arch, shape, capsys):
+    assert main(["plan", "--arch", arch, "--splits", "3", "--strategy", "balanced", "--input", shape]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SplitPlan (balanced, 3 segments") and "of unsplit" in out

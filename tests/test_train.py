@@ -296,3 +296,20 @@ def test_resume_with_another_architecture_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds a resnet18 run, but the config asks for resnet34"):
         train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, "MODEL.TRUNK.NAME", "resnet34"]), resume=True)
     assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("config,name", [("simclr_vit_b_16.yaml", "vit_b_16"), ("swav_convnext_tiny_multicrop.yaml", "convnext_tiny")])
+def test_shipped_configs_train_vit_and_convnext(tmp_path, config, name):
+    crops = "[64]" if name.startswith("vit") else "[96, 64]"
+    overrides = ["OUTPUT_DIR", str(tmp_path / "run"), "TRAIN.STEPS", "1", "TRAIN.BATCH_SIZE_PER_RANK", "2", "DATA.CROP_SIZES", crops,
+                 "DATA.IMAGE_SIZE", "96", "MODEL.HEAD.HIDDEN_DIM", "64", "METHOD.NUM_PROTOTYPES", "16", "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.7"]
+    cfg = load_config(os.path.join(ROOT, "configs", config), overrides)
+    model, last = train(cfg)
+    assert cfg.MODEL.TRUNK.NAME == name and math.isfinite(last["loss"])
+    assert last["memory_vs_plain"]["checkpointed"] < last["memory_vs_plain"]["plain"]
+
+
+def test_vit_with_several_resolutions_is_refused():
+    with pytest.raises(ValueError, match="vit_b_16 is built for one resolution"):
+        load_config(os.path.join(ROOT, "configs", "simclr_vit_b_16.yaml"), ["DATA.CROP_SIZES", "[224, 96]", "DATA.CROP_COUNTS", "[2, 6]",
+                                                                             "DATA.CROP_SCALES", "[[0.1, 1.0], [0.05, 0.1]]", "METHOD.NAME", "swav"])

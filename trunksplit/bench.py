@@ -45,7 +45,7 @@ class Row:
 
 def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool) -> List[Row]:
     torch.manual_seed(0)
-    base = build_backbone(arch).to(x.device)
+    base = build_backbone(arch, x.shape[-1]).to(x.device)
     plain = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
     start = time.perf_counter()
     model = peak_model(plain, x)  # what a cost-aware plan measures, once per input shape
@@ -70,12 +70,19 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
         except ValueError as e:
             rows.append(Row(arch, f"budget {b:g}", "budget", None, note=str(e).split("; ")[-1]))
     if selective:
-        block = type(plain.res2[0])
+        block = _block_type(plain)
         for k, label in [(1, "every block"), (2, "every 2nd block")]:
             trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
             names = apply_activation_checkpointing(trunk, every_k(k, block))
             rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(trunk)))
     return rows
+
+
+def _block_type(trunk: CheckpointedTrunk) -> type:
+    """The class the trunk's stages are made of (Bottleneck, CNBlock, EncoderBlock ...): the most common one."""
+    stages = trunk._blocks().stages
+    kinds = [type(m) for name, stage in trunk._blocks().items() if name in stages for m in stage]
+    return max(set(kinds), key=kinds.count)
 
 
 def _sequential_row(arch, base, x, k, model, total_flops) -> Row:

@@ -1,10 +1,11 @@
-"""Turn a torchvision trunk into ordered, named feature blocks.
+"""Turn a model into ordered, named feature blocks.
 
 vissl's trunks expose their layers as ``feature_blocks``: an ordered dict whose
 ``res2``..``res5`` entries are stages that the splitter expands into their
-residual blocks. :func:`feature_blocks` gives the same view of a stock torchvision
-model (the values are the model's own module objects, so training the blocks
-trains the model), and :func:`register_trunk` teaches it other families.
+residual blocks. :func:`feature_blocks` gives the same view of every torchvision
+classification family (``families.py``; the values are the model's own module
+objects, so training the blocks trains the model), and :func:`register_trunk`
+teaches it other families. :class:`FeatureBlocks` says which blocks are stages.
 """
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Mapping, Optional, Type
@@ -47,9 +48,11 @@ def register_trunk(model_type: Type[nn.Module], fn: Callable[[nn.Module], "Order
     """Teach :func:`feature_blocks` a model family.
 
     ``fn(model)`` must return an ordered dict of the model's own modules in
-    execution order; entries named ``res*`` must be iterable stages (their
-    children become the units the splitter may cut between). Subclasses of
-    ``model_type`` are covered too.
+    execution order, whose last entry gives the features the caller wants. A
+    :class:`FeatureBlocks` names its stages (iterables whose children become
+    the units the splitter may cut between); in a plain dict the entries named
+    ``res*`` are the stages, as in vissl. Subclasses of ``model_type`` are
+    covered too, and a later registration of the same type replaces the earlier.
     """
     if not (isinstance(model_type, type) and issubclass(model_type, nn.Module)):
         raise TypeError(f"register_trunk expects an nn.Module subclass, got {model_type!r}")
@@ -58,14 +61,17 @@ def register_trunk(model_type: Type[nn.Module], fn: Callable[[nn.Module], "Order
     _TRUNK_FAMILIES[model_type] = fn
 
 
-def feature_blocks(model: nn.Module) -> "OrderedDict[str, nn.Module]":
+def feature_blocks(model: nn.Module) -> FeatureBlocks:
     """The model's feature blocks, in execution order, named as vissl names them.
 
     ResNet family (resnet*, resnext*, wide_resnet*):
     ``conv1, bn1, conv1_relu, maxpool, res2, res3, res4, res5, avgpool, flatten``.
     RegNet family: ``conv1`` (the stem), ``res2``..``res5``, ``avgpool``, ``flatten``.
-    The classifier head is left out. ``flatten`` is a new ``nn.Flatten(1)``; every
-    other value is the model's own module object.
+    Every other torchvision classification family: see ``trunksplit/families.py``
+    (hierarchical ones name their stride-4..32 stages ``res2``..``res5``; ViT has
+    ``embed, encoder, norm, flatten``). The classifier head is left out; the last
+    key is always ``flatten``, the pooled ``[B, C]`` vector the classifier starts
+    from. Values are the model's own modules, or small adapters holding them.
     """
     for klass in type(model).__mro__:
         if klass in _TRUNK_FAMILIES:
@@ -75,37 +81,6 @@ def feature_blocks(model: nn.Module) -> "OrderedDict[str, nn.Module]":
         f"feature_blocks does not know {type(model).__qualname__}. Supported families: {known}. "
         "Pass an OrderedDict of feature blocks instead, or call trunksplit.register_trunk."
     )
-
-
-def _resnet_blocks(model: torchvision.models.ResNet) -> "OrderedDict[str, nn.Module]":
-    return OrderedDict(
-        conv1=model.conv1,
-        bn1=model.bn1,
-        conv1_relu=model.relu,
-        maxpool=model.maxpool,
-        res2=model.layer1,
-        res3=model.layer2,
-        res4=model.layer3,
-        res5=model.layer4,
-        avgpool=model.avgpool,
-        flatten=nn.Flatten(1),
-    )
-
-
-def _regnet_blocks(model: torchvision.models.RegNet) -> "OrderedDict[str, nn.Module]":
-    stages = list(model.trunk_output.children())
-    if len(stages) != 4:
-        raise TypeError(f"expected a RegNet with 4 stages, this one has {len(stages)}")
-    blocks = OrderedDict(conv1=model.stem)
-    for i, stage in enumerate(stages):
-        blocks[f"res{i + 2}"] = stage
-    blocks["avgpool"] = model.avgpool
-    blocks["flatten"] = nn.Flatten(1)
-    return blocks
-
-
-register_trunk(torchvision.models.ResNet, _resnet_blocks)
-register_trunk(torchvision.models.RegNet, _regnet_blocks)
 
 
 def layer_splittable_before(module: nn.Module) -> bool:
@@ -126,3 +101,6 @@ def layer_splittable_before(module: nn.Module) -> bool:
     while isinstance(module, nn.Sequential) and len(module) > 0:
         module = module[0]
     return getattr(module, "inplace", False) is not True
+
+
+from . import families  # noqa: E402,F401  registers torchvision's families (it imports this module)

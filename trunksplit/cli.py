@@ -63,7 +63,7 @@ def _plan(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            model = build_backbone(args.arch)
+            model = build_backbone(args.arch, args.input[-1])
             trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget)
             costs = peak_model(trunk, x)
             plan = annotate(trunk.plan_for(x), costs)
@@ -87,7 +87,7 @@ def _bench(args) -> int:
 
     for arch in args.arch:  # every name checked before an hour of measuring
         try:
-            build_backbone(arch)
+            build_backbone(arch, args.resolution)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
             return 2

@@ -141,9 +141,11 @@ def _set_select(cfg: CN, sub: str, text: str) -> None:
 
 def _check(cfg: CN) -> None:
     from .selective import condition_from_config  # here, so that importing the config stays light
-    from .ssl.model import check_backbone_name
+    from .ssl.model import check_backbone_name, fixed_resolution
 
     check_backbone_name(cfg.MODEL.TRUNK.NAME)
+    if fixed_resolution(cfg.MODEL.TRUNK.NAME) and len(set(cfg.DATA.CROP_SIZES)) > 1:
+        raise ValueError(f"{cfg.MODEL.TRUNK.NAME} is built for one resolution; DATA.CROP_SIZES {list(cfg.DATA.CROP_SIZES)} asks for several")
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if ac.STRATEGY not in ("vissl", "balanced"):
         raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.STRATEGY must be vissl or balanced, got {ac.STRATEGY!r}")

@@ -1,5 +1,5 @@
 """An SSL model: a checkpointed torchvision trunk, a projection head, SwAV's prototypes."""
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +19,23 @@ def check_backbone_name(name: str) -> None:
         raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r} (try resnet50, convnext_tiny, vit_b_16; all: {', '.join(names)})")
 
 
-def build_backbone(name: str) -> nn.Module:
-    """A randomly initialised torchvision classification model (nothing is downloaded) that trunksplit can cut."""
+def fixed_resolution(name: str) -> bool:
+    """ViT and MaxViT are built for one input size (position embeddings, attention partitions)."""
+    return name.startswith(("vit_", "maxvit"))
+
+
+def build_backbone(name: str, image_size: Optional[int] = None) -> nn.Module:
+    """A randomly initialised torchvision classification model (nothing is downloaded) that trunksplit can cut.
+
+    ``image_size`` builds ViT and MaxViT for that resolution (the zoo's default is 224)."""
     check_backbone_name(name)
-    model = torchvision.models.get_model(name)
+    kwargs = {}
+    if image_size is not None and fixed_resolution(name):
+        kwargs = {"image_size": image_size} if name.startswith("vit_") else {"input_size": (image_size, image_size)}
+    try:
+        model = torchvision.models.get_model(name, **kwargs)
+    except (ValueError, AssertionError, RuntimeError) as e:  # e.g. a ViT size that is not a multiple of its patch
+        raise ValueError(f"MODEL.TRUNK.NAME {name} cannot be built for {image_size}px crops: {e}") from None
     try:
         feature_blocks(model)
     except TypeError as e:
@@ -32,7 +45,7 @@ def build_backbone(name: str) -> nn.Module:
 
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
-    model = build_backbone(cfg.MODEL.TRUNK.NAME)
+    model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
     keys = list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS)
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:

@@ -1,0 +1,66 @@
+"""Small instances of every torchvision family (the zoo's own classes, fewer channels and
+blocks, so a training step takes milliseconds), and each model's head, to remove for a reference."""
+import torch
+import torchvision
+from torch import nn
+from torchvision.models import convnext, maxvit, vgg, vision_transformer
+from torchvision.models import swin_transformer as swin
+
+# name -> builder; stochastic depth and dropout are on, so RNG exactness is exercised
+SMALL = {
+    "resnet18": lambda: torchvision.models.resnet18(),
+    "regnet_x_400mf": lambda: torchvision.models.regnet_x_400mf(),
+    "convnext": lambda: convnext.ConvNeXt(
+        [convnext.CNBlockConfig(16, 32, 1), convnext.CNBlockConfig(32, 64, 1), convnext.CNBlockConfig(64, 96, 2), convnext.CNBlockConfig(96, None, 1)],
+        stochastic_depth_prob=0.3,
+    ),
+    "efficientnet_b0": lambda: torchvision.models.efficientnet_b0(stochastic_depth_prob=0.3),
+    "efficientnet_v2_s": lambda: torchvision.models.efficientnet_v2_s(stochastic_depth_prob=0.3),
+    "mobilenet_v2": lambda: torchvision.models.mobilenet_v2(width_mult=0.5),
+    "mobilenet_v3_small": lambda: torchvision.models.mobilenet_v3_small(),
+    "mnasnet0_5": lambda: torchvision.models.mnasnet0_5(),
+    "shufflenet_v2_x0_5": lambda: torchvision.models.shufflenet_v2_x0_5(),
+    "densenet": lambda: torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16),
+    "vgg": lambda: vgg.VGG(vgg.make_layers([8, "M", 16, "M", 16, 16, "M", 32, "M", 32, "M"], batch_norm=True), num_classes=10),
+    "swin": lambda: swin.SwinTransformer([4, 4], 16, [1, 1, 2, 1], [1, 2, 2, 4], [2, 2], stochastic_depth_prob=0.3),
+    "swin_v2": lambda: swin.SwinTransformer(
+        [4, 4], 16, [1, 1, 2, 1], [1, 2, 2, 4], [2, 2], stochastic_depth_prob=0.3, block=swin.SwinTransformerBlockV2, downsample_layer=swin.PatchMergingV2
+    ),
+    "maxvit": lambda: maxvit.MaxVit((64, 64), 16, 2, [16, 32, 32, 48], [1, 1, 2, 1], 8, stochastic_depth_prob=0.3, num_classes=10),
+    "vit": lambda: vision_transformer.VisionTransformer(32, 8, 3, 2, 32, 64, dropout=0.1),
+}
+
+
+def small(name, seed=0):
+    torch.manual_seed(seed)
+    return SMALL[name]()
+
+
+def input_for(name, batch=2):
+    size = 32 if name == "vit" else 64
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+
+
+# The head starts at the classifier's first Linear; replacing it by Identity leaves the
+# model's own forward computing the pooled feature trunksplit calls "flatten".
+_HEADS = {
+    torchvision.models.ResNet: lambda m: setattr(m, "fc", nn.Identity()),
+    torchvision.models.RegNet: lambda m: setattr(m, "fc", nn.Identity()),
+    torchvision.models.ConvNeXt: lambda m: m.classifier.__setitem__(2, nn.Identity()),
+    torchvision.models.EfficientNet: lambda m: setattr(m, "classifier", nn.Identity()),
+    torchvision.models.MobileNetV2: lambda m: setattr(m, "classifier", nn.Identity()),
+    torchvision.models.MobileNetV3: lambda m: setattr(m, "classifier", nn.Identity()),
+    torchvision.models.MNASNet: lambda m: setattr(m, "classifier", nn.Identity()),
+    torchvision.models.ShuffleNetV2: lambda m: setattr(m, "fc", nn.Identity()),
+    torchvision.models.DenseNet: lambda m: setattr(m, "classifier", nn.Identity()),
+    torchvision.models.VGG: lambda m: setattr(m, "classifier", nn.Identity()),
+    torchvision.models.SwinTransformer: lambda m: setattr(m, "head", nn.Identity()),
+    torchvision.models.MaxVit: lambda m: [m.classifier.__setitem__(i, nn.Identity()) for i in (3, 4, 5)],
+    torchvision.models.VisionTransformer: lambda m: setattr(m, "heads", nn.Identity()),
+}
+
+
+def without_head(model):
+    """The model itself, its classifier from the first Linear on replaced by Identity."""
+    _HEADS[type(model)](model)
+    return model
