@@ -201,12 +201,12 @@ def test_bf16_autocast_step_equals_the_plain_model_under_the_same_autocast(reent
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("how", [dict(num_splits=4), dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.85)])
+@pytest.mark.parametrize("how", [dict(num_splits=4), dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.85, gradients="kept")])
 def test_a_feature_followed_by_an_in_place_op_trains_exactly(reentrant, how):
     # The cut forced after bn1 starts a segment with ReLU(inplace=True): the segment must
     # not overwrite its checkpointed input, and the feature is bn1's output, unmodified.
     plain, model, trunk, want, got, _ = _step_both("resnet18", ["bn1", "flatten"], how.pop("num_splits", None), reentrant, **how)
-    assert trunk.plan.units[trunk.plan.segments[1].start] == "conv1_relu"
+    assert "conv1_relu" in [trunk.plan.units[s.start] for s in trunk.plan.segments]
     assert got[0].min() < 0  # pre-ReLU values: not overwritten by the in-place ReLU
     _check_step(plain, model, trunk, want, got, reentrant)
 

@@ -1,5 +1,6 @@
 """trunksplit: train vision trunks with less activation memory and the same gradients."""
 from .blocks import feature_blocks, layer_splittable_before, register_trunk
+from .fit import Fit, fit
 from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
 from .profile import PeakMemory
 from .selective import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k
@@ -11,6 +12,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedTrunk",
+    "Fit",
+    "fit",
     "PeakMemory",
     "apply_activation_checkpointing",
     "by_name",

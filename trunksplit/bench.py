@@ -3,9 +3,11 @@
 Every row is one way of running the same trunk on the same batch: the plain
 trunk, torch's ``checkpoint_sequential`` with equal segments, vissl's plan,
 the balanced plan, memory-budget plans, and selective wrapping of residual
-blocks. Peaks are measured (``PeakMemory``) on a step whose parameters already
-hold gradients; step times are medians of interleaved repeats, reported as
-ratios to the plain trunk measured in the same run.
+blocks. Peaks are measured (``PeakMemory``) on a second step, in the gradient
+mode asked for: ``allocated`` (torch's default ``zero_grad()``: the step
+allocates the gradients) or ``kept`` (they exist before the step); step times
+are medians of interleaved repeats, reported as ratios to the plain trunk
+measured in the same run.
 """
 import copy
 import os
@@ -35,6 +37,7 @@ class Row:
     name: str
     strategy: str  # line in the plot: plain, checkpoint_sequential, vissl, balanced, budget, selective
     run: Optional[Callable[[torch.Tensor], torch.Tensor]]  # x -> scalar loss; None where it cannot run
+    module: Optional[nn.Module] = None  # what holds the parameters ``run`` trains
     predicted: Optional[int] = None
     recompute: Optional[float] = None  # recomputed FLOPs / forward FLOPs
     note: str = ""
@@ -43,10 +46,14 @@ class Row:
     profile_seconds: Optional[float] = None  # plain row: the time a cost-aware plan spends measuring
 
 
-def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool) -> List[Row]:
+def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str) -> List[Row]:
     torch.manual_seed(0)
     base = build_backbone(arch, x.shape[-1]).to(x.device)
-    plain = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
+
+    def trunk(**kw):
+        return CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients, **kw)
+
+    plain = trunk()
     start = time.perf_counter()
     model = peak_model(plain, x)  # what a cost-aware plan measures, once per input shape
     profile_seconds = time.perf_counter() - start
@@ -55,26 +62,26 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
     def trunk_row(name, strategy, trunk):
         plan = annotate(trunk.plan_for(x), model)
         recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
-        return Row(arch, name, strategy, _loss_fn(trunk), plan.predicted_peak_bytes, recompute)
+        return Row(arch, name, strategy, _loss_fn(trunk), trunk, plan.predicted_peak_bytes, recompute)
 
-    rows = [Row(arch, "plain", "plain", _loss_fn(plain), model.peak([0]), 0.0, profile_seconds=profile_seconds)]
+    rows = [Row(arch, "plain", "plain", _loss_fn(plain), plain, model.peak([0]), 0.0, profile_seconds=profile_seconds)]
     for k in splits:
-        rows.append(_sequential_row(arch, base, x, k, model, total_flops))
+        rows.append(_sequential_row(arch, trunk(), x, k, model, total_flops))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rows.append(trunk_row(f"vissl k={k}", "vissl", CheckpointedTrunk(copy.deepcopy(base), ["flatten"], num_splits=k)))
-            rows.append(trunk_row(f"balanced k={k}", "balanced", CheckpointedTrunk(copy.deepcopy(base), ["flatten"], num_splits=k, strategy="balanced")))
+            rows.append(trunk_row(f"vissl k={k}", "vissl", trunk(num_splits=k)))
+            rows.append(trunk_row(f"balanced k={k}", "balanced", trunk(num_splits=k, strategy="balanced")))
     for b in budgets:
         try:
-            rows.append(trunk_row(f"budget {b:g}", "budget", CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=b)))
+            rows.append(trunk_row(f"budget {b:g}", "budget", trunk(memory_budget=b)))
         except ValueError as e:
             rows.append(Row(arch, f"budget {b:g}", "budget", None, note=str(e).split("; ")[-1]))
     if selective:
         block = _block_type(plain)
         for k, label in [(1, "every block"), (2, "every 2nd block")]:
-            trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
-            names = apply_activation_checkpointing(trunk, every_k(k, block))
-            rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(trunk)))
+            wrapped = trunk()
+            names = apply_activation_checkpointing(wrapped, every_k(k, block))
+            rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(wrapped), wrapped))
     return rows
 
 
@@ -85,16 +92,15 @@ def _block_type(trunk: CheckpointedTrunk) -> type:
     return max(set(kinds), key=kinds.count)
 
 
-def _sequential_row(arch, base, x, k, model, total_flops) -> Row:
+def _sequential_row(arch, trunk, x, k, model, total_flops) -> Row:
     """torch's checkpoint_sequential with k equal segments over the flattened trunk."""
-    trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"])
     chain = nn.Sequential(*[m for _, m in expand_units(trunk._blocks())])
     n = len(chain)
     if k > n:
         return Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, note=f"only {n} layers")
     size = n // k
     starts = [i * size for i in range(k)]
-    row = Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, model.peak(starts), model.total_recompute(starts) / total_flops)
+    row = Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, chain, model.peak(starts), model.total_recompute(starts) / total_flops)
     run = lambda x: checkpoint_sequential(chain, k, x, use_reentrant=False).sum()  # noqa: E731
     try:
         run(x).backward()
@@ -109,17 +115,27 @@ def _loss_fn(trunk):
     return lambda x: sum(f.sum() for f in trunk(x))
 
 
-def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool) -> None:
+def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gradients: str) -> None:
     runnable = [r for r in rows if r.run is not None]
     bar = tqdm(total=len(runnable) * (2 + repeats), desc="bench", disable=not progress)
+
+    def zero_grad(r):  # as the training loop would between steps
+        for p in r.module.parameters():
+            if gradients == "allocated":
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
     for r in runnable:
-        r.run(x).backward()  # parameters get their .grad, as from the second step of training on
+        r.run(x).backward()  # a first step: parameters get their .grad
+        zero_grad(r)
         with PeakMemory(x.device) as mem:
             r.run(x).backward()
         r.peak, r.times = mem.peak_bytes, []
         bar.update(2)
     for _ in range(repeats):  # interleaved, so drifting machine load hits every row alike
         for r in runnable:
+            zero_grad(r)
             if x.device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -142,16 +158,17 @@ def run_benchmark(
     out_dir: Optional[str] = "output/bench",
     selective: bool = True,
     progress: bool = True,
+    gradients: str = "allocated",
 ) -> str:
     """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``)."""
     dev = torch.device(device)
     x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
     tables, all_rows = [], []
     for arch in archs:
-        rows = _trunk_rows(arch, x, splits, budgets, selective)
-        _measure(rows, x, repeats, progress)
+        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients)
+        _measure(rows, x, repeats, progress, gradients)
         all_rows += rows
-        tables.append(_table(rows, arch, x))
+        tables.append(_table(rows, arch, x, gradients))
     text = "\n\n".join(tables)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -161,7 +178,7 @@ def run_benchmark(
     return text
 
 
-def _table(rows: List[Row], arch: str, x: torch.Tensor) -> str:
+def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str) -> str:
     from tabulate import tabulate
 
     plain = rows[0]
@@ -182,7 +199,8 @@ def _table(rows: List[Row], arch: str, x: torch.Tensor) -> str:
                 r.note,
             ]
         )
-    head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond parameters and gradients"
+    beyond = "parameters (gradients allocated by the step)" if gradients == "allocated" else "parameters and kept gradients"
+    head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond {beyond}"
     headers = ["plan", "peak MiB", "peak / plain", "predicted MiB", "predicted vs measured", "recompute / forward", "step time / plain", "note"]
     return head + "\n\n" + tabulate(body, headers=headers, tablefmt="github")
 

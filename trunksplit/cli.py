@@ -1,10 +1,14 @@
-"""The ``trunksplit`` command: ``plan`` shows how a trunk would be cut, ``bench`` measures plans."""
+"""The ``trunksplit`` command: ``plan`` shows how a trunk would be cut, ``bench`` measures plans,
+``fit`` finds the largest batch whose training step fits a memory size."""
 import argparse
 import os
 import sys
 import tempfile
 import warnings
 from typing import List, Optional
+
+
+GRADIENTS_HELP = "allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False)"
 
 
 def _shape(text: str):
@@ -64,7 +68,7 @@ def _plan(args) -> int:
         warnings.simplefilter("always")
         try:
             model = build_backbone(args.arch, args.input[-1])
-            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget)
+            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients)
             costs = peak_model(trunk, x)
             plan = annotate(trunk.plan_for(x), costs)
         except ValueError as e:
@@ -95,13 +99,53 @@ def _bench(args) -> int:
     try:
         table = run_benchmark(
             args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
-            repeats=args.repeats, device=args.device, out_dir=args.out, selective=not args.no_selective,
+            repeats=args.repeats, device=args.device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
         )
     except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
         print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(table)
     print(f"\nwritten to {args.out}/benchmark.md and {args.out}/benchmark.png")
+    return 0
+
+
+def _image_shape(text: str):
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected one image's shape like 3x224x224, got {text!r}")
+    return dims
+
+
+def _memory(text: str) -> int:
+    from .fit import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fit(args) -> int:
+    import torch
+
+    from .fit import fit
+    from .ssl.model import build_backbone
+
+    try:
+        model = build_backbone(args.arch, args.input[-1]).to(args.device)
+        found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
+                    num_splits=args.splits, gradients=args.gradients)
+    except ValueError as e:
+        print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(found.trunk.plan_for(torch.zeros(found.batch_size, *args.input, device=args.device)))
+    print(found)
     return 0
 
 
@@ -115,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--budget", type=_budget, default=None, help="bytes, or a fraction of the unsplit peak")
     p.add_argument("--features", nargs="+", default=["flatten"])
     p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
+    p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
     p.set_defaults(fn=_plan)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"])
@@ -126,7 +171,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--device", default="cuda" if _cuda() else "cpu")
     b.add_argument("--out", type=_writable_dir, default="output/bench")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
+    b.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
     b.set_defaults(fn=_bench)
+    f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
+    f.add_argument("--arch", default="resnet50")
+    f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
+    f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
+    f.add_argument("--optimizer", choices=["sgd", "adamw", "none"], default="sgd")
+    f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
+    f.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    f.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    f.set_defaults(fn=_fit)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -5,6 +5,7 @@ Key names follow vissl where vissl had the concept (``MODEL.TRUNK.*``,
 """
 import math
 import os
+import re
 import warnings
 from typing import Sequence
 
@@ -48,12 +49,16 @@ _C.DATA.CROP_COUNTS = [2]
 _C.DATA.CROP_SCALES = [[0.3, 1.0]]
 
 _C.TRAIN = CN()
-_C.TRAIN.BATCH_SIZE_PER_RANK = 8
+_C.TRAIN.BATCH_SIZE_PER_RANK = 8  # 0: the largest that fits TRAIN.MEMORY_LIMIT (trunksplit.fit)
+_C.TRAIN.MEMORY_LIMIT = 0.0  # bytes resident per rank during a step (parameters, optimizer state, gradients, peak), for batch 0
 _C.TRAIN.STEPS = 20
 _C.TRAIN.LOG_EVERY = 1
 _C.TRAIN.CHECKPOINT_EVERY = 10
 _C.TRAIN.AUTOCAST = ""  # "" | bf16 | fp16
 _C.TRAIN.DEVICE = ""  # "": cuda when available, else cpu
+# allocated: optimizer.zero_grad() sets gradients to None (torch's default), so each step allocates
+# them in backward; kept: zero_grad(set_to_none=False). Memory budgets are planned for this mode.
+_C.TRAIN.GRADIENTS = "allocated"
 
 _C.OPTIM = CN()
 _C.OPTIM.LR = 0.3
@@ -94,6 +99,8 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
             if not isinstance(node, CN) or part not in node:
                 raise ValueError(f"unknown config key: {key}")
             node = node[part]
+        if isinstance(node, float) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            value = str(float(value))  # "MEMORY_BUDGET 0" means 0.0; yacs would refuse an int for a float key
         plain += [key, value]
     try:
         cfg.merge_from_list(plain)
@@ -158,10 +165,17 @@ def _check(cfg: CN) -> None:
         except (ValueError, TypeError) as e:
             raise ValueError(f"{SELECT_KEY}: {e}") from None
         _say_which_wins(ac)
-    for key in ("TRAIN.BATCH_SIZE_PER_RANK", "TRAIN.STEPS", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "DATA.NUM_IMAGES", "DATA.IMAGE_SIZE"):
+    if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
+        if not cfg.TRAIN.MEMORY_LIMIT > 0 or not math.isfinite(cfg.TRAIN.MEMORY_LIMIT):
+            raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 picks the batch that fits TRAIN.MEMORY_LIMIT: give that limit in bytes (1.6e+10)")
+        if len(set(cfg.DATA.CROP_SIZES)) > 1:
+            raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits one crop resolution; DATA.CROP_SIZES has several: give the batch size")
+    for key in ("TRAIN.STEPS", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "DATA.NUM_IMAGES", "DATA.IMAGE_SIZE"):
         section, name = key.split(".")
         if cfg[section][name] < 1:
             raise ValueError(f"{key} must be >= 1, got {cfg[section][name]}")
+    if cfg.TRAIN.BATCH_SIZE_PER_RANK < 0:
+        raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK must be >= 1 (or 0 with TRAIN.MEMORY_LIMIT), got {cfg.TRAIN.BATCH_SIZE_PER_RANK}")
     if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
         raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
     if cfg.METHOD.NAME not in ("simclr", "swav"):
@@ -170,6 +184,8 @@ def _check(cfg: CN) -> None:
         raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
     if cfg.METHOD.NAME == "simclr" and list(cfg.DATA.CROP_COUNTS) != [2]:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
+    if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
+        raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
 

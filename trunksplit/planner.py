@@ -11,8 +11,14 @@ checkpointed) holds, while segment j runs its backward:
   excess: gradient buffers of activations and transient weight gradients. A
   model of saved tensors alone misses these and predicts far too low a peak.
 
+- in torch's default gradient mode (``zero_grad()`` sets gradients to None, so
+  the step allocates them in backward order: ``gradients="allocated"``), the
+  gradients of every parameter after the current unit, kept from then on; with
+  ``zero_grad(set_to_none=False)`` (``"kept"``) they existed before the step
+  and are not part of its figure.
+
 So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
-local to the segment. :func:`best_plan` finds the optimal cuts exactly by
+local to the segment (the gradients allocated so far depend on the unit only). :func:`best_plan` finds the optimal cuts exactly by
 dynamic programming over Pareto sets of (P, peak so far, recompute), with forced
 cuts after requested features and no cut before an in-place op.
 """
@@ -30,16 +36,26 @@ PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equ
 RECOMPUTE_SLACK = 0.10  # balanced plans recompute at most this much more than vissl's plan of the same count
 
 
-class PeakModel:
-    """Predicts a step's peak bytes (beyond parameters and gradients) for any cut of a chain."""
+GRADIENT_MODES = ("allocated", "kept")
 
-    def __init__(self, costs: UnitCosts, feature_units: Sequence[int]):
+
+class PeakModel:
+    """Predicts a step's peak bytes for any cut of a chain: what the step allocates beyond
+    what was live before it (parameters, and in ``"kept"`` mode their gradients)."""
+
+    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated"):
+        if gradients not in GRADIENT_MODES:
+            raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
         self.costs = costs
         self.n = len(costs)
+        self.gradients = gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
         c = costs
         self._saved_prefix = [0] + list(itertools.accumulate(c.saved))
         self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
+        # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
+        after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
+        self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
         self._local: Dict[Tuple[int, int, bool], int] = {}
 
     def boundary(self, a: int) -> int:
@@ -61,11 +77,14 @@ class PeakModel:
         if key not in self._local:
             c = self.costs
             held = sum(c.output[f] for f in self.features if f >= b - 1)
-            backward = max(self._kept(a, i + 1) + c.backward_excess[i] for i in range(a, b))
+            grads = self._grads_after
+            backward = max(self._kept(a, i + 1) + c.backward_excess[i] + grads[i] for i in range(a, b))
             if last:  # the forward keeps what it saves
                 forward = max(self._kept(a, i) + c.forward_peak[i] for i in range(a, b))
-            else:  # the forward keeps nothing; the recompute keeps everything, with the output's gradient waiting
-                forward = max(max(c.forward_peak[a:b]), max(c.output[b - 1] + self._kept(a, i) + c.forward_peak[i] for i in range(a, b)))
+            else:  # the forward keeps nothing; the recompute (in backward, later gradients allocated) keeps
+                # everything, with the output's gradient waiting
+                recompute = grads[b - 1] + c.output[b - 1] + max(self._kept(a, i) + c.forward_peak[i] for i in range(a, b))
+                forward = max(max(c.forward_peak[a:b]), recompute)
             self._local[key] = held + max(forward, backward)
         return self._local[key]
 
@@ -171,7 +190,7 @@ def plan_from_starts(units: Sequence[str], starts: Sequence[int], feature_stops:
 
 def peak_model(trunk, x) -> PeakModel:
     """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks."""
-    return PeakModel(profile_units(expand_units(trunk._blocks()), x), [stop - 1 for stop in trunk._ends.values()])
+    return PeakModel(profile_units(expand_units(trunk._blocks()), x), [stop - 1 for stop in trunk._ends.values()], trunk.gradients)
 
 
 def plan_trunk(trunk, x) -> SplitPlan:

@@ -131,6 +131,8 @@ class UnitCosts:
       gradient buffers of activations and transient weight gradients (weights
       already holding a ``.grad``, as from the second step on).
     - ``flops``: forward FLOPs (a multiply-add counts 2).
+    - ``param_bytes``: the unit's trainable parameters (each counted once, at the
+      last unit that uses it): what its gradients take once backward allocates them.
     """
 
     names: Tuple[str, ...]
@@ -142,6 +144,7 @@ class UnitCosts:
     forward_peak: Tuple[int, ...]
     backward_excess: Tuple[int, ...]
     flops: Tuple[int, ...]
+    param_bytes: Tuple[int, ...]
 
     def __len__(self) -> int:
         return len(self.names)
@@ -174,7 +177,17 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
             if next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
-    return UnitCosts(tuple(n for n, _ in units), **{k: tuple(v) for k, v in fields.items()})
+    return UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **{k: tuple(v) for k, v in fields.items()})
+
+
+def _param_bytes(units: Sequence[nn.Module]) -> Tuple[int, ...]:
+    """Bytes of each unit's trainable parameters; a shared one counts at its last unit (first in backward)."""
+    seen, out = set(), []
+    for unit in reversed(units):
+        fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        out.append(sum(p.numel() * p.element_size() for p in fresh))
+    return tuple(reversed(out))
 
 
 def _private_copy(unit: nn.Module) -> nn.Module:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .blocks import FeatureBlocks, feature_blocks, layer_splittable_before, stage_names
-from .planner import plan_trunk
+from .planner import GRADIENT_MODES, plan_trunk
 from .split import SplitPlan, expand_units, feature_ends, vissl_plan
 from .wrapper import batchnorms, run_checkpointed
 
@@ -28,6 +28,12 @@ class CheckpointedTrunk(nn.Module):
         memory_budget: bytes (int), or a fraction in (0, 1] of the unsplit peak:
             the plan with the least recompute whose predicted peak fits.
         use_reentrant: torch's reentrant checkpoint (vissl's, for manual DDP) or not.
+        gradients: how the training loop clears gradients, which cost-aware plans
+            must know: ``"allocated"`` (torch's default ``zero_grad()`` sets them to
+            None, so every step allocates them during backward) or ``"kept"``
+            (``zero_grad(set_to_none=False)``: they stay allocated between steps).
+            Budgets and fractions are of what the step allocates beyond what was
+            live before it, in that mode.
 
     Exact: a training step gives the plain model's outputs, every parameter's
     gradient and BatchNorm buffers. The last segment is never checkpointed, and in
@@ -46,6 +52,7 @@ class CheckpointedTrunk(nn.Module):
         strategy: str = "vissl",
         memory_budget: Optional[Union[int, float]] = None,
         use_reentrant: bool = False,
+        gradients: str = "allocated",
     ):
         super().__init__()
         source = None if isinstance(trunk, Mapping) else trunk
@@ -55,6 +62,8 @@ class CheckpointedTrunk(nn.Module):
         if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
             raise ValueError(f"num_splits must be an integer >= 1 or None, got {num_splits!r}")
         memory_budget = _check_budget(memory_budget)
+        if gradients not in GRADIENT_MODES:
+            raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them), got {gradients!r}")
         ends = feature_ends(blocks, out_feat_keys)  # validates the keys
         last = list(blocks).index(next(reversed(ends)))
         self._stages = stage_names(blocks)
@@ -67,6 +76,7 @@ class CheckpointedTrunk(nn.Module):
         self.strategy = strategy
         self.memory_budget = memory_budget
         self.use_reentrant = bool(use_reentrant)
+        self.gradients = gradients
         self._ends = ends
         self._plans: Dict[Tuple, SplitPlan] = {}
         # vissl's plan needs no measurement; cost-aware ones start from the cuts after the features
@@ -115,12 +125,17 @@ class CheckpointedTrunk(nn.Module):
         in DDP, say); otherwise the first training forward does."""
         if not self._cost_aware:
             return self._fixed_plan
-        device = x.device.type
-        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        key = (tuple(x.shape), x.dtype, device, autocast)
+        key = self._plan_key(x)
         if key not in self._plans:
             self._plans[key] = plan_trunk(self, x)
         return self._plans[key]
+
+    @staticmethod
+    def _plan_key(x: torch.Tensor) -> Tuple:
+        """What a cost-aware plan depends on besides the trunk: the input's shape, dtype, device and autocast."""
+        device = x.device.type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return (tuple(x.shape), x.dtype, device, autocast)
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
         checkpointing = self.training and torch.is_grad_enabled()
@@ -145,7 +160,7 @@ class CheckpointedTrunk(nn.Module):
         return [features[k] for k in self.out_feat_keys]
 
     def extra_repr(self) -> str:
-        return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}"
+        return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
 
 
 def _run_layers(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:

@@ -50,6 +50,23 @@ def setup_distributed(cfg):
     return 0, 1, device
 
 
+def with_fitted_batch(cfg, device, rank: int):
+    """The config with the largest batch per rank that fits TRAIN.MEMORY_LIMIT, and the memory budget that
+    leaves the trunk (the least recompute that fits), as ``trunksplit.fit`` predicts them."""
+    from ..fit import fit_config_batch
+
+    batch, budget = fit_config_batch(cfg, device)
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.TRAIN.BATCH_SIZE_PER_RANK = batch
+    cfg.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET = float(budget)
+    cfg.freeze()
+    if rank == 0:
+        print(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits {batch} images per rank "
+              f"({batch * sum(cfg.DATA.CROP_COUNTS)} crops through the trunk), trunk budget {budget} bytes")
+    return cfg
+
+
 def learning_rate(cfg, step: int) -> float:
     """Linear warmup, then cosine decay to zero over TRAIN.STEPS."""
     base, warmup, total = cfg.OPTIM.LR, cfg.OPTIM.WARMUP_STEPS, cfg.TRAIN.STEPS
@@ -110,6 +127,8 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
     check_output_dir(cfg.OUTPUT_DIR, resume)
     rank, world, device = setup_distributed(cfg)
+    if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
+        cfg = with_fitted_batch(cfg, device, rank)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     torch.manual_seed(cfg.SEED)
     model = build_model(cfg).to(device)
@@ -146,14 +165,17 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             f.writelines(rows)
     autocast = _autocast(cfg, device)
     # Set-up that the first step would otherwise time and measure: the cost-aware plan's
-    # profiling, and allocating the gradients (zeros: backward adds into them exactly).
+    # profiling and, where gradients are kept between steps, allocating them (zeros:
+    # backward adds into them exactly).
+    kept = cfg.TRAIN.GRADIENTS == "kept"
     setup_start = time.perf_counter()
     if start < cfg.TRAIN.STEPS:
         model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
-    optimizer.zero_grad(set_to_none=False)
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
+    optimizer.zero_grad(set_to_none=not kept)
+    if kept:
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     setup_seconds = time.perf_counter() - setup_start
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0, desc="train")
     last = None
@@ -167,7 +189,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             loss = _forward_backward(cfg, wrapped, model, crops, manual, autocast, scaler)
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=not kept)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start_time
@@ -198,21 +220,22 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if last is not None:
         plan = model.trunk.plan
         last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
-        last["memory_vs_plain"] = compare_with_plain(model, crops, autocast)
+        last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept)
     return model, last
 
 
-def compare_with_plain(model, crops, autocast) -> Optional[dict]:
+def compare_with_plain(model, crops, autocast, kept_gradients: bool) -> Optional[dict]:
     """Peak bytes of one step of ``model`` and of a plain (never checkpointed) copy, side by side.
 
     Both run the same surrogate loss on the same crops, in this process only (no
-    collectives), on copies that already hold gradients, one copy at a time, so the
-    real model is untouched. None where a GPU has no room for a copy.
+    collectives), on copies whose gradients are where the loop leaves them between
+    steps (None, or kept zeros), one copy at a time, so the real model is untouched.
+    None where a GPU has no room for a copy.
     """
     peaks = {}
     for name in ("checkpointed", "plain"):
         try:
-            m = _copy_for_comparison(model, plain=name == "plain")
+            m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
             with PeakMemory(crops[0].device) as mem, autocast:
                 sum(o.float().pow(2).mean() for o in m(crops)).backward()
         except torch.cuda.OutOfMemoryError:
@@ -222,14 +245,14 @@ def compare_with_plain(model, crops, autocast) -> Optional[dict]:
     return peaks
 
 
-def _copy_for_comparison(model, plain: bool):
+def _copy_for_comparison(model, plain: bool, kept_gradients: bool):
     m = copy.deepcopy(model)
     if plain:
         for sub in m.modules():
             unwrap_checkpoint(sub)
-        m.trunk = CheckpointedTrunk(dict(m.trunk.named_children()), m.trunk.out_feat_keys)
-    for p in m.parameters():  # deepcopy drops .grad; the figure is beyond parameters and gradients
-        p.grad = torch.zeros_like(p)
+        m.trunk = CheckpointedTrunk(m.trunk._blocks(), m.trunk.out_feat_keys)
+    for p in m.parameters():  # deepcopy drops .grad: put them back where the loop keeps them
+        p.grad = torch.zeros_like(p) if kept_gradients else None
     return m
 
 

@@ -49,9 +49,9 @@ def build_trunk(cfg) -> CheckpointedTrunk:
     keys = list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS)
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
-        return CheckpointedTrunk(model, keys)
+        return CheckpointedTrunk(model, keys, gradients=cfg.TRAIN.GRADIENTS)
     if len(ac.SELECT):
-        trunk = CheckpointedTrunk(model, keys)  # one unsplit segment; the selected blocks checkpoint themselves
+        trunk = CheckpointedTrunk(model, keys, gradients=cfg.TRAIN.GRADIENTS)  # one unsplit segment; the selected blocks checkpoint themselves
         apply_activation_checkpointing(trunk, condition_from_config(dict(ac.SELECT)))
         return trunk
     return CheckpointedTrunk(
@@ -61,6 +61,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         strategy=ac.STRATEGY,
         memory_budget=budget_bytes(ac.MEMORY_BUDGET),
         use_reentrant=ac.USE_REENTRANT,
+        gradients=cfg.TRAIN.GRADIENTS,
     )
 
 

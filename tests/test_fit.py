@@ -1,0 +1,110 @@
+"""fit: the largest batch whose whole training step fits, checked by a real step with a real optimizer."""
+import copy
+
+import pytest
+import torch
+import torchvision
+
+from trunksplit import PeakMemory, fit
+from trunksplit.cli import main
+from trunksplit.fit import parse_bytes
+
+SHAPE = (3, 96, 96)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torchvision.models.mobilenet_v2(width_mult=0.5)
+
+
+def _live_bytes(*groups):
+    """Bytes of the distinct storages of the given tensors: what is resident."""
+    storages = {}
+    for group in groups:
+        for t in group:
+            if torch.is_tensor(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _measured_total(model, trunk, batch, optimizer, gradients):
+    """Everything resident during a real training step at ``batch``: the model's tensors, the optimizer's
+    state and the gradients, summed from the live tensors, plus the measured peak of forward, backward and
+    the optimizer's step."""
+    params = [p for p in trunk.parameters() if p.requires_grad]
+    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9), "adamw": lambda: torch.optim.AdamW(params, lr=1e-4), None: lambda: None}[optimizer]()
+    x = torch.randn(batch, *SHAPE)
+
+    def step():
+        sum(f.sum() for f in trunk(x)).backward()
+        if opt is not None:
+            opt.step()
+        for p in params:
+            if gradients == "allocated":
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    step()  # the optimizer's state exists from the first step on
+    state = [t for s in (opt.state.values() if opt else []) for t in s.values()]
+    grads = [p.grad for p in params]
+    before = _live_bytes(model.parameters(), model.buffers(), state, grads)
+    with PeakMemory() as mem:
+        step()
+    return before + mem.peak_bytes
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", None])
+def test_a_real_step_at_the_fitted_batch_fills_90_to_100_percent_of_memory(optimizer, gradients):
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    memory = 120 * 2**20
+    found = fit(model, SHAPE, memory, optimizer=optimizer, gradients=gradients)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # fit trains nothing
+    assert all(p.grad is None for p in model.parameters())
+    total = _measured_total(model, found.trunk, found.batch_size, optimizer, gradients)
+    assert 0.90 * memory <= total <= memory, (found, total)
+    assert found.measured_total_bytes <= memory and found.batch_size > 8
+    # one image more than fits would, by the same prediction, not fit
+    assert fit(model, SHAPE, memory, optimizer=optimizer, gradients=gradients, verify=False).batch_size >= found.batch_size
+
+
+def test_more_memory_fits_a_larger_batch_and_adamw_a_smaller_one():
+    model = _model()
+    sizes = [fit(model, SHAPE, m, verify=False).batch_size for m in ("80MiB", "120MiB", "160MiB")]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[2]
+    assert fit(model, SHAPE, "120MiB", optimizer="adamw", verify=False).batch_size <= sizes[1]
+
+
+def test_too_little_memory_names_the_smallest_that_fits():
+    model = _model()
+    with pytest.raises(ValueError, match=r"too small for a batch of 1: the smallest that fits is (\d+) bytes") as info:
+        fit(model, SHAPE, "5MiB")
+    smallest = int(info.value.args[0].split("smallest that fits is ")[1].split()[0])
+    assert fit(model, SHAPE, smallest, verify=False).batch_size == 1
+
+
+@pytest.mark.parametrize("bad,match", [(dict(optimizer="lamb"), "optimizer must be"), (dict(input_shape=(96, 96)), "input_shape"), (dict(memory="lots"), "memory size")])
+def test_bad_arguments_are_refused(bad, match):
+    kwargs = {"input_shape": SHAPE, "memory": "100MiB", **bad}
+    with pytest.raises(ValueError, match=match):
+        fit(_model(), **kwargs)
+
+
+def test_memory_sizes_are_read_as_people_write_them():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("500MiB") == 500 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("2e9") == 2 * 10**9
+    for bad in ("-1GiB", "0", "12XB", "nan"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_fit_command_prints_the_batch_the_plan_and_the_check(capsys):
+    assert main(["fit", "--arch", "mobilenet_v2", "--input", "3x64x64", "--memory", "150MiB", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SplitPlan (budget") and "fits 150.0 MiB" in out and "measured" in out and "of memory)" in out
+    assert main(["fit", "--arch", "mobilenet_v2", "--input", "3x64x64", "--memory", "1MiB"]) == 2
+    assert "too small for a batch of 1" in capsys.readouterr().err

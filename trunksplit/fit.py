@@ -1,0 +1,270 @@
+"""``fit``: the largest batch whose whole training step fits a memory size, in one shot.
+
+Batch-size finders try batches until one runs out of memory. This predicts it
+instead: profile the trunk's units at two small batches, take every activation
+cost as linear in the batch (it is: the same ops on more images), and ask the
+planner, for each batch, for the lowest peak any plan reaches. What is resident
+during a step is counted exactly: every parameter and buffer of the model (its
+classifier too), the optimizer's state, and the gradients (kept between steps,
+or allocated by the step in backward order). The optimizer's own step peak is
+measured once on stand-in tensors. One real step at the chosen batch then checks
+the prediction (and shrinks the batch if it was optimistic).
+
+Sharp edges: the step is the trunk's forward and backward under a surrogate loss;
+a head and loss of your own add their activations on top (small next to a
+trunk's). On a GPU the figure is the caching allocator's, so fragmentation and
+cuDNN workspaces are not modelled; leave a margin.
+"""
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .blocks import feature_blocks, layer_splittable_before
+from .planner import PeakModel, best_plan, plan_from_starts
+from .profile import PeakMemory, UnitCosts, profile_units
+from .split import expand_units
+from .trunk import CheckpointedTrunk
+
+OPTIMIZERS = ("sgd", "adamw", None)
+PROFILE_BATCHES = (2, 4)  # two small batches give each cost's slope and intercept; 2, not 1: BatchNorm needs two values
+
+
+@dataclass
+class Fit:
+    """What :func:`fit` found. Byte counts are of everything resident during a step."""
+
+    batch_size: int
+    trunk: CheckpointedTrunk  # planned for ``batch_size``, with the least recompute that fits
+    predicted_peak_bytes: int  # the step's own peak, beyond what is resident before it
+    resident_bytes: int  # parameters, buffers, optimizer state (and kept gradients)
+    predicted_total_bytes: int
+    measured_total_bytes: Optional[int]  # the checking step's figure; None when not checked
+    memory: int
+
+    def __str__(self) -> str:
+        measured = "-" if self.measured_total_bytes is None else f"{_gib(self.measured_total_bytes)} ({self.measured_total_bytes / self.memory:.1%} of memory)"
+        return (
+            f"batch {self.batch_size} fits {_gib(self.memory)}: resident {_gib(self.resident_bytes)} + step peak "
+            f"{_gib(self.predicted_peak_bytes)} = predicted {_gib(self.predicted_total_bytes)}, measured {measured}"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def parse_bytes(text: Union[str, int, float]) -> int:
+    """``16GiB``, ``500MiB``, ``2GB``, ``2e9`` or a number: bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
+        if not match:
+            raise ValueError(f"cannot read a memory size from {text!r}; write 16GiB, 500MiB, 2GB or bytes")
+        try:
+            value = float(match.group(1))
+        except ValueError:
+            raise ValueError(f"cannot read a memory size from {text!r}; write 16GiB, 500MiB, 2GB or bytes") from None
+        unit = match.group(2) or ""
+    scale = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}")
+    return int(value * scale)
+
+
+def fit(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    memory: Union[int, str],
+    optimizer: Optional[str] = "sgd",
+    out_feat_keys: Sequence[str] = ("flatten",),
+    num_splits: Optional[int] = None,
+    gradients: str = "allocated",
+    use_reentrant: bool = False,
+    verify: bool = True,
+) -> Fit:
+    """The largest batch of ``input_shape`` images (C, H, W) whose training step fits ``memory``.
+
+    ``memory`` (bytes, or ``"16GiB"``) is everything resident during a step: all of
+    ``model``'s parameters and buffers, the gradients of the parameters the trunk
+    trains, ``optimizer``'s state (``"sgd"`` with momentum: one buffer per
+    parameter; ``"adamw"``: two; ``None``: none) and the step's peak. ``gradients``
+    is how the loop clears them (see :class:`CheckpointedTrunk`). ``num_splits``
+    bounds the segment count. Returns a :class:`Fit` whose ``trunk`` is planned for
+    the batch found. With ``verify``, one step at that batch is measured (the model's
+    weights, gradients, buffers and RNG are left as they were). A memory too small
+    for a batch of one raises ``ValueError`` naming the smallest that fits.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if len(input_shape) != 3 or not all(isinstance(d, int) and d > 0 for d in input_shape):
+        raise ValueError(f"input_shape is one image's (C, H, W), got {tuple(input_shape)}")
+    memory = parse_bytes(memory)
+    device = next(model.parameters()).device
+    blocks = feature_blocks(model)
+    trunk = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant)
+    units = expand_units(trunk._blocks())
+    splittable = [layer_splittable_before(m) for _, m in units]
+    forced = [stop for stop in trunk._ends.values() if stop < len(units)]
+    features = [stop - 1 for stop in trunk._ends.values()]
+    small = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
+    grads = sum(small[0].param_bytes)
+    state = _optimizer_state_bytes(trunk, optimizer)
+    resident = _model_bytes(model) + state + (grads if gradients == "kept" else 0)
+    # the optimizer's step: gradients (all allocated by then) + its temporaries
+    optimizer_peak = (grads if gradients == "allocated" else 0) + _optimizer_step_transient(trunk, optimizer)
+
+    def plan_at(batch: int, budget: Optional[int] = None):
+        peaks = PeakModel(_scaled(small, batch), features, gradients)
+        starts = best_plan(peaks, splittable, forced, max_segments=num_splits, budget=budget)
+        return peaks, starts
+
+    def total(batch: int) -> int:
+        peaks, starts = plan_at(batch)
+        return resident + max(peaks.peak(starts), optimizer_peak)
+
+    if total(1) > memory:
+        raise ValueError(
+            f"memory {memory} bytes ({_gib(memory)}) is too small for a batch of 1: the smallest that fits is "
+            f"{total(1)} bytes ({_gib(total(1))}: {_gib(resident)} resident and the step's peak)"
+        )
+    batch = _largest(lambda b: total(b) <= memory)
+    measured = None
+    for _ in range(4):  # the check may find the prediction optimistic: shrink and check again
+        peaks, starts = plan_at(batch, budget=memory - resident)
+        plan = plan_from_starts([n for n, _ in units], starts, trunk._ends, "budget", peaks)
+        fitted = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, memory_budget=memory - resident,
+                                   gradients=gradients, use_reentrant=use_reentrant)
+        x = torch.zeros(batch, *input_shape, device=device)
+        fitted._plans[fitted._plan_key(x)] = plan  # planned from the scaled profile: no profiling at this batch
+        predicted = max(plan.predicted_peak_bytes, optimizer_peak)
+        if not verify:
+            break
+        measured = resident + max(_measured_step(fitted, x), optimizer_peak)
+        if measured <= memory or batch == 1:
+            break
+        batch = max(1, min(batch - 1, int(batch * (memory - resident) / (measured - resident))))
+    return Fit(batch, fitted, predicted, resident, resident + predicted, measured, memory)
+
+
+def _largest(fits) -> int:
+    """The largest batch ``b >= 1`` with ``fits(b)``, given ``fits(1)``: doubling, then bisection."""
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**24:
+            raise ValueError("the memory fits more than 16M images: is it really that large?")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _scaled(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
+    """Unit costs at ``batch``, each byte and FLOP count a line through the two profiled batches."""
+    (b0, b1), (c0, c1) = PROFILE_BATCHES, small
+
+    def line(v0, v1):
+        return tuple(max(0, round(a + (b - a) * (batch - b0) / (b1 - b0))) for a, b in zip(v0, v1))
+
+    counts = ("output", "saved", "forward_peak", "backward_excess", "flops")
+    return UnitCosts(
+        names=c1.names,
+        saves_input=c1.saves_input,
+        input_from=c1.input_from,
+        keeps_output=c1.keeps_output,
+        param_bytes=c1.param_bytes,
+        **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts},
+    )
+
+
+def _model_bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _trainable(trunk: nn.Module):
+    return [p for p in trunk.parameters() if p.requires_grad]
+
+
+def _make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _optimizer_state_bytes(trunk: nn.Module, name: Optional[str]) -> int:
+    """Exact bytes of the state the optimizer keeps for the trunk's parameters, by building it on stand-ins."""
+    if name is None:
+        return 0
+    stand_ins = _stand_ins(trunk, lambda p: torch.empty(1, dtype=p.dtype, device=p.device))
+    opt = _make_optimizer(name, stand_ins)
+    opt.step()
+    total = 0
+    for real, p in zip(_trainable(trunk), stand_ins):
+        for t in opt.state[p].values():
+            if torch.is_tensor(t):
+                total += t.element_size() * (1 if t.dim() == 0 else real.numel())  # per-step scalars, or one per element
+    return total
+
+
+def _optimizer_step_transient(trunk: nn.Module, name: Optional[str]) -> int:
+    """Peak of one optimizer step beyond its state and the gradients, measured on full-size stand-ins."""
+    if name is None:
+        return 0
+    stand_ins = _stand_ins(trunk, torch.zeros_like)
+    opt = _make_optimizer(name, stand_ins)
+    opt.step()  # allocates the state
+    with PeakMemory(stand_ins[0].device) as mem:
+        opt.step()
+    return mem.peak_bytes
+
+
+def _stand_ins(trunk: nn.Module, make):
+    stand_ins = []
+    for p in _trainable(trunk):
+        s = make(p).requires_grad_()
+        s.grad = torch.zeros_like(s)
+        stand_ins.append(s)
+    return stand_ins
+
+
+def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor) -> int:
+    """Peak of one training step of ``trunk`` on ``x``, beyond what was live before it; leaves no trace."""
+    params = _trainable(trunk)
+    grads = [p.grad for p in params]
+    buffers = [b.clone() for b in trunk.buffers()]
+    try:
+        for p in params:
+            p.grad = None if trunk.gradients == "allocated" else torch.zeros_like(p)
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trunk.train()
+            with PeakMemory(x.device) as mem:
+                sum(f.float().sum() for f in trunk(x)).backward()
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in zip(trunk.buffers(), buffers):
+                b.copy_(saved)
+    return mem.peak_bytes
+
+
+def fit_config_batch(cfg, device: torch.device) -> Tuple[int, int]:
+    """For the launcher's ``TRAIN.BATCH_SIZE_PER_RANK: 0``: (images per rank, memory budget in bytes)."""
+    from .ssl.model import build_backbone
+
+    size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
+    model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
+    found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer="sgd", out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
+                num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=cfg.TRAIN.GRADIENTS,
+                use_reentrant=cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT, verify=False)
+    if found.batch_size < views:
+        raise ValueError(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:g} fits {found.batch_size} crops per step, fewer than the {views} views of one image")
+    return found.batch_size // views, found.memory - found.resident_bytes
