@@ -108,7 +108,12 @@ def test_stages_are_what_feature_blocks_name_not_a_res_prefix():
         FeatureBlocks([("stem", model.stem)], stages=["nope"])
 
 
-@pytest.mark.parametrize("arch", ["alexnet", "googlenet", "squeezenet1_0"])
-def test_families_that_are_not_chains_name_the_supported_ones(arch):
-    with pytest.raises(TypeError, match=r"Supported families: .*ConvNeXt.*VisionTransformer"):
-        feature_blocks(torchvision.models.get_model(arch))
+@pytest.mark.parametrize("arch", ["alexnet", "squeezenet1_0"])
+def test_unregistered_torchvision_models_are_traced_into_chains(arch):
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(arch).eval()
+    blocks = feature_blocks(model)
+    assert list(blocks)[-1] == "output" and len(blocks) > 5
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        assert torch.equal(CheckpointedTrunk(blocks).eval()(x)[0], model(x))

@@ -178,9 +178,12 @@ def test_bad_arguments_are_refused_and_the_model_is_untouched(kwargs, error, mat
     assert isinstance(model.fc, nn.Linear)
 
 
-def test_unsupported_model_names_the_supported_families():
-    with pytest.raises(TypeError, match=r"does not know Sequential\. Supported families: .*RegNet.*ResNet"):
-        CheckpointedTrunk(nn.Sequential(nn.Conv2d(3, 8, 3)))
+def test_an_unregistered_model_is_traced_and_its_last_block_is_its_output():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 2, 3))
+    trunk = CheckpointedTrunk(model)
+    assert trunk.out_feat_keys == ("output",) and trunk.plan.units == ("0", "1", "output")
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.equal(trunk(x)[0], model(x))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

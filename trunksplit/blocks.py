@@ -72,15 +72,21 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     ``embed, encoder, norm, flatten``). The classifier head is left out; the last
     key is always ``flatten``, the pooled ``[B, C]`` vector the classifier starts
     from. Values are the model's own modules, or small adapters holding them.
+
+    Any other model is traced with ``torch.fx`` and cut where one tensor carries
+    all the state (``trunksplit/auto.py``); its last key is ``output``, the model's
+    own output. A model that cannot be traced raises ``TypeError`` saying why.
     """
     for klass in type(model).__mro__:
         if klass in _TRUNK_FAMILIES:
             return _TRUNK_FAMILIES[klass](model)
-    known = ", ".join(sorted(k.__module__ + "." + k.__qualname__ for k in _TRUNK_FAMILIES))
-    raise TypeError(
-        f"feature_blocks does not know {type(model).__qualname__}. Supported families: {known}. "
-        "Pass an OrderedDict of feature blocks instead, or call trunksplit.register_trunk."
-    )
+    from .auto import traced_blocks  # here: auto imports this module
+
+    try:
+        return traced_blocks(model)
+    except TypeError as e:
+        known = ", ".join(sorted(k.__module__ + "." + k.__qualname__ for k in _TRUNK_FAMILIES))
+        raise TypeError(f"feature_blocks does not know {type(model).__qualname__} and {e} Supported families: {known}.") from None
 
 
 def layer_splittable_before(module: nn.Module) -> bool:

@@ -174,7 +174,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> Un
             for key, value in cost.items():
                 fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
-            if next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
+            if not isinstance(next_h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
     return UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **{k: tuple(v) for k, v in fields.items()})
@@ -214,7 +214,9 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict
     with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = m(inp)
     forward_peak, after_forward = tracker.peak, tracker.current
-    out_key = StorageWeakRef(out.untyped_storage()).cdata
+    # a chain's last unit may return any structure (a traced model's own output): count all its tensors
+    outs = list(_tensors(out))
+    out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in outs}
     saved, saves_input, keeps_output = {}, False, False
     for t in packed:
         key = StorageWeakRef(t.untyped_storage()).cdata
@@ -222,13 +224,14 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict
             saves_input = True
         elif key not in params and key in tracker.live:
             saved[key] = t.untyped_storage().nbytes()
-            keeps_output |= key == out_key
+            keeps_output |= key in out_keys
     packed.clear()  # release the saved tensors' extra references before backward
-    if out.requires_grad:
+    outs = [t for t in outs if t.requires_grad]
+    if outs:
         # The gradient arriving at the unit must be allocated inside the measured window and
         # held by nobody else, as in a real step, where backward frees it once consumed:
         # so it is made by the multiply's backward from a scalar loss, not passed in.
-        loss = (out * torch.ones_like(out)).sum()
+        loss = sum((t * torch.ones_like(t)).sum() for t in outs)
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
         tracker.peak = tracker.current
         with tracker:
@@ -237,7 +240,7 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict
     else:
         backward_excess = 0
     return dict(
-        output=out.untyped_storage().nbytes(),
+        output=sum(out_keys.values()),
         saved=sum(saved.values()),
         saves_input=saves_input,
         keeps_output=keeps_output,

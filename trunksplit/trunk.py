@@ -19,7 +19,9 @@ class CheckpointedTrunk(nn.Module):
     Args:
         trunk: a torchvision ResNet/ResNeXt/Wide-ResNet/RegNet (or a registered
             family), or an ordered dict of feature blocks in execution order.
-        out_feat_keys: feature blocks to return, in this order, from ``forward``.
+        out_feat_keys: feature blocks to return, in this order, from ``forward``;
+            None: the last one (``flatten`` for torchvision families, ``output`` for
+            a traced model).
         num_splits: how many checkpoint segments to make (vissl's
             ``NUM_ACTIVATION_CHECKPOINTING_SPLITS``); ``None`` cuts only after
             the requested features. A count that cannot be reached warns.
@@ -47,7 +49,7 @@ class CheckpointedTrunk(nn.Module):
     def __init__(
         self,
         trunk: Union[nn.Module, Mapping[str, nn.Module]],
-        out_feat_keys: Sequence[str] = ("flatten",),
+        out_feat_keys: Optional[Sequence[str]] = None,
         num_splits: Optional[int] = None,
         strategy: str = "vissl",
         memory_budget: Optional[Union[int, float]] = None,
@@ -57,6 +59,8 @@ class CheckpointedTrunk(nn.Module):
         super().__init__()
         source = None if isinstance(trunk, Mapping) else trunk
         blocks = trunk if source is None else feature_blocks(trunk)
+        if out_feat_keys is None:
+            out_feat_keys = [next(reversed(blocks))] if len(blocks) else []
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
@@ -67,8 +71,12 @@ class CheckpointedTrunk(nn.Module):
         ends = feature_ends(blocks, out_feat_keys)  # validates the keys
         last = list(blocks).index(next(reversed(ends)))
         self._stages = stage_names(blocks)
-        for name, block in list(blocks.items())[: last + 1]:
-            self.add_module(name, block)
+        self._keys = list(blocks)[: last + 1]
+        children = {_child_name(k) for k in self._keys}
+        if len(children) != len(self._keys):
+            raise ValueError(f"feature block names {self._keys} collide once '.' is written '_' (module names cannot hold dots)")
+        for name in self._keys:
+            self.add_module(_child_name(name), blocks[name])
         # trunk state_dict key -> the source model's, for model_state_dict(); names only, no reference
         self._model_keys = _key_map(self, source) if source is not None else {}
         self.out_feat_keys = tuple(out_feat_keys)
@@ -84,7 +92,7 @@ class CheckpointedTrunk(nn.Module):
         self._plan: SplitPlan = self._fixed_plan
 
     def _blocks(self) -> FeatureBlocks:
-        return FeatureBlocks(self.named_children(), stages=self._stages & set(self._modules))
+        return FeatureBlocks([(k, self._modules[_child_name(k)]) for k in self._keys], stages=self._stages & set(self._keys))
 
     def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
         """The trunk's weights and buffers under the names of the model it was built from.
@@ -161,6 +169,11 @@ class CheckpointedTrunk(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
+
+
+def _child_name(key: str) -> str:
+    """A block's module name: traced blocks are named ``layer3.1``, and module names cannot hold dots."""
+    return key.replace(".", "_")
 
 
 def _run_layers(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
