@@ -74,7 +74,36 @@ class TinyViT(nn.Module):
         return x[:, 0]
 
 
-MODELS = {"residual": ResidualNet, "stages": Stages, "tiny_vit": TinyViT, "torchvision_resnet18": lambda: _untraced_resnet18()}
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's layout: a BatchNorm subclass that calls F.batch_norm itself, then Identity, then an in-place act."""
+
+    def __init__(self, channels):
+        super().__init__(channels, momentum=0.3)
+        self.drop = nn.Identity()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps)
+        return self.act(self.drop(x))
+
+
+class NormActNet(nn.Module):
+    """Conv, BatchNormAct, Identity between blocks, and a forward with optional arguments."""
+
+    def __init__(self):
+        super().__init__()
+        # conv, Identity, in-place ReLU: a cut before the Identity would hand the ReLU the checkpoint's input
+        self.layers = nn.Sequential(*[m for i in range(4) for m in (nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.Identity(), nn.ReLU(inplace=True), BatchNormAct(8))])
+        self.pre = nn.Identity()
+        self.act = nn.SiLU()
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        if mask is not None:
+            x = x * mask
+        return self.act(self.pre(self.layers(x))).mean((2, 3)) * scale
+
+
+MODELS = {"norm_act": NormActNet, "residual": ResidualNet, "stages": Stages, "tiny_vit": TinyViT, "torchvision_resnet18": lambda: _untraced_resnet18()}
 
 
 def _untraced_resnet18():

@@ -62,22 +62,27 @@ def _fresh_state(cfg):
     return build_model(cfg).state_dict()
 
 
+def _interrupt_at_step_3(cfg, monkeypatch):
+    """Train as ``cfg`` says until step 3 begins, then stop as a killed run would."""
+    real_views = loop.step_views
+
+    def interrupt(dataset, cfg, step, rank, world):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_views(dataset, cfg, step, rank, world)
+
+    monkeypatch.setattr(loop, "step_views", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(loop, "step_views", real_views)
+
+
 def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch):
     overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL]
     straight, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
 
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
-    real_views = loop.step_views
-
-    def interrupt_at_step_3(dataset, cfg, step, rank, world):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_views(dataset, cfg, step, rank, world)
-
-    monkeypatch.setattr(loop, "step_views", interrupt_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg)
-    monkeypatch.setattr(loop, "step_views", real_views)
+    _interrupt_at_step_3(cfg, monkeypatch)
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 2
     resumed, last = train(cfg, resume=True)
 
@@ -140,17 +145,7 @@ def test_fp16_resume_keeps_the_grad_scaler(tmp_path, monkeypatch):
     overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", "TRAIN.AUTOCAST", "fp16", *SMALL]
     train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
-    real_views = loop.step_views
-
-    def interrupt_at_step_3(dataset, cfg, step, rank, world):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_views(dataset, cfg, step, rank, world)
-
-    monkeypatch.setattr(loop, "step_views", interrupt_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg)
-    monkeypatch.setattr(loop, "step_views", real_views)
+    _interrupt_at_step_3(cfg, monkeypatch)
     train(cfg, resume=True)
     a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True) for d in "ab")
     assert a["scaler"] == b["scaler"] and a["scaler"]["_growth_tracker"] + (a["scaler"]["scale"] != 65536.0) > 0

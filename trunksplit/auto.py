@@ -20,21 +20,27 @@ taken when tracing (``self.training``: trace in the mode you train in); a model
 whose forward takes several inputs is refused; an in-place op that changes a
 unit's *input* somewhere inside the unit (not as its first op) is not detected.
 """
+import inspect
 import operator
 from typing import Dict, List, Optional, Set
 
 from torch import fx, nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from .blocks import FeatureBlocks, layer_splittable_before
 
 _NOT_TENSORS = {"size", "dim", "numel", "ndimension", "__len__", "tolist", "item"}
-_IN_PLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+_IN_PLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+# ops whose result may share its input's storage: an in-place op on it writes the input too
+_VIEW_METHODS = {"view", "view_as", "reshape", "flatten", "transpose", "permute", "expand", "expand_as", "contiguous",
+                 "squeeze", "unsqueeze", "narrow", "select", "unflatten", "t", "__getitem__", "detach", "type_as", "to"}
 
 
 def traced_blocks(model: nn.Module) -> FeatureBlocks:
     """The model's chain of units between the articulation points of its traced forward."""
+    optional = _optional_arguments(model)
     try:
-        graph = fx.Tracer().trace(model)
+        graph = _ChainTracer().trace(model, concrete_args=optional)
     except Exception as e:  # fx raises TraceError, TypeError, NotImplementedError ... for what it cannot follow
         raise TypeError(
             f"trunksplit could not trace {type(model).__qualname__} with torch.fx, so it cannot find its blocks by itself: "
@@ -42,11 +48,17 @@ def traced_blocks(model: nn.Module) -> FeatureBlocks:
             "cannot be traced. Register the family with trunksplit.register_trunk(ModelClass, fn), or pass "
             "CheckpointedTrunk an OrderedDict of its blocks in execution order."
         ) from None
+    # Optional arguments are traced at their defaults: fx keeps a placeholder for each (renamed
+    # name_1) used only by a check that it holds the default; drop both.
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for n in placeholders[1:]:
+        if n.target.rsplit("_", 1)[0] in optional or n.target in optional:
+            _erase_if_only_checked(graph, n)
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         raise TypeError(
-            f"{type(model).__qualname__}.forward takes {len(inputs)} inputs; an automatic chain needs exactly one "
+            f"{type(model).__qualname__}.forward takes {len(inputs)} tensor inputs; an automatic chain needs exactly one "
             "(register the family with trunksplit.register_trunk instead)"
         )
     units, start = [], 0
@@ -64,7 +76,45 @@ def traced_blocks(model: nn.Module) -> FeatureBlocks:
         name = "output" if carried is None else _cut_name(span, nodes, taken)
         taken.add(name)
         blocks.append((name, unit))
+    # a unit that passes its input through (Identity) exposes it to the next unit's in-place op
+    for (_, unit), (_, after) in reversed(list(zip(blocks, blocks[1:]))):
+        unit.inplace = unit.inplace or (unit.passes_input_on and after.inplace)
     return FeatureBlocks(blocks, stages=())
+
+
+def _erase_if_only_checked(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and everything computed from it, where none of that reaches the output."""
+    found, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "output":
+            return
+        if n not in found:
+            found.append(n)
+            todo.extend(n.users)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(found, key=order.get, reverse=True):
+        graph.erase_node(n)
+
+
+class _ChainTracer(fx.Tracer):
+    """fx's tracer, keeping norm layers with running statistics whole.
+
+    Traced through, a BatchNorm subclass (timm's BatchNormAct2d) becomes a functional
+    batch_norm whose momentum is a constant in the graph, and the recompute could no
+    longer keep its statistics from moving twice; as a module call it can."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, _NormBase) or super().is_leaf_module(m, qualname)
+
+
+def _optional_arguments(model: nn.Module) -> dict:
+    """forward's arguments after the first that have defaults: traced as those constants (a mask of None)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params[1:] if p.default is not inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD}
 
 
 def _articulation_points(nodes: List[fx.Node]) -> List[tuple]:
@@ -120,19 +170,39 @@ def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried
     if carried is not None:
         g.output(env[carried])
     unit = fx.GraphModule(model, g, class_name="ChainUnit")  # holds the model's own modules and parameters
-    unit.inplace = _starts_in_place(model, span)  # read by layer_splittable_before
+    # read by layer_splittable_before: a segment must not start with a unit that overwrites its input
+    aliases = _input_aliases(model, span, source)
+    unit.inplace = aliases is None
+    unit.passes_input_on = aliases is not None and carried in aliases
     return unit
 
 
-def _starts_in_place(model: nn.Module, span: List[fx.Node]) -> bool:
-    first = next(n for n in span if n.op != "get_attr")
-    if first.op == "call_module":
-        return not layer_splittable_before(model.get_submodule(first.target))
-    if first.op == "call_method":
-        return first.target.endswith("_") and not first.target.endswith("__")
-    if first.op == "call_function":
-        return first.kwargs.get("inplace") is True or first.target in _IN_PLACE_FUNCTIONS
-    return False
+def _input_aliases(model: nn.Module, span: List[fx.Node], source: fx.Node) -> Optional[Set[fx.Node]]:
+    """The nodes of ``span`` that may share the unit input's storage (``Identity``, ``reshape`` ...),
+    or None where an op writes one of them in place (then ``ReLU(inplace=True)``), as far as the graph shows."""
+    aliases = {source}
+    for n in span:
+        first = n.args[0] if n.args else None
+        on_alias = isinstance(first, fx.Node) and first in aliases
+        if not on_alias:
+            continue
+        if n.op == "call_module":
+            module = model.get_submodule(n.target)
+            if not layer_splittable_before(module):
+                return None
+            if isinstance(module, nn.Identity):
+                aliases.add(n)
+        elif n.op == "call_method":
+            if n.target.endswith("_") and not n.target.endswith("__"):
+                return None
+            if n.target in _VIEW_METHODS:
+                aliases.add(n)
+        elif n.op == "call_function":
+            if n.kwargs.get("inplace") is True or n.target in _IN_PLACE_FUNCTIONS:
+                return None
+            if n.target is operator.getitem or getattr(n.target, "__name__", "") in _VIEW_METHODS:
+                aliases.add(n)
+    return aliases
 
 
 def _cut_name(span: List[fx.Node], nodes: List[fx.Node], taken: Set[str]) -> str:

@@ -11,14 +11,22 @@ from typing import List, Optional
 GRADIENTS_HELP = "allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False)"
 
 
-def _shape(text: str):
+def _dims(text: str, count: int, example: str):
     try:
         dims = tuple(int(d) for d in text.lower().split("x"))
     except ValueError:
         dims = ()
-    if len(dims) != 4 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"expected an input shape like 8x3x224x224, got {text!r}")
+    if len(dims) != count or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected a shape like {example}, got {text!r}")
     return dims
+
+
+def _shape(text: str):
+    return _dims(text, 4, "8x3x224x224")
+
+
+def _image_shape(text: str):
+    return _dims(text, 3, "3x224x224 (one image)")
 
 
 def _budget(text: str):
@@ -107,16 +115,6 @@ def _bench(args) -> int:
     print(table)
     print(f"\nwritten to {args.out}/benchmark.md and {args.out}/benchmark.png")
     return 0
-
-
-def _image_shape(text: str):
-    try:
-        dims = tuple(int(d) for d in text.lower().split("x"))
-    except ValueError:
-        dims = ()
-    if len(dims) != 3 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"expected one image's shape like 3x224x224, got {text!r}")
-    return dims
 
 
 def _memory(text: str) -> int:
