@@ -11,6 +11,11 @@ from trunksplit.config import load_config
 from trunksplit.ssl.loop import train
 
 
+def _beyond(cfg) -> str:
+    """What the step's peak is counted beyond: the gradients are part of it unless they are kept between steps."""
+    return "parameters and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else "parameters (gradients included)"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-file", default="", help="YAML file that overrides the defaults in trunksplit/config.py")
@@ -26,7 +31,7 @@ def main(argv=None) -> int:
     if last is not None:
         print(
             f"done: step {last['step']}, loss {last['loss']:.4f}, {last['images_per_sec']:.1f} images/s, "
-            f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond parameters and gradients "
+            f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {_beyond(cfg)} "
             f"(trunk plan: {last['plan']})"
         )
         vs = last["memory_vs_plain"]
