@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import torch
-import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 from tqdm import tqdm

@@ -10,7 +10,6 @@ teaches it other families. :class:`FeatureBlocks` says which blocks are stages.
 from collections import OrderedDict
 from typing import Callable, Dict, Iterable, Mapping, Optional, Type
 
-import torchvision
 from torch import nn
 
 

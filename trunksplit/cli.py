@@ -64,7 +64,6 @@ def _writable_dir(path: str) -> str:
 
 def _plan(args) -> int:
     import torch
-    import torchvision
 
     from .planner import annotate, peak_model
     from .trunk import CheckpointedTrunk
