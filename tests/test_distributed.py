@@ -168,3 +168,42 @@ def test_gradients_travel_in_a_few_flat_buckets_not_one_collective_per_parameter
     for n in r0["grads"]:
         avg = (r0["own"][n] + r1["own"][n]) / 2
         assert torch.equal(r0["grads"][n], avg) and torch.equal(r1["grads"][n], avg), n
+
+
+def _family_step(rank, world_size, name, manual, out):
+    from zoo import input_for, small
+
+    model = small(name)
+    trunk = CheckpointedTrunk(model, num_splits=4, strategy="balanced", use_reentrant=manual)
+    ddp = DDP(trunk)
+    a, b = input_for(name) + rank, input_for(name) - rank
+    torch.manual_seed(1000 + rank)  # dropout and stochastic depth masks, as the reference draws them
+    if manual:
+        with ddp.no_sync():
+            manual_sync_params(ddp)
+            (loss_of(ddp(a)) + loss_of(ddp(b), seed=7)).backward()
+        manual_gradient_all_reduce(ddp)
+    else:
+        (loss_of(ddp(a)) + loss_of(ddp(b), seed=7)).backward()
+    torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.parametrize("name", ["vit", "convnext"])
+@pytest.mark.parametrize("manual", [False, True], ids=["native_ddp", "manual_reentrant"])
+def test_families_train_under_both_ddp_paths_like_one_process(name, manual, tmp_path):
+    from zoo import input_for, small, without_head
+
+    run_processes(_family_step, 2, (name, manual, str(tmp_path)))
+    total = None
+    for rank in range(2):  # single process: each rank's plain-model gradients, averaged
+        model = without_head(small(name))
+        torch.manual_seed(1000 + rank)
+        (loss_of([model(input_for(name) + rank)]) + loss_of([model(input_for(name) - rank)], seed=7)).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        total = grads if total is None else {n: total[n] + g for n, g in grads.items()}
+    want = {n: g / 2 for n, g in total.items()}
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(got) == set(want)  # every trunk parameter has a gradient, the head none
+        for n in want:
+            assert torch.allclose(want[n], got[n], rtol=1e-5, atol=1e-6), n
