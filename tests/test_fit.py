@@ -57,12 +57,14 @@ def _measured_total(model, trunk, batch, optimizer, gradients):
 @pytest.mark.parametrize("gradients", ["allocated", "kept"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw", None])
 def test_a_real_step_at_the_fitted_batch_fills_90_to_100_percent_of_memory(optimizer, gradients):
-    model = _model()
+    model = _model().eval()
     before = copy.deepcopy(model.state_dict())
     memory = 120 * 2**20
     found = fit(model, SHAPE, memory, optimizer=optimizer, gradients=gradients)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # fit trains nothing
     assert all(p.grad is None for p in model.parameters())
+    assert not any(m.training for m in model.modules())  # nor changes the model's mode
+    found.trunk.train()
     total = _measured_total(model, found.trunk, found.batch_size, optimizer, gradients)
     assert 0.90 * memory <= total <= memory, (found, total)
     assert found.measured_total_bytes <= memory and found.batch_size > 8

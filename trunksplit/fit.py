@@ -239,6 +239,7 @@ def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor) -> int:
     params = _trainable(trunk)
     grads = [p.grad for p in params]
     buffers = [b.clone() for b in trunk.buffers()]
+    modes = [(m, m.training) for m in trunk.modules()]  # the model's own modules: put their mode back too
     try:
         for p in params:
             p.grad = None if trunk.gradients == "allocated" else torch.zeros_like(p)
@@ -253,6 +254,8 @@ def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor) -> int:
         with torch.no_grad():
             for b, saved in zip(trunk.buffers(), buffers):
                 b.copy_(saved)
+        for m, training in modes:
+            m.training = training
     return mem.peak_bytes
 
 
