@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .blocks import feature_blocks, layer_splittable_before
-from .planner import PeakModel, best_plan, plan_from_starts
+from .planner import PeakModel, best_plan, plan_from_cuts
 from .profile import PeakMemory, UnitCosts, profile_units
 from .split import expand_units
 from .trunk import CheckpointedTrunk
@@ -121,12 +121,12 @@ def fit(
 
     def plan_at(batch: int, budget: Optional[int] = None):
         peaks = PeakModel(_scaled(small, batch), features, gradients)
-        starts = best_plan(peaks, splittable, forced, max_segments=num_splits, budget=budget)
-        return peaks, starts
+        cuts = best_plan(peaks, splittable, forced, max_segments=num_splits, budget=budget)
+        return peaks, cuts
 
     def total(batch: int) -> int:
-        peaks, starts = plan_at(batch)
-        return resident + max(peaks.peak(starts), optimizer_peak)
+        peaks, cuts = plan_at(batch)
+        return resident + max(peaks.peak(*cuts), optimizer_peak)
 
     if total(1) > memory:
         raise ValueError(
@@ -136,8 +136,8 @@ def fit(
     batch = _largest(lambda b: total(b) <= memory)
     measured = None
     for _ in range(4):  # the check may find the prediction optimistic: shrink and check again
-        peaks, starts = plan_at(batch, budget=memory - resident)
-        plan = plan_from_starts([n for n, _ in units], starts, trunk._ends, "budget", peaks)
+        peaks, cuts = plan_at(batch, budget=memory - resident)
+        plan = plan_from_cuts([n for n, _ in units], cuts, trunk._ends, "budget", peaks)
         fitted = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, memory_budget=memory - resident,
                                    gradients=gradients, use_reentrant=use_reentrant)
         x = torch.zeros(batch, *input_shape, device=device)

@@ -1,11 +1,13 @@
 """Memory measurement: `PeakMemory`, on CUDA and on CPU alike."""
 import copy
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from .wrapper import UNIT_POLICIES, is_expensive, run_under_policy
 
 # The CPU tracker needs to see every tensor an op creates and to know when its
 # storage dies. torch has no public API for either, so the two private imports
@@ -39,6 +41,8 @@ class _TensorAccounting(TorchDispatchMode):
         self.live = {}  # storage id -> (weak ref, bytes)
         self.current = 0
         self.peak = 0
+        self.expensive = set()  # storages created by ops that cost FLOPs (the selective policy keeps them)
+        self.cheap_bytes = 0  # bytes created by all other ops: what recomputing them writes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -52,6 +56,10 @@ class _TensorAccounting(TorchDispatchMode):
             if ref.cdata not in inputs and ref.cdata not in self.live:
                 self.live[ref.cdata] = (ref, storage.nbytes())
                 self.current += storage.nbytes()
+                if is_expensive(func):
+                    self.expensive.add(ref.cdata)
+                else:
+                    self.cheap_bytes += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
 
@@ -133,6 +141,13 @@ class UnitCosts:
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
+    - ``recompute_bytes``: bytes the unit's cheap ops (all but convolution, matmul,
+      attention) write in a forward: what running them again costs, in traffic.
+    - ``policies``: per unit policy other than ``"keep"`` (see
+      :func:`trunksplit.wrapper.run_under_policy`), the same chain measured with
+      units under it: only ``saved``, ``saves_input``, ``keeps_output``,
+      ``forward_peak`` and ``backward_excess`` differ, and units not measured so
+      repeat the plain figures.
     """
 
     names: Tuple[str, ...]
@@ -145,39 +160,59 @@ class UnitCosts:
     backward_excess: Tuple[int, ...]
     flops: Tuple[int, ...]
     param_bytes: Tuple[int, ...]
+    recompute_bytes: Tuple[int, ...] = ()
+    policies: Optional[Dict[str, "UnitCosts"]] = None
 
     def __len__(self) -> int:
         return len(self.names)
 
+    def under(self, policy: str) -> "UnitCosts":
+        """The costs with units under ``policy`` (``"keep"``: these)."""
+        return self if policy == "keep" else self.policies[policy]
 
-def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor) -> UnitCosts:
+
+def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candidates: Sequence[int] = ()) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
     BatchNorm statistics and RNG stay untouched, and neither users' module hooks
     nor those of wrappers such as DDP fire): one forward and one backward with
     weights that already hold gradients. Costs about one training step plus one
-    forward of the chain. Measures with autograd on whatever the caller's mode: a
-    plan made under ``no_grad`` or ``inference_mode`` is the training plan.
+    forward of the chain, and two more steps for the units in ``candidates``, which
+    are also measured under the other unit policies (``UnitCosts.policies``).
+    Measures with autograd on whatever the caller's mode: a plan made under
+    ``no_grad`` or ``inference_mode`` is the training plan.
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops")
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes")
+    policy_keys = ("saved", "saves_input", "keeps_output", "forward_peak", "backward_excess")
     fields = {k: [] for k in keys}
+    under_policy = {p: {k: [] for k in policy_keys} for p in UNIT_POLICIES[1:]}
     source = -1  # the unit that allocated the storage of the current activation
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         h = x.detach().clone() if x.is_inference() else x.detach()  # an inference tensor cannot enter autograd
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
             m = _private_copy(unit)
-            with torch.no_grad(), FlopCounterMode(display=False) as flops:
+            tracker = _TensorAccounting()
+            with torch.no_grad(), FlopCounterMode(display=False) as flops, tracker:
                 next_h = m(h)
             cost = _measure_unit(m, h, input_needs_grad=i > 0)
             for key, value in cost.items():
                 fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
+            fields["recompute_bytes"].append(tracker.cheap_bytes)
+            for policy, measured in under_policy.items():
+                policy_cost = _measure_unit(m, h, input_needs_grad=i > 0, policy=policy) if i in candidates else cost
+                for key in policy_keys:
+                    measured[key].append(policy_cost[key])
             if not isinstance(next_h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
-    return UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **{k: tuple(v) for k, v in fields.items()})
+    plain = {k: tuple(v) for k, v in fields.items()}
+    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **plain)
+    if not candidates:
+        return costs
+    return replace(costs, policies={p: replace(costs, **{k: tuple(v) for k, v in m.items()}) for p, m in under_policy.items()})
 
 
 def _param_bytes(units: Sequence[nn.Module]) -> Tuple[int, ...]:
@@ -199,7 +234,7 @@ def _private_copy(unit: nn.Module) -> nn.Module:
     return m
 
 
-def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict:
+def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep") -> dict:
     leaf = h.detach().requires_grad_(input_needs_grad)
     inp = leaf.clone() if input_needs_grad else leaf  # not a leaf, so an in-place first op is allowed
     params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
@@ -211,21 +246,34 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool) -> dict
         return t
 
     tracker = _TensorAccounting()
-    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = m(inp)
+    checkpointed = policy != "keep"
+    if checkpointed:
+        # A checkpoint keeps its tensors out of saved-tensor hooks: what it keeps is its
+        # input and (save_expensive) the expensive ops' outputs, all alive after the forward.
+        with tracker:
+            out = run_under_policy(m, inp, policy)
+    else:
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = m(inp)
+    tracker._sweep()  # storages freed as the forward returned (its locals) are not alive after it
     forward_peak, after_forward = tracker.peak, tracker.current
     # a chain's last unit may return any structure (a traced model's own output): count all its tensors
     outs = list(_tensors(out))
     out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in outs}
-    saved, saves_input, keeps_output = {}, False, False
-    for t in packed:
-        key = StorageWeakRef(t.untyped_storage()).cdata
-        if key == in_key:
-            saves_input = True
-        elif key not in params and key in tracker.live:
-            saved[key] = t.untyped_storage().nbytes()
-            keeps_output |= key in out_keys
-    packed.clear()  # release the saved tensors' extra references before backward
+    if checkpointed:
+        saves_input = True
+        keeps_output = any(k in tracker.expensive for k in out_keys)
+        saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in tracker.expensive)}
+    else:
+        saved, saves_input, keeps_output = {}, False, False
+        for t in packed:
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            if key == in_key:
+                saves_input = True
+            elif key not in params and key in tracker.live:
+                saved[key] = t.untyped_storage().nbytes()
+                keeps_output |= key in out_keys
+        packed.clear()  # release the saved tensors' extra references before backward
     outs = [t for t in outs if t.requires_grad]
     if outs:
         # The gradient arriving at the unit must be allocated inside the measured window and

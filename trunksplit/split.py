@@ -11,7 +11,7 @@ plain dict, vissl's rule, the names that start with ``res``.
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tabulate import tabulate
 from torch import nn
@@ -29,6 +29,12 @@ class Segment:
     checkpointed: bool = True
     predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
     recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
+    recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
+    policies: Tuple[str, ...] = ()  # per unit, what it keeps for backward (see UNIT_POLICIES); empty: all "keep"
+
+    @property
+    def unit_policies(self) -> Tuple[str, ...]:
+        return self.policies or ("keep",) * len(self)
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -48,26 +54,47 @@ class SplitPlan:
         return [s.name for s in self.segments]
 
     @property
+    def policies(self) -> Dict[int, str]:
+        """Units that do not keep everything for backward, and their policy:
+        ``"save_expensive"`` (keep conv/matmul/attention outputs, recompute the rest) or
+        ``"recompute"`` (keep only the input; inside a checkpointed segment, recomputed twice)."""
+        return {s.start + j: p for s in self.segments for j, p in enumerate(s.unit_policies) if p != "keep"}
+
+    @property
     def boundaries(self) -> List[int]:
         """Unit indices where a new segment starts (the first one excluded)."""
         return [s.start for s in self.segments[1:]]
 
     def __str__(self) -> str:
         with_costs = any(s.predicted_bytes is not None for s in self.segments)
+        policies = self.policies
         rows = []
         for s in self.segments:
             first, last = (self.units[s.start], self.units[s.stop - 1]) if len(s) else ("-", "-")
             row = [s.name, f"{first} .. {last}", len(s), "yes" if s.checkpointed else "no"]
+            if policies:
+                row.append(", ".join(f"{n} {p}" for p, n in _counts([q for q in s.unit_policies if q != "keep"])) or "-")
             if with_costs:
                 row += [_mib(s.predicted_bytes), _gflops(s.recompute_flops)]
             rows.append(row)
         headers = ["segment", "layers", "count", "checkpointed"]
+        if policies:
+            headers.append("unit policies")
         if with_costs:
             headers += ["predicted peak (MiB)", "recompute (GFLOP)"]
         title = f"SplitPlan ({self.strategy}, {len(self.segments)} segments"
         if self.predicted_peak_bytes is not None:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
-        return title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
+        text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
+        for policy, meaning in (("save_expensive", "keep conv/matmul outputs, recompute the rest"), ("recompute", "keep only the input")):
+            chosen = [self.units[i] for i, p in sorted(policies.items()) if p == policy]
+            if chosen:
+                text += f"\n{policy} ({meaning}): " + " ".join(chosen)
+        return text
+
+
+def _counts(items: Sequence[str]) -> List[Tuple[str, int]]:
+    return [(p, items.count(p)) for p in dict.fromkeys(items)]
 
 
 def _mib(n: Optional[int]) -> str:

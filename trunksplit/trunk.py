@@ -1,4 +1,5 @@
 """`CheckpointedTrunk`: run a trunk as a plan of checkpoint segments."""
+import functools
 from collections import OrderedDict
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -8,7 +9,7 @@ from torch import nn
 from .blocks import FeatureBlocks, feature_blocks, layer_splittable_before, stage_names
 from .planner import GRADIENT_MODES, plan_trunk
 from .split import SplitPlan, expand_units, feature_ends, vissl_plan
-from .wrapper import batchnorms, run_checkpointed
+from .wrapper import batchnorms, run_checkpointed, run_under_policy
 
 STRATEGIES = ("vissl", "balanced")
 
@@ -156,10 +157,13 @@ class CheckpointedTrunk(nn.Module):
         features = {}
         for seg in plan.segments:
             layers = units[seg.start : seg.stop]
+            # what each unit keeps for backward (training only: in eval nothing is checkpointed)
+            policies = seg.unit_policies if checkpointing else ("keep",) * len(seg)
             # A cut forced after a requested feature may fall before an in-place op (bn1 then
             # ReLU(inplace=True)). Running it on a copy keeps the feature as its block left it
             # and, inside a checkpoint, keeps the checkpoint's input intact for the recompute.
-            run = _run_layers_on_copy if seg.start > 0 and not layer_splittable_before(layers[0]) else _run_layers
+            copy_input = seg.start > 0 and not layer_splittable_before(layers[0])
+            run = functools.partial(_run_layers, copy_input, policies)
             if checkpointing and seg.checkpointed:
                 x = run_checkpointed(run, batchnorms(layers), (x, *layers), use_reentrant=self.use_reentrant)
             else:
@@ -177,14 +181,14 @@ def _child_name(key: str) -> str:
     return key.replace(".", "_")
 
 
-def _run_layers(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
+def _run_layers(copy_input: bool, policies: Sequence[str], x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
+    """Run ``layers`` in order, each under its unit policy (nested in the segment's own
+    checkpoint when it has one)."""
+    if copy_input:
+        x = x.clone()
+    for layer, policy in zip(layers, policies):
+        x = run_under_policy(layer, x, policy)
     return x
-
-
-def _run_layers_on_copy(x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
-    return _run_layers(x.clone(), *layers)
 
 
 def _key_map(trunk: nn.Module, model: nn.Module) -> Dict[str, str]:

@@ -10,6 +10,11 @@ included) and BatchNorm buffers (running stats and ``num_batches_tracked`` move
 once per training step, as without checkpointing). What is not: the recompute
 costs one more forward of the checkpointed part, and code that has side effects
 other than BatchNorm's sees them twice (ask :func:`is_recomputing`).
+
+The selective policy (``save_expensive=True``) keeps the outputs of the ops that
+cost FLOPs (convolution, matmul, attention: exactly the ops torch's FLOP counter
+counts) and recomputes the rest (norms, activations, pooling, adds) in backward:
+about half a CNN's activation memory for no convolution run twice.
 """
 import contextlib
 import threading
@@ -18,7 +23,8 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, InstanceNorm: the norms with running stats
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 _local = threading.local()
 
@@ -70,8 +76,58 @@ def _recomputing(bns: List[_NormBase]):
         _local.depth -= 1
 
 
+def is_expensive(func) -> bool:
+    """Whether an aten op is one whose output the selective policy keeps: one that
+    torch's FLOP counter counts (convolution, mm/addmm/bmm, attention), so that
+    "recomputed FLOPs" and "what the policy recomputes" mean the same ops."""
+    return getattr(func, "overloadpacket", func) in flop_registry
+
+
+UNIT_POLICIES = ("keep", "save_expensive", "recompute")
+
+
+def run_under_policy(module: nn.Module, x: Any, policy: str) -> Any:
+    """``module(x)`` keeping, for backward: everything (``"keep"``), the outputs of its
+    expensive ops (``"save_expensive"``: torch's selective checkpointing), or only its
+    input (``"recompute"``: a plain checkpoint). Inside another checkpoint's function the
+    last two nest: the outer recompute holds less, the inner backward one module's worth."""
+    if policy == "keep":
+        return module(x)
+    if policy not in UNIT_POLICIES:
+        raise ValueError(f"unknown unit policy {policy!r}; choose one of {UNIT_POLICIES}")
+    return run_checkpointed(module, batchnorms([module]), (x,), save_expensive=policy == "save_expensive")
+
+
+def _save_expensive(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if is_expensive(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts(bns: List[_NormBase]) -> Callable:
+    """torch's selective-checkpoint contexts, with the BatchNorm guard entered around the recompute.
+
+    The guard's own ops (saving and restoring ``num_batches_tracked``) must run
+    outside torch's recompute mode, which replays only the ops the forward ran."""
+
+    def contexts():
+        forward, recompute = create_selective_checkpoint_contexts(_save_expensive)
+        return forward, _both(_recomputing(bns), recompute)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield
+
+
 def run_checkpointed(
-    function: Callable, bns: List[_NormBase], args: Tuple = (), kwargs: Optional[dict] = None, use_reentrant: bool = False
+    function: Callable,
+    bns: List[_NormBase],
+    args: Tuple = (),
+    kwargs: Optional[dict] = None,
+    use_reentrant: bool = False,
+    save_expensive: bool = False,
 ) -> Any:
     """``function(*args, **kwargs)`` under activation checkpointing.
 
@@ -84,8 +140,16 @@ def run_checkpointed(
     structure. Reentrant mode takes positional tensors only; where no input
     requires grad, torch's reentrant checkpoint would silently give the
     parameters no gradient, so a zero-size input that requires grad is added.
+
+    ``save_expensive`` keeps the outputs of the ops that cost FLOPs and recomputes
+    only the cheap ones (torch's selective checkpointing; non-reentrant only). It
+    may run inside another checkpointed function: the outer recompute then holds
+    only the expensive outputs, and each inner backward one function's worth of
+    cheap activations at a time.
     """
     kwargs = kwargs or {}
+    if save_expensive and use_reentrant:
+        raise ValueError("save_expensive needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
     calls = 0
 
     def run(*a, **kw):
@@ -96,6 +160,8 @@ def run_checkpointed(
         with _recomputing(bns):
             return function(*a, **kw)
 
+    if save_expensive:
+        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=_selective_contexts(bns))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
