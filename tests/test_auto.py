@@ -138,7 +138,7 @@ def test_a_traced_chain_trains_exactly_like_the_model(name, how, reentrant):
         warnings.simplefilter("ignore")
         (got,) = trunk(x)
     _loss(got).backward()
-    assert len(trunk.plan.segments) > 1
+    assert len(trunk.plan.segments) > 1 or trunk.plan.regions  # the budget is met by cuts or by regions
     if isinstance(want, dict):
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     else:

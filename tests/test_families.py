@@ -75,7 +75,7 @@ def test_checkpointed_training_step_equals_the_plain_model(name, plan, reentrant
         warnings.simplefilter("ignore")
         got = trunk(x)[0]
     loss_of([got]).backward()
-    assert len(trunk.plan.segments) > 1
+    assert len(trunk.plan.segments) > 1 or trunk.plan.regions  # cuts, or regions (budget plans)
     assert torch.equal(want, got)
     # non-reentrant: the plain graph, op for op; reentrant: per-segment backward changes summation order
     same = torch.equal if not reentrant else _close

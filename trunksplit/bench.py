@@ -54,7 +54,7 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
 
     plain = trunk()
     start = time.perf_counter()
-    model = peak_model(plain, x, unit_policies=True)  # what a budget plan measures, once per input shape
+    model = peak_model(plain, x, regions=True)  # what a budget plan measures, once per input shape
     profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
 

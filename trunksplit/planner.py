@@ -32,7 +32,6 @@ from torch import nn
 from .blocks import layer_splittable_before
 from .profile import UnitCosts, profile_units
 from .split import Segment, SplitPlan, expand_units, vissl_plan
-from .wrapper import UNIT_POLICIES
 
 
 PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
@@ -42,24 +41,31 @@ RECOMPUTE_SLACK = 0.10  # balanced plans recompute at most this much more than v
 GRADIENT_MODES = ("allocated", "kept")
 
 
+Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoint under a policy
+
+
 class Cuts(NamedTuple):
-    """A plan as the planner sees it: where segments start, and the units that do not
-    keep everything for backward, with their policy (see :func:`trunksplit.wrapper.run_under_policy`)."""
+    """A plan as the planner sees it: where segments start, and the regions of units run
+    under their own checkpoint, each ``(start, stop, policy)`` with ``policy``
+    ``"save_expensive"`` or ``"recompute"`` (see :func:`trunksplit.wrapper.run_region`)."""
 
     starts: List[int]
-    policies: FrozenSet[Tuple[int, str]] = frozenset()
+    regions: FrozenSet[Region] = frozenset()
 
 
 class PeakModel:
     """Predicts a step's peak bytes for any cut of a chain: what the step allocates beyond
     what was live before it (parameters, and in ``"kept"`` mode their gradients).
 
-    ``candidates`` are the units that may also run under the other unit policies
-    (``costs.policies`` measured them so). Under ``"save_expensive"`` a unit keeps only
-    its expensive ops' outputs and its input; under ``"recompute"`` only its input. In
-    the last segment that is what backward finds; in a checkpointed segment, what the
-    segment's recompute holds, the unit's own backward recomputing the rest (nested
-    checkpointing: one unit's activations at a time).
+    Regions. A run of ``candidates`` (units that may run under their own checkpoint,
+    measured so in ``costs.policies``) may form a region, checkpointed inside its
+    segment. Under ``"save_expensive"`` it keeps its input and its expensive ops'
+    outputs, under ``"recompute"`` only its input. In the last segment that is what
+    backward finds; in a checkpointed segment, what the segment's recompute holds. The
+    region's own backward then recomputes it whole, like a checkpointed segment of its
+    own, on top of what is kept before it: the outputs it does not keep (a bottleneck
+    block's output is its successor's input) are never held, which is where a region of
+    several blocks saves more than each block on its own.
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", candidates: Iterable[int] = ()):
@@ -69,56 +75,82 @@ class PeakModel:
         self.n = len(costs)
         self.gradients = gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
-        candidates = set(candidates)
-        if candidates and costs.policies is None:
-            raise ValueError("policy candidates need costs measured under each policy (profile_units(..., candidates=...))")
-        # a policy is offered where it keeps less than keeping everything
-        self._unit_policies = [
-            ("keep",) + tuple(p for p in UNIT_POLICIES[1:] if i in candidates and costs.under(p).saved[i] < costs.saved[i])
-            for i in range(self.n)
-        ]
+        self.candidates = sorted(set(candidates))
+        if self.candidates and costs.policies is None:
+            raise ValueError("region candidates need costs measured under each policy (profile_units(..., candidates=...))")
         c = costs
         self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
         self._cheap = c.recompute_bytes or (0,) * self.n
+        self._cheap_prefix = [0] + list(itertools.accumulate(self._cheap))
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         self._options: Dict[int, Dict[int, list]] = {}
-        self._templates: Optional[List[Dict[int, str]]] = None
+        self._regions: Dict[Tuple[int, int], int] = {}
+        self._templates: Optional[List[List[Region]]] = None
 
     def boundary(self, a: int) -> int:
         """Bytes a segment starting at unit ``a`` keeps as its input (the chain's own input is not counted)."""
         return self.costs.output[a - 1] if a > 0 else 0
 
-    def _step(self, state: "_Scan", a: int, i: int, policy: str, last: bool) -> "_Scan":
-        """The scan of a segment starting at ``a`` extended by unit ``i`` under ``policy``;
-        ``last``: the segment is the last, not checkpointed.
+    def _step(self, state: "_Scan", a: int, i: int, last: bool) -> "_Scan":
+        """The scan of a segment starting at ``a`` extended by unit ``i``, which keeps
+        everything; ``last``: the segment is the last, not checkpointed.
 
         Kept bytes: what each unit allocates and keeps itself, plus the outputs of
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
-        c = self.costs.under(policy)
+        c = self.costs
         kept, forward, backward, counted, cost = state
-        source = self.costs.input_from[i]
+        source = c.input_from[i]
         forward = max(forward, kept + c.forward_peak[i])
         if c.saves_input[i] and source >= a and not counted:
-            kept, counted = kept + self.costs.output[source], True
+            kept, counted = kept + c.output[source], True
         kept += c.saved[i]
         backward = max(backward, kept + c.backward_excess[i] + self._grads_after[i])
         if self._allocates[i]:
             counted = c.keeps_output[i]
-        # What runs again: a checkpointed segment's recompute runs every unit once more, and
-        # a unit's own checkpoint its cheap ops ("save_expensive") or all of it ("recompute").
-        flops, cheap, inner = self.costs.flops[i], self._cheap[i], policy != "keep"
-        again = flops if policy == "recompute" else 0
-        if last:  # only max(forward, backward) matters: one field, fewer distinct scans
-            forward = backward = max(forward, backward)
-            cost = (cost[0] + again, cost[1] + cheap * inner)
-        else:
-            cost = (cost[0] + flops + again, cost[1] + cheap * (1 + inner))
+        if not last:  # a checkpointed segment's recompute runs the unit once more
+            cost = (cost[0] + c.flops[i], cost[1] + self._cheap[i])
         return _Scan(kept, forward, backward, counted, cost)
+
+    def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
+        """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
+        r, s, policy = region
+        c = self.costs.under(policy)
+        kept, forward, backward, counted, cost = state
+        held_before, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
+        for i in range(r, s):
+            region_forward = max(region_forward, held_before + c.forward_peak[i])
+            held_before += c.saved[i]
+        forward = max(forward, kept + region_forward)
+        source = self.costs.input_from[r]
+        if source >= a and not counted:  # the region keeps its input
+            kept, counted = kept + self.costs.output[source], True
+        backward = max(backward, kept + self._region_backward(r, s))
+        kept += held_before
+        counted = c.keeps_output[s - 1] if self._allocates[s - 1] else counted
+        flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
+        again = flops if policy == "recompute" else 0  # "save_expensive" runs only the cheap ops again
+        if last:
+            cost = (cost[0] + again, cost[1] + cheap)
+        else:  # the segment's recompute runs the region, then the region's own backward again
+            cost = (cost[0] + flops + again, cost[1] + 2 * cheap)
+        return _Scan(kept, forward, backward, counted, cost)
+
+    def _region_backward(self, r: int, s: int) -> int:
+        """Peak of a region's backward beyond what is kept before it: its recompute holds
+        everything it saves (the kept expensive outputs among them), with its output's
+        gradient waiting, then backward walks back through it."""
+        if (r, s) not in self._regions:
+            state = _EMPTY
+            for i in range(r, s):
+                state = self._step(state, r, i, last=False)
+            recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.forward
+            self._regions[(r, s)] = max(recompute, state.backward)
+        return self._regions[(r, s)]
 
     def _local(self, state: "_Scan", b: int) -> int:
         """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries.
@@ -133,90 +165,107 @@ class PeakModel:
         recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.forward
         return held + max(recompute, state.backward)
 
-    def local(self, a: int, b: int, policies: Iterable[Tuple[int, str]] = ()) -> int:
+    def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
+        """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each
+        unit boundary b a segment [a, b) could end at (``last``: only b = n)."""
+        starting = {r: (r, s, p) for r, s, p in regions if r >= a}
+        state, i, stop = _EMPTY, a, stop or self.n
+        while i < stop:
+            region = starting.get(i)
+            if region is not None and region[1] <= stop:
+                state, i = self._step_region(state, a, region, last), region[1]
+            else:
+                state, i = self._step(state, a, i, last), i + 1
+            if last and i == self.n or not last and i < self.n:
+                yield i, self._local(state, i), state.cost
+
+    def local(self, a: int, b: int, regions: Iterable[Region] = ()) -> int:
         """Peak of segment [a, b) beyond the prefix of kept boundaries (the last one ends at ``n``)."""
-        return self._run(a, b, dict(policies))[0]
+        return self._segment(a, b, regions)[0]
 
-    def _run(self, a: int, b: int, policies: Dict[int, str]) -> Tuple[int, Tuple[int, int]]:
-        state = _EMPTY
-        for i in range(a, b):
-            state = self._step(state, a, i, policies.get(i, "keep"), last=b == self.n)
-        return self._local(state, b), state.cost
+    def _segment(self, a: int, b: int, regions: Iterable[Region]) -> Tuple[int, Tuple[int, int]]:
+        inside = [g for g in regions if a <= g[0] and g[1] <= b]
+        for stop, local, cost in self._scan(a, inside, last=b == self.n, stop=b):
+            if stop == b:
+                return local, cost
+        raise ValueError(f"segment [{a}, {b}) does not end at a unit boundary of its regions")
 
-    def options(self, a: int, b: int) -> List[Tuple[int, Tuple[int, int], FrozenSet[Tuple[int, str]]]]:
-        """The choices of unit policies for segment [a, b) worth considering: (local peak,
-        recompute (FLOPs, cheap bytes), the units not under "keep"), none worse in both than another.
+    def options(self, a: int, b: int) -> List[Tuple[int, Tuple[int, int], FrozenSet[Region]]]:
+        """The choices of regions for segment [a, b) worth considering: (local peak,
+        recompute (FLOPs, cheap bytes), regions), none worse in both than another.
 
-        The choices are the model's templates (see :meth:`templates`), each evaluated exactly."""
+        The choices are the model's templates (see :meth:`templates`) restricted to the
+        segment (a region it cuts through is dropped), each evaluated exactly."""
         if a not in self._options:
             found: Dict[int, list] = {}
             for template in self.templates():
-                last = self._run_all(a, template, last=True)
-                for stop, (local, cost) in self._run_all(a, template, last=False).items():
-                    found.setdefault(stop, []).append((local, cost, _restrict(template, a, stop)))
-                found.setdefault(self.n, []).append((*last[self.n], _restrict(template, a, self.n)))
+                for last in (False, True):
+                    for stop, local, cost in self._scan(a, template, last):
+                        found.setdefault(stop, []).append((local, cost, frozenset(g for g in template if a <= g[0] and g[1] <= stop)))
             self._options[a] = {stop: _pareto_options(opts) for stop, opts in found.items()}
         return self._options[a][b]
 
-    def templates(self) -> List[Dict[int, str]]:
-        """Unit policy assignments to try on every segment (restricted to its units).
+    def templates(self) -> List[List[Region]]:
+        """Region assignments to try on every segment.
 
-        Exhaustive choice per unit multiplies past what a plan can afford to search, so
-        the units are ranked once: for ``"save_expensive"`` by bytes no longer kept per
-        byte of cheap ops run again, for ``"recompute"`` by bytes per FLOP. The templates
-        are the best j of the first ranking (j = 0..all), and the best k of the second,
-        alone or with the first ranking on every other unit."""
-        if self._templates is None:
-            c = self.costs
-
-            def ranked(policy, price):
-                offered = [i for i in range(self.n) if policy in self._unit_policies[i]]
-                return sorted(offered, key=lambda i: -(c.saved[i] - c.under(policy).saved[i]) / max(1, price[i]))
-
-            cheap, recompute = ranked("save_expensive", self._cheap), ranked("recompute", c.flops)
-            templates = [{i: "save_expensive" for i in cheap[:j]} for j in range(len(cheap) + 1)]
-            for k in range(1, len(recompute) + 1):
-                chosen = {i: "recompute" for i in recompute[:k]}
-                templates += [chosen, {**{i: "save_expensive" for i in cheap}, **chosen}]
-            self._templates = templates
-        return self._templates
-
-    def _run_all(self, a: int, policies: Dict[int, str], last: bool) -> Dict[int, Tuple[int, Tuple[int, int]]]:
-        """(local peak, recompute) of segment [a, b) under ``policies`` for every b, in one scan
-        (``last``: only b = n, the last segment)."""
-        out, state = {}, _EMPTY
-        for i in range(a, self.n if last else self.n - 1):
-            state = self._step(state, a, i, policies.get(i, "keep"), last)
-            if not last:
-                out[i + 1] = (self._local(state, i + 1), state.cost)
-        if last:
-            out[self.n] = (self._local(state, self.n), state.cost)
-        return out
+        Choosing per unit multiplies past what a plan can afford to search, so regions
+        come from a few shapes: runs of candidate units cut into regions of 1, 2, 3, 4
+        or 6 units, or whole runs. For each shape the regions are ranked once, for
+        ``"save_expensive"`` by bytes no longer kept per byte of cheap ops run again,
+        for ``"recompute"`` by bytes per FLOP, and a template takes the best j of them
+        (j = 0..all); single-unit ``"recompute"`` regions also go on top of every
+        region of a shape under ``"save_expensive"``."""
+        if self._templates is not None:
+            return self._templates
+        c, runs, run = self.costs, [], []
+        for i in self.candidates:
+            if run and i != run[-1] + 1:
+                runs.append(run)
+                run = []
+            run.append(i)
+        runs += [run] if run else []
+        templates: List[List[Region]] = [[]]
+        for size in (1, 2, 3, 4, 6, None):
+            chunks = [(r[k], min(r[k] + (size or len(r)), r[-1] + 1)) for r in runs for k in range(0, len(r), size or len(r))]
+            if size not in (1, None) and all(s - r <= 1 for r, s in chunks):
+                continue
+            for policy, price in (("save_expensive", self._cheap_prefix), ("recompute", self._flops_prefix)):
+                def gain(chunk, policy=policy, price=price):
+                    r, s = chunk
+                    freed = sum(c.saved[i] - c.under(policy).saved[i] for i in range(r, s))
+                    return -freed / max(1, price[s] - price[r])
+                ranked = sorted(chunks, key=gain)
+                templates += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
+            every = [(r, s, "save_expensive") for r, s in chunks]
+            singles = sorted(((i, i + 1) for i in self.candidates), key=lambda g: -c.saved[g[0]] / max(1, c.flops[g[0]]))
+            for k in range(1, len(singles) + 1):
+                chosen = {g[0] for g in singles[:k]}
+                templates.append([g for g in every if not any(g[0] <= i < g[1] for i in chosen)] + [(i, i + 1, "recompute") for i in sorted(chosen)])
+        self._templates = templates
+        return templates
 
     def recompute(self, a: int, b: int) -> int:
         return self._flops_prefix[b] - self._flops_prefix[a]
 
-    def segment_peaks(self, starts: Sequence[int], policies: Iterable[Tuple[int, str]] = ()) -> List[int]:
+    def segment_peaks(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[int]:
         """The predicted peak while each segment runs, for segments starting at ``starts`` (first is 0)."""
-        policies = dict(policies)
+        regions = list(regions)
         bounds = list(starts) + [self.n]
         prefix, peaks = 0, []
         for a, b in zip(bounds, bounds[1:]):
             prefix += self.boundary(a)
-            peaks.append(prefix + self._run(a, b, policies)[0])
+            peaks.append(prefix + self._segment(a, b, regions)[0])
         return peaks
 
-    def peak(self, starts: Sequence[int], policies: Iterable[Tuple[int, str]] = ()) -> int:
-        return max(self.segment_peaks(starts, policies))
+    def peak(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
+        return max(self.segment_peaks(starts, regions))
 
-    def recomputed(self, starts: Sequence[int], policies: Iterable[Tuple[int, str]] = ()) -> Tuple[int, int]:
+    def recomputed(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> Tuple[int, int]:
         """What backward runs again: (FLOPs, bytes written by cheap ops)."""
+        regions = list(regions)
         bounds = list(starts) + [self.n]
-        policies, total = dict(policies), (0, 0)
-        for a, b in zip(bounds, bounds[1:]):
-            cost = self._run(a, b, policies)[1]
-            total = (total[0] + cost[0], total[1] + cost[1])
-        return total
+        costs = [self._segment(a, b, regions)[1] for a, b in zip(bounds, bounds[1:])]
+        return sum(f for f, _ in costs), sum(b for _, b in costs)
 
     def total_recompute(self, starts: Sequence[int]) -> int:
         return self._flops_prefix[starts[-1]]  # everything before the last segment runs twice
@@ -234,10 +283,6 @@ class _Scan(NamedTuple):
 
 
 _EMPTY = _Scan(0, 0, 0, True, (0, 0))  # a segment's input is its boundary, counted in the prefix
-
-
-def _restrict(policies: Dict[int, str], a: int, b: int) -> FrozenSet[Tuple[int, str]]:
-    return frozenset((i, p) for i, p in policies.items() if a <= i < b)
 
 
 def _pareto_options(entries: list) -> list:
@@ -272,19 +317,17 @@ def best_plan(
     forced_set = set(forced)
     allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
     limit = num_segments or max_segments or n
-    # states[p]: {count: [(prefix, peak, recompute, starts, policies)]}, Pareto-pruned
+    # states[p]: {count: [(prefix, peak, recompute, starts, regions)]}, Pareto-pruned
     states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, (0, 0), (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
-            # Under a budget only (prefix, recompute) shape what can follow: the peak so far
-            # just has to fit. Without one the peak so far is part of the objective.
-            entries = _pareto(entries, with_peak=budget is None)
+            entries = _pareto(entries)
             if count >= limit:
                 continue
             next_forced = min([f for f in forced_set if f > p] + [n])
             for q in [i for i in allowed if p < i <= next_forced] + ([n] if next_forced == n else []):
                 options = model.options(p, q)
-                for prefix, peak, recompute, starts, policies in entries:
+                for prefix, peak, recompute, starts, regions in entries:
                     new_prefix = prefix + model.boundary(p)
                     for local, cost, chosen in options:  # by cost, then lower local peak
                         new_peak = max(peak, new_prefix + local)
@@ -293,7 +336,7 @@ def best_plan(
                         new_recompute = (recompute[0] + cost[0], recompute[1] + cost[1])
                         if max_recompute is not None and new_recompute[0] > max_recompute:
                             continue
-                        states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,), policies | chosen))
+                        states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
                         if budget is not None:
                             break  # the cheapest option that fits: more cost buys nothing under a budget
     finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
@@ -304,24 +347,23 @@ def best_plan(
     return Cuts(list(best[3]), best[4])
 
 
-def _pareto(entries: list, with_peak: bool = True) -> list:
-    """Entries not dominated in (prefix, peak, recompute), or (prefix, recompute) without
-    ``with_peak``; of equals, the first in (prefix, recompute, peak) order is kept."""
-    entries = sorted(set(entries), key=lambda e: (e[0], e[2], e[1], e[3], sorted(e[4])))
+def _pareto(entries: list) -> list:
+    """Entries not dominated in (prefix, peak, recompute); the first of equals is kept."""
+    entries = sorted(set(entries), key=lambda e: (e[0], e[1], e[2], e[3], sorted(e[4])))
     kept = []
     for e in entries:
-        if not any(k[0] <= e[0] and k[2] <= e[2] and (k[1] <= e[1] or not with_peak) for k in kept):
+        if not any(k[0] <= e[0] and k[1] <= e[1] and k[2] <= e[2] for k in kept):
             kept.append(e)
     return kept
 
 
 def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
     """``plan`` with the model's predicted peak and recompute per segment."""
-    policies = plan.policies
-    peaks = model.segment_peaks([s.start for s in plan.segments], policies.items())
+    regions = plan.regions
+    peaks = model.segment_peaks([s.start for s in plan.segments], regions)
     segments = []
     for s, pk in zip(plan.segments, peaks):
-        flops, cheap = model._run(s.start, s.stop, policies)[1]
+        flops, cheap = model._segment(s.start, s.stop, regions)[1]
         segments.append(replace(s, predicted_bytes=pk, recompute_flops=flops, recompute_bytes=cheap))
     return replace(plan, segments=tuple(segments), predicted_peak_bytes=max(peaks))
 
@@ -330,45 +372,45 @@ def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, in
     """A plan cutting before each of ``cuts.starts``; segments ending at a requested feature take its name."""
     names_at = {stop: name for name, stop in feature_stops.items()}
     bounds = list(cuts.starts) + [len(units)]
-    policies = dict(cuts.policies)
     segments, extra = [], 0
     for a, b in zip(bounds, bounds[1:]):
         name = names_at.get(b)
         if name is None:
             name, extra = f"activation_split_{extra}", extra + 1
-        chosen = tuple(policies.get(i, "keep") for i in range(a, b)) if any(a <= i < b for i in policies) else ()
-        segments.append(Segment(name, a, b, checkpointed=b != bounds[-1], policies=chosen))
+        inside = tuple(sorted(g for g in cuts.regions if a <= g[0] and g[1] <= b))
+        segments.append(Segment(name, a, b, checkpointed=b != bounds[-1], regions=inside))
     return annotate(SplitPlan(tuple(units), tuple(segments), strategy), model)
 
 
-def policy_candidates(units: Sequence[Tuple[str, nn.Module]]) -> List[int]:
-    """Units that may run under their own checkpoint (``"save_expensive"``, ``"recompute"``):
-    neither they nor the unit after them start with an in-place op, which would overwrite
-    the input their recompute needs, or an output the policy keeps."""
+def region_candidates(units: Sequence[Tuple[str, nn.Module]]) -> List[int]:
+    """Units that may be part of a region (a nested checkpoint): neither they nor the unit
+    after them start with an in-place op, which would overwrite the input a region's
+    recompute needs, or an output the ``"save_expensive"`` policy keeps."""
     splittable = [layer_splittable_before(m) for _, m in units] + [True]
     return [i for i in range(len(units)) if splittable[i] and splittable[i + 1]]
 
 
-def peak_model(trunk, x, unit_policies: bool = False) -> PeakModel:
+def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks.
 
-    ``unit_policies``: also measure the units under the other unit policies, and let the
-    model choose among them (costs about twice the profiling)."""
+    ``regions``: also measure the units under the region policies, and let the model
+    plan regions (about twice the profiling)."""
     units = expand_units(trunk._blocks())
-    candidates = policy_candidates(units) if unit_policies else []
+    candidates = region_candidates(units) if regions else []
     return PeakModel(profile_units(units, x, candidates), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, candidates)
 
 
 def plan_trunk(trunk, x) -> SplitPlan:
     """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``.
 
-    Balanced plans cut at unit boundaries only. Budget plans also choose a policy per
-    unit (non-reentrant trunks: torch's selective checkpointing has no reentrant form),
-    which reaches below the block-level floor."""
+    Balanced plans cut at unit boundaries only. Budget plans also place regions
+    (nested checkpoints under the "save_expensive" or "recompute" policy; non-reentrant
+    trunks only: torch's selective checkpointing has no reentrant form), which reach
+    below the block-level floor at less recompute."""
     units = expand_units(trunk._blocks())
     names = [n for n, _ in units]
     budgeted = trunk.memory_budget is not None
-    model = peak_model(trunk, x, unit_policies=budgeted and not trunk.use_reentrant)
+    model = peak_model(trunk, x, regions=budgeted and not trunk.use_reentrant)
     splittable = [layer_splittable_before(m) for _, m in units]
     forced = [stop for stop in trunk._ends.values() if stop < len(units)]
     if not budgeted:

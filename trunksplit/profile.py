@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from .wrapper import UNIT_POLICIES, is_expensive, run_under_policy
+from .wrapper import REGION_POLICIES, is_expensive, run_region
 
 # The CPU tracker needs to see every tensor an op creates and to know when its
 # storage dies. torch has no public API for either, so the two private imports
@@ -143,9 +143,8 @@ class UnitCosts:
       last unit that uses it): what its gradients take once backward allocates them.
     - ``recompute_bytes``: bytes the unit's cheap ops (all but convolution, matmul,
       attention) write in a forward: what running them again costs, in traffic.
-    - ``policies``: per unit policy other than ``"keep"`` (see
-      :func:`trunksplit.wrapper.run_under_policy`), the same chain measured with
-      units under it: only ``saved``, ``saves_input``, ``keeps_output``,
+    - ``policies``: per region policy (see :func:`trunksplit.wrapper.run_region`),
+      the same chain measured with each unit alone under it: only ``saved``, ``saves_input``, ``keeps_output``,
       ``forward_peak`` and ``backward_excess`` differ, and units not measured so
       repeat the plain figures.
     """
@@ -167,8 +166,8 @@ class UnitCosts:
         return len(self.names)
 
     def under(self, policy: str) -> "UnitCosts":
-        """The costs with units under ``policy`` (``"keep"``: these)."""
-        return self if policy == "keep" else self.policies[policy]
+        """The costs with each unit alone under the region ``policy``."""
+        return self.policies[policy]
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candidates: Sequence[int] = ()) -> UnitCosts:
@@ -186,7 +185,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candi
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes")
     policy_keys = ("saved", "saves_input", "keeps_output", "forward_peak", "backward_excess")
     fields = {k: [] for k in keys}
-    under_policy = {p: {k: [] for k in policy_keys} for p in UNIT_POLICIES[1:]}
+    under_policy = {p: {k: [] for k in policy_keys} for p in REGION_POLICIES}
     source = -1  # the unit that allocated the storage of the current activation
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         h = x.detach().clone() if x.is_inference() else x.detach()  # an inference tensor cannot enter autograd
@@ -251,7 +250,7 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
         # A checkpoint keeps its tensors out of saved-tensor hooks: what it keeps is its
         # input and (save_expensive) the expensive ops' outputs, all alive after the forward.
         with tracker:
-            out = run_under_policy(m, inp, policy)
+            out = run_region(lambda x, m: m(x), [m], inp, policy)
     else:
         with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(inp)

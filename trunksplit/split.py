@@ -11,7 +11,7 @@ plain dict, vissl's rule, the names that start with ``res``.
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tabulate import tabulate
 from torch import nn
@@ -30,11 +30,9 @@ class Segment:
     predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
     recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
     recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
-    policies: Tuple[str, ...] = ()  # per unit, what it keeps for backward (see UNIT_POLICIES); empty: all "keep"
-
-    @property
-    def unit_policies(self) -> Tuple[str, ...]:
-        return self.policies or ("keep",) * len(self)
+    # nested checkpoints inside the segment: (start, stop, policy), policy "save_expensive"
+    # (keep conv/matmul/attention outputs, recompute the rest) or "recompute" (keep the input)
+    regions: Tuple[Tuple[int, int, str], ...] = ()
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -54,11 +52,11 @@ class SplitPlan:
         return [s.name for s in self.segments]
 
     @property
-    def policies(self) -> Dict[int, str]:
-        """Units that do not keep everything for backward, and their policy:
-        ``"save_expensive"`` (keep conv/matmul/attention outputs, recompute the rest) or
-        ``"recompute"`` (keep only the input; inside a checkpointed segment, recomputed twice)."""
-        return {s.start + j: p for s in self.segments for j, p in enumerate(s.unit_policies) if p != "keep"}
+    def regions(self) -> List[Tuple[int, int, str]]:
+        """Every segment's regions: units ``[start, stop)`` run as one nested checkpoint
+        under ``"save_expensive"`` (keep conv/matmul/attention outputs, recompute the rest)
+        or ``"recompute"`` (keep only the input; in a checkpointed segment, run three times)."""
+        return [g for s in self.segments for g in s.regions]
 
     @property
     def boundaries(self) -> List[int]:
@@ -67,19 +65,19 @@ class SplitPlan:
 
     def __str__(self) -> str:
         with_costs = any(s.predicted_bytes is not None for s in self.segments)
-        policies = self.policies
+        regions = self.regions
         rows = []
         for s in self.segments:
             first, last = (self.units[s.start], self.units[s.stop - 1]) if len(s) else ("-", "-")
             row = [s.name, f"{first} .. {last}", len(s), "yes" if s.checkpointed else "no"]
-            if policies:
-                row.append(", ".join(f"{n} {p}" for p, n in _counts([q for q in s.unit_policies if q != "keep"])) or "-")
+            if regions:
+                row.append(", ".join(f"{n} {p}" for p, n in _counts([g[2] for g in s.regions])) or "-")
             if with_costs:
                 row += [_mib(s.predicted_bytes), _gflops(s.recompute_flops)]
             rows.append(row)
         headers = ["segment", "layers", "count", "checkpointed"]
-        if policies:
-            headers.append("unit policies")
+        if regions:
+            headers.append("regions")
         if with_costs:
             headers += ["predicted peak (MiB)", "recompute (GFLOP)"]
         title = f"SplitPlan ({self.strategy}, {len(self.segments)} segments"
@@ -87,9 +85,9 @@ class SplitPlan:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
         for policy, meaning in (("save_expensive", "keep conv/matmul outputs, recompute the rest"), ("recompute", "keep only the input")):
-            chosen = [self.units[i] for i, p in sorted(policies.items()) if p == policy]
+            chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:
-                text += f"\n{policy} ({meaning}): " + " ".join(chosen)
+                text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
         return text
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from .blocks import FeatureBlocks, feature_blocks, layer_splittable_before, stage_names
 from .planner import GRADIENT_MODES, plan_trunk
 from .split import SplitPlan, expand_units, feature_ends, vissl_plan
-from .wrapper import batchnorms, run_checkpointed, run_under_policy
+from .wrapper import batchnorms, is_recomputing, run_checkpointed, run_region
 
 STRATEGIES = ("vissl", "balanced")
 
@@ -157,17 +157,17 @@ class CheckpointedTrunk(nn.Module):
         features = {}
         for seg in plan.segments:
             layers = units[seg.start : seg.stop]
-            # what each unit keeps for backward (training only: in eval nothing is checkpointed)
-            policies = seg.unit_policies if checkpointing else ("keep",) * len(seg)
+            # nested checkpoints (training only: in eval nothing is checkpointed)
+            regions = tuple((r - seg.start, s - seg.start, p) for r, s, p in seg.regions) if checkpointing else ()
             # A cut forced after a requested feature may fall before an in-place op (bn1 then
             # ReLU(inplace=True)). Running it on a copy keeps the feature as its block left it
             # and, inside a checkpoint, keeps the checkpoint's input intact for the recompute.
             copy_input = seg.start > 0 and not layer_splittable_before(layers[0])
-            run = functools.partial(_run_layers, copy_input, policies)
             if checkpointing and seg.checkpointed:
+                run = functools.partial(_run_layers, copy_input, regions, True)
                 x = run_checkpointed(run, batchnorms(layers), (x, *layers), use_reentrant=self.use_reentrant)
             else:
-                x = run(x, *layers)
+                x = _run_layers(copy_input, regions, False, x, *layers)
             if seg.stop in stops:
                 features[stops[seg.stop]] = x
         return [features[k] for k in self.out_feat_keys]
@@ -181,13 +181,28 @@ def _child_name(key: str) -> str:
     return key.replace(".", "_")
 
 
-def _run_layers(copy_input: bool, policies: Sequence[str], x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
-    """Run ``layers`` in order, each under its unit policy (nested in the segment's own
-    checkpoint when it has one)."""
+def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_checkpoint: bool, x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
+    """Run ``layers`` in order; each region ``(start, stop, policy)`` of them as one nested
+    checkpoint.
+
+    ``in_checkpoint``: this runs as a checkpointed segment's function. Its first forward
+    keeps nothing anyway, so there every region runs as ``"recompute"``: torch's
+    selective checkpoint keeps the expensive outputs outside the autograd graph, where
+    the segment's checkpoint cannot drop them. Either kind saves nothing the segment's
+    checkpoint sees, so its recompute (with the real policies) saves what it expects."""
     if copy_input:
         x = x.clone()
-    for layer, policy in zip(layers, policies):
-        x = run_under_policy(layer, x, policy)
+    first_forward = in_checkpoint and not is_recomputing()
+    starting = {r: (s, p) for r, s, p in regions}
+    i = 0
+    while i < len(layers):
+        if i in starting:
+            stop, policy = starting[i]
+            x = run_region(functools.partial(_run_layers, False, (), False), layers[i:stop], x, "recompute" if first_forward else policy)
+            i = stop
+        else:
+            x = layers[i](x)
+            i += 1
     return x
 
 

@@ -18,7 +18,7 @@ about half a CNN's activation memory for no convolution run twice.
 """
 import contextlib
 import threading
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -83,19 +83,17 @@ def is_expensive(func) -> bool:
     return getattr(func, "overloadpacket", func) in flop_registry
 
 
-UNIT_POLICIES = ("keep", "save_expensive", "recompute")
+REGION_POLICIES = ("save_expensive", "recompute")
 
 
-def run_under_policy(module: nn.Module, x: Any, policy: str) -> Any:
-    """``module(x)`` keeping, for backward: everything (``"keep"``), the outputs of its
-    expensive ops (``"save_expensive"``: torch's selective checkpointing), or only its
-    input (``"recompute"``: a plain checkpoint). Inside another checkpoint's function the
-    last two nest: the outer recompute holds less, the inner backward one module's worth."""
-    if policy == "keep":
-        return module(x)
-    if policy not in UNIT_POLICIES:
-        raise ValueError(f"unknown unit policy {policy!r}; choose one of {UNIT_POLICIES}")
-    return run_checkpointed(module, batchnorms([module]), (x,), save_expensive=policy == "save_expensive")
+def run_region(run: Callable, layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
+    """``run(x, *layers)`` as one checkpoint that keeps, for backward, its input and the
+    outputs of its expensive ops (``"save_expensive"``: torch's selective checkpointing)
+    or its input alone (``"recompute"``). Inside another checkpoint's function it nests:
+    the outer recompute holds only that, the region's own backward the rest, once."""
+    if policy not in REGION_POLICIES:
+        raise ValueError(f"unknown region policy {policy!r}; choose one of {REGION_POLICIES}")
+    return run_checkpointed(run, batchnorms(layers), (x, *layers), save_expensive=policy == "save_expensive")
 
 
 def _save_expensive(ctx, func, *args, **kwargs) -> CheckpointPolicy:
