@@ -32,6 +32,7 @@ from torch import nn
 from .blocks import layer_splittable_before
 from .profile import UnitCosts, profile_units
 from .split import Segment, SplitPlan, expand_units, vissl_plan
+from .wrapper import REGION_POLICIES
 
 
 PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
@@ -217,32 +218,34 @@ class PeakModel:
         region of a shape under ``"save_expensive"``."""
         if self._templates is not None:
             return self._templates
-        c, runs, run = self.costs, [], []
-        for i in self.candidates:
-            if run and i != run[-1] + 1:
-                runs.append(run)
-                run = []
-            run.append(i)
-        runs += [run] if run else []
+        c = self.costs
         templates: List[List[Region]] = [[]]
+        if not self.candidates:
+            self._templates = templates
+            return templates
         for size in (1, 2, 3, 4, 6, None):
-            chunks = [(r[k], min(r[k] + (size or len(r)), r[-1] + 1)) for r in runs for k in range(0, len(r), size or len(r))]
-            if size not in (1, None) and all(s - r <= 1 for r, s in chunks):
+            chunks = {policy: _chunks(self._eligible(policy), size) for policy in REGION_POLICIES}
+            if size not in (1, None) and all(s - r <= 1 for r, s in chunks["save_expensive"] + chunks["recompute"]):
                 continue
             for policy, price in (("save_expensive", self._cheap_prefix), ("recompute", self._flops_prefix)):
                 def gain(chunk, policy=policy, price=price):
                     r, s = chunk
                     freed = sum(c.saved[i] - c.under(policy).saved[i] for i in range(r, s))
                     return -freed / max(1, price[s] - price[r])
-                ranked = sorted(chunks, key=gain)
+                ranked = sorted(chunks[policy], key=gain)
                 templates += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
-            every = [(r, s, "save_expensive") for r, s in chunks]
-            singles = sorted(((i, i + 1) for i in self.candidates), key=lambda g: -c.saved[g[0]] / max(1, c.flops[g[0]]))
+            every = [(r, s, "save_expensive") for r, s in chunks["save_expensive"]]
+            singles = sorted(self._eligible("recompute"), key=lambda i: -c.saved[i] / max(1, c.flops[i]))
             for k in range(1, len(singles) + 1):
-                chosen = {g[0] for g in singles[:k]}
+                chosen = set(singles[:k])
                 templates.append([g for g in every if not any(g[0] <= i < g[1] for i in chosen)] + [(i, i + 1, "recompute") for i in sorted(chosen)])
         self._templates = templates
         return templates
+
+    def _eligible(self, policy: str) -> List[int]:
+        """Candidate units that ran under ``policy`` when profiled."""
+        under = self.costs.under(policy)
+        return [i for i in self.candidates if not under.eligible or under.eligible[i]]
 
     def recompute(self, a: int, b: int) -> int:
         return self._flops_prefix[b] - self._flops_prefix[a]
@@ -283,6 +286,18 @@ class _Scan(NamedTuple):
 
 
 _EMPTY = _Scan(0, 0, 0, True, (0, 0))  # a segment's input is its boundary, counted in the prefix
+
+
+def _chunks(units: Sequence[int], size: Optional[int]) -> List[Tuple[int, int]]:
+    """Runs of consecutive ``units`` cut into [start, stop) pieces of ``size`` (None: whole runs)."""
+    runs, run = [], []
+    for i in units:
+        if run and i != run[-1] + 1:
+            runs.append(run)
+            run = []
+        run.append(i)
+    runs += [run] if run else []
+    return [(r[k], min(r[k] + (size or len(r)), r[-1] + 1)) for r in runs for k in range(0, len(r), size or len(r))]
 
 
 def _pareto_options(entries: list) -> list:

@@ -145,8 +145,8 @@ class UnitCosts:
       attention) write in a forward: what running them again costs, in traffic.
     - ``policies``: per region policy (see :func:`trunksplit.wrapper.run_region`),
       the same chain measured with each unit alone under it: only ``saved``, ``saves_input``, ``keeps_output``,
-      ``forward_peak`` and ``backward_excess`` differ, and units not measured so
-      repeat the plain figures.
+      ``forward_peak`` and ``backward_excess`` differ, units not measured so
+      repeat the plain figures, and ``eligible`` says which units can run so.
     """
 
     names: Tuple[str, ...]
@@ -161,6 +161,7 @@ class UnitCosts:
     param_bytes: Tuple[int, ...]
     recompute_bytes: Tuple[int, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
+    eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
 
     def __len__(self) -> int:
         return len(self.names)
@@ -185,7 +186,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candi
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes")
     policy_keys = ("saved", "saves_input", "keeps_output", "forward_peak", "backward_excess")
     fields = {k: [] for k in keys}
-    under_policy = {p: {k: [] for k in policy_keys} for p in REGION_POLICIES}
+    under_policy = {p: {k: [] for k in policy_keys + ("eligible",)} for p in REGION_POLICIES}
     source = -1  # the unit that allocated the storage of the current activation
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         h = x.detach().clone() if x.is_inference() else x.detach()  # an inference tensor cannot enter autograd
@@ -201,9 +202,10 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candi
             fields["flops"].append(int(flops.get_total_flops()))
             fields["recompute_bytes"].append(tracker.cheap_bytes)
             for policy, measured in under_policy.items():
-                policy_cost = _measure_unit(m, h, input_needs_grad=i > 0, policy=policy) if i in candidates else cost
+                policy_cost = _measure_under(m, h, i > 0, policy) if i in candidates else None
+                measured["eligible"].append(policy_cost is not None)
                 for key in policy_keys:
-                    measured[key].append(policy_cost[key])
+                    measured[key].append((policy_cost or cost)[key])
             if not isinstance(next_h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
@@ -212,6 +214,20 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candi
     if not candidates:
         return costs
     return replace(costs, policies={p: replace(costs, **{k: tuple(v) for k, v in m.items()}) for p, m in under_policy.items()})
+
+
+def _measure_under(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str) -> Optional[dict]:
+    """The unit's costs under a region policy, or None where it cannot run so.
+
+    torch's selective checkpoint refuses (at backward) a unit that changes a kept output
+    in place, as EfficientNet's squeeze-excitation does with ``SiLU(inplace=True)`` after
+    a convolution: such a unit is not eligible for ``"save_expensive"``."""
+    try:
+        return _measure_unit(copy.deepcopy(m), h, input_needs_grad, policy)
+    except RuntimeError as e:
+        if "mutated" not in str(e):
+            raise
+        return None
 
 
 def _param_bytes(units: Sequence[nn.Module]) -> Tuple[int, ...]:

@@ -1,0 +1,199 @@
+"""Regions: nested checkpoints under "save_expensive" or "recompute", below the block level."""
+import copy
+import functools
+
+import pytest
+import torch
+
+from trunksplit import CheckpointedTrunk
+from trunksplit.planner import Cuts, best_plan, peak_model, plan_from_cuts
+from trunksplit.profile import PeakMemory
+from trunksplit.split import expand_units
+from trunksplit.blocks import layer_splittable_before
+from trunksplit.wrapper import batchnorms, is_recomputing, run_checkpointed, run_region
+
+from reference import build, grads_by_name, loss_of, plain_features
+from zoo import input_for, small, without_head
+
+SE, RC = "save_expensive", "recompute"
+X = functools.partial(torch.randn, 2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _with_plan(trunk, x, starts, regions):
+    """Install an explicit plan (cuts and regions) for inputs like ``x``, annotated by the model."""
+    model = peak_model(trunk, x, regions=True)
+    names = [n for n, _ in expand_units(trunk._blocks())]
+    plan = plan_from_cuts(names, Cuts(list(starts), frozenset(regions)), trunk._ends, "budget", model)
+    trunk._plans[trunk._plan_key(x)] = plan
+    return plan
+
+
+def _measured_peak(trunk, x):
+    """The second step's peak beyond parameters and kept gradients."""
+    loss_of(trunk(x)).backward()
+    for p in trunk.parameters():
+        p.grad.zero_()
+    with PeakMemory() as mem:
+        loss_of(trunk(x)).backward()
+    return mem.peak_bytes
+
+
+# resnet18 units: conv1 bn1 conv1_relu maxpool res2.0 res2.1 res3.0 res3.1 res4.0 res4.1 res5.0 res5.1 avgpool flatten
+LAYOUTS = {
+    "save_expensive in the last segment": ([0], [(4, 6, SE), (6, 8, SE), (9, 10, SE)]),
+    "recompute in the last segment": ([0], [(4, 5, RC), (6, 8, RC), (9, 12, RC)]),
+    "nested in checkpointed segments": ([0, 4, 8], [(0, 1, SE), (4, 6, SE), (6, 7, RC), (8, 10, SE), (10, 12, RC)]),
+    "every unit its own region": ([0, 6], [(i, i + 1, SE if i % 2 else RC) for i in (0, 3, 4, 5, 6, 7, 8, 9, 10, 11)]),
+}
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_plan_with_regions_trains_exactly_like_the_plain_model(layout, gradients):
+    plain = build("resnet18")
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["res3", "flatten"], memory_budget=0.9, gradients=gradients)
+    x = X()
+    starts, regions = LAYOUTS[layout]
+    starts = sorted(set(starts) | {8})  # the cut after res3, a requested feature
+    plan = _with_plan(trunk, x, starts, regions)
+    assert plan.regions == sorted(regions)
+    want = plain_features(plain, x, ["res3", "flatten"])
+    loss_of(want).backward()
+    got = trunk(x)
+    loss_of(got).backward()
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    want_grads = grads_by_name(plain)
+    for name, g in grads_by_name(model).items():
+        if name.startswith("fc."):
+            continue
+        assert torch.equal(want_grads[name], g), name
+    # BatchNorm statistics moved once, as in the plain step, though regions run their norms twice or three times
+    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["vit", "convnext", "efficientnet_b0", "swin"])
+def test_regions_replay_dropout_and_stochastic_depth(name):
+    """Nested regions restore the RNG as checkpoints do: the same masks as the plain model."""
+    plain = small(name)
+    reference = without_head(copy.deepcopy(plain))
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["flatten"], memory_budget=0.9)
+    x = input_for(name)
+    costs = peak_model(trunk, x, regions=True)
+    ok = costs.candidates
+    can_save = costs.costs.under(SE).eligible  # EfficientNet's squeeze-excitation changes a conv output in place
+    cut = ok[len(ok) // 2]  # a checkpointed segment [0, cut) and the last one, both with regions
+    _with_plan(trunk, x, [0, cut], [(i, i + 1, SE if i % 2 and can_save[i] else RC) for i in ok if i != cut - 1])
+    torch.manual_seed(7)
+    want = reference(x)
+    loss_of([want]).backward()
+    torch.manual_seed(7)
+    got = trunk(x)[0]
+    loss_of([got]).backward()
+    assert len(trunk.plan.segments) == 2 and all(s.regions for s in trunk.plan.segments)
+    assert torch.equal(want, got)
+    ref_params = dict(reference.named_parameters())
+    for n, p in model.named_parameters():
+        if n in ref_params:
+            assert p.grad is not None and torch.equal(ref_params[n].grad, p.grad), n
+    for (n, a), b in zip(reference.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), n
+
+
+def test_a_budget_below_the_block_level_floor_is_met_with_regions():
+    """The smallest peak cuts alone reach is beaten, as measured, and the model predicts it."""
+    model = build("resnet50")
+    x = torch.randn(2, 3, 96, 96)  # at 64 pixels the fixed part of the floor leaves regions little to win
+    kw = dict(gradients="kept")
+    blocks_only = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], **kw)
+    costs = peak_model(blocks_only, x)  # no regions
+    units = expand_units(blocks_only._blocks())
+    splittable = [layer_splittable_before(m) for _, m in units]
+    floor = costs.peak(best_plan(costs, splittable, []).starts)
+    budget = int(0.9 * floor)
+    trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=budget, **kw)
+    plan = trunk.plan_for(x)
+    assert plan.regions and plan.predicted_peak_bytes <= budget
+    measured = _measured_peak(trunk, x)
+    assert measured <= budget * 1.01
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes
+    # reentrant checkpointing has no selective form: the same budget is refused, and the message says why
+    with pytest.raises(ValueError, match="smallest feasible budget.*use_reentrant=False"):
+        CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=budget, use_reentrant=True, **kw).plan_for(x)
+
+
+def test_regions_meet_a_budget_with_fewer_convolution_flops_run_again():
+    model = build("resnet50")
+    x = X()
+    budgets = [0.7, 0.5]
+    recompute = {}
+    for regions in (False, True):
+        for b in budgets:
+            trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=b, gradients="kept", use_reentrant=not regions)
+            plan = trunk.plan_for(x)
+            recompute[regions, b] = sum(s.recompute_flops for s in plan.segments)
+            if regions:
+                assert _measured_peak(trunk, x) <= 1.02 * plan.predicted_peak_bytes
+    for b in budgets:
+        assert recompute[True, b] < recompute[False, b], b
+
+
+def test_a_save_expensive_region_nested_in_a_checkpointed_segment_costs_no_memory():
+    """torch keeps a selective checkpoint's saved outputs outside the graph, where the outer
+    checkpoint cannot drop them: run as such in the segment's first forward, they would be held
+    from the forward to the backward. The measured peak must not grow by nesting them."""
+    x = X()
+    peaks = {}
+    for regions in ([], [(4, 6, SE), (6, 8, SE)]):
+        trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9, gradients="kept")
+        plan = _with_plan(trunk, x, [0, 8], regions)
+        peaks[bool(regions)] = _measured_peak(trunk, x)
+        assert peaks[bool(regions)] <= 1.02 * plan.predicted_peak_bytes
+    assert peaks[True] <= peaks[False]
+
+
+def test_the_plan_table_names_every_region():
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9)
+    plan = _with_plan(trunk, X(), [0, 6], [(4, 6, SE), (8, 9, RC)])
+    text = str(plan)
+    assert "regions" in text and "1 save_expensive" in text and "1 recompute" in text
+    assert "save_expensive regions (keep conv/matmul outputs, recompute the rest): res2.0..res2.1" in text
+    assert "recompute regions (keep only the input): res4.0" in text
+
+
+def test_run_region_is_exact_alone_and_nested():
+    torch.manual_seed(0)
+    block = build("resnet18").layer1
+    x = torch.randn(2, 64, 16, 16)
+    ref = copy.deepcopy(block)
+    want = ref(x)
+    loss_of([want]).backward()
+    run = lambda x, *layers: functools.reduce(lambda h, m: m(h), layers, x)  # noqa: E731
+    for nested in (False, True):
+        for policy in (SE, RC):
+            mine = copy.deepcopy(block).train()
+            mine.load_state_dict(build("resnet18").layer1.state_dict())
+            calls = []
+
+            def region(x, *layers, policy=policy):
+                calls.append(is_recomputing())
+                return run_region(run, list(layers), x, policy)
+
+            if nested:
+                got = run_checkpointed(region, batchnorms(mine), (x, *mine))
+            else:
+                got = region(x, *mine)
+            loss_of([got]).backward()
+            assert torch.equal(want, got)
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(mine.parameters(), ref.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(mine.buffers(), ref.buffers())), (nested, policy)
+
+
+def test_run_region_refuses_what_it_cannot_do():
+    block = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="unknown region policy 'all'"):
+        run_region(lambda x, m: m(x), [block], torch.randn(2, 3), "all")
+    with pytest.raises(ValueError, match="save_expensive needs non-reentrant"):
+        run_checkpointed(block, [], (torch.randn(2, 3),), use_reentrant=True, save_expensive=True)
