@@ -2,8 +2,8 @@
 
 Every row is one way of running the same trunk on the same batch: the plain
 trunk, torch's ``checkpoint_sequential`` with equal segments, vissl's plan,
-the balanced plan, memory-budget plans, and selective wrapping of residual
-blocks. Peaks are measured (``PeakMemory``) on a second step, in the gradient
+the balanced plan, memory-budget plans (with regions, and with cuts alone),
+the smallest feasible budget, and selective wrapping of residual blocks. Peaks are measured (``PeakMemory``) on a second step, in the gradient
 mode asked for: ``allocated`` (torch's default ``zero_grad()``: the step
 allocates the gradients) or ``kept`` (they exist before the step); step times
 are medians of interleaved repeats, reported as ratios to the plain trunk
@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 from tqdm import tqdm
 
-from .planner import annotate, peak_model
+from .blocks import layer_splittable_before
+from .planner import annotate, best_plan, peak_model, plan_from_cuts
 from .profile import PeakMemory
 from .ssl.model import build_backbone
 from .selective import apply_activation_checkpointing, every_k
@@ -34,7 +35,7 @@ from .trunk import CheckpointedTrunk
 class Row:
     arch: str
     name: str
-    strategy: str  # line in the plot: plain, checkpoint_sequential, vissl, balanced, budget, selective
+    strategy: str  # line in the plot: plain, checkpoint_sequential, vissl, balanced, budget, cuts only, selective
     run: Optional[Callable[[torch.Tensor], torch.Tensor]]  # x -> scalar loss; None where it cannot run
     module: Optional[nn.Module] = None  # what holds the parameters ``run`` trains
     predicted: Optional[int] = None
@@ -60,8 +61,7 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
 
     def trunk_row(name, strategy, trunk):
         plan = annotate(trunk.plan_for(x), model)
-        recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
-        return Row(arch, name, strategy, _loss_fn(trunk), trunk, plan.predicted_peak_bytes, recompute)
+        return _plan_row(arch, name, strategy, trunk, plan, total_flops)
 
     rows = [Row(arch, "plain", "plain", _loss_fn(plain), plain, model.peak([0]), 0.0, profile_seconds=profile_seconds)]
     for k in splits:
@@ -70,11 +70,16 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             warnings.simplefilter("ignore")
             rows.append(trunk_row(f"vissl k={k}", "vissl", trunk(num_splits=k)))
             rows.append(trunk_row(f"balanced k={k}", "balanced", trunk(num_splits=k, strategy="balanced")))
+    cuts_only = peak_model(plain, x)  # the same measurements, no regions: what cutting alone reaches
     for b in budgets:
         try:
             rows.append(trunk_row(f"budget {b:g}", "budget", trunk(memory_budget=b)))
         except ValueError as e:
             rows.append(Row(arch, f"budget {b:g}", "budget", None, note=str(e).split("; ")[-1]))
+        rows.append(_cuts_only_row(arch, trunk(memory_budget=b), x, cuts_only, model, total_flops))
+    if budgets:  # the smallest feasible budget, asked for
+        floor = model.peak(*best_plan(model, _splittable(plain), []))
+        rows.append(trunk_row("budget floor", "budget", trunk(memory_budget=floor)))
     if selective:
         block = _block_type(plain)
         for k, label in [(1, "every block"), (2, "every 2nd block")]:
@@ -82,6 +87,34 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             names = apply_activation_checkpointing(wrapped, every_k(k, block))
             rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(wrapped), wrapped))
     return rows
+
+
+def _plan_row(arch, name, strategy, trunk, plan, total_flops) -> Row:
+    recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
+    regions = [g[2] for g in plan.regions]
+    note = ""
+    if regions:
+        kinds = ", ".join(f"{regions.count(p)} {p}" for p in dict.fromkeys(regions))
+        note = f"regions: {kinds}; cheap ops rerun {sum(s.recompute_bytes for s in plan.segments) / 2**20:.0f} MiB"
+    return Row(arch, name, strategy, _loss_fn(trunk), trunk, plan.predicted_peak_bytes, recompute, note=note)
+
+
+def _splittable(trunk: CheckpointedTrunk) -> List[bool]:
+    return [layer_splittable_before(m) for _, m in expand_units(trunk._blocks())]
+
+
+def _cuts_only_row(arch, trunk, x, cuts_only, model, total_flops) -> Row:
+    """A budget met by cuts alone (no regions): the block-level plan, for comparison."""
+    name = f"budget {trunk.memory_budget:g}, cuts only"
+    budget = trunk.memory_budget
+    budget_bytes = int(budget * cuts_only.peak([0])) if isinstance(budget, float) else int(budget)
+    cuts = best_plan(cuts_only, _splittable(trunk), [], budget=budget_bytes)
+    if cuts is None:
+        floor = cuts_only.peak(best_plan(cuts_only, _splittable(trunk), []).starts)
+        return Row(arch, name, "cuts only", None, note=f"cuts alone reach {floor / cuts_only.peak([0]):.3f} of unsplit")
+    plan = plan_from_cuts([n for n, _ in expand_units(trunk._blocks())], cuts, trunk._ends, "budget", model)
+    trunk._plans[trunk._plan_key(x)] = plan
+    return _plan_row(arch, name, "cuts only", trunk, plan, total_flops)
 
 
 def _block_type(trunk: CheckpointedTrunk) -> type:
@@ -205,25 +238,33 @@ def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str) -> str:
 
 
 def _plot(rows: List[Row], path: str) -> None:
+    """Per model: peak against recomputed FLOPs (top) and against step time (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     archs = sorted({r.arch for r in rows}, key=[r.arch for r in rows].index)
-    fig, axes = plt.subplots(1, len(archs), figsize=(5.5 * len(archs), 4.2), squeeze=False)
-    for ax, arch in zip(axes[0], archs):
+    fig, axes = plt.subplots(2, len(archs), figsize=(5.5 * len(archs), 8.4), squeeze=False)
+    for col, arch in enumerate(archs):
         mine = [r for r in rows if r.arch == arch and r.peak is not None and r.recompute is not None]
         plain = next(r for r in mine if r.strategy == "plain")
-        for strategy in ["checkpoint_sequential", "vissl", "balanced", "budget"]:
-            pts = sorted((r.recompute, r.peak / plain.peak) for r in mine if r.strategy == strategy)
-            if pts:
-                ax.plot(*zip(*([(0.0, 1.0)] + pts)), marker="o", label=strategy)
-        ax.set_title(arch)
-        ax.set_xlabel("recomputed FLOPs / forward FLOPs")
-        ax.set_ylabel("step peak / plain peak")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        t_plain = statistics.median(plain.times)
+        for strategy in ["checkpoint_sequential", "vissl", "balanced", "cuts only", "budget"]:
+            mine_here = [r for r in mine if r.strategy == strategy]
+            if not mine_here:
+                continue
+            label = "budget, with regions" if strategy == "budget" else strategy
+            for ax, x_of in ((axes[0][col], lambda r: r.recompute), (axes[1][col], lambda r: statistics.median(r.times) / t_plain)):
+                pts = sorted((x_of(r), r.peak / plain.peak) for r in mine_here)
+                start = (0.0, 1.0) if ax is axes[0][col] else (1.0, 1.0)
+                ax.plot(*zip(*([start] + pts)), marker="o", label=label)
+        for ax, xlabel in ((axes[0][col], "recomputed FLOPs / forward FLOPs"), (axes[1][col], "step time / plain step time")):
+            ax.set_title(arch)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("step peak / plain peak")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
