@@ -22,6 +22,7 @@ local to the segment (the gradients allocated so far depend on the unit only). :
 dynamic programming over Pareto sets of (P, peak so far, recompute), with forced
 cuts after requested features and no cut before an in-place op.
 """
+import functools
 import itertools
 import warnings
 from dataclasses import replace
@@ -198,12 +199,16 @@ class PeakModel:
         The choices are the model's templates (see :meth:`templates`) restricted to the
         segment (a region it cuts through is dropped), each evaluated exactly."""
         if a not in self._options:
-            found: Dict[int, list] = {}
-            for template in self.templates():
+            found: Dict[int, dict] = {}  # stop -> {(local, cost): template index}, the first template wins
+            templates = self.templates()
+            for t, template in enumerate(templates):
                 for last in (False, True):
                     for stop, local, cost in self._scan(a, template, last):
-                        found.setdefault(stop, []).append((local, cost, frozenset(g for g in template if a <= g[0] and g[1] <= stop)))
-            self._options[a] = {stop: _pareto_options(opts) for stop, opts in found.items()}
+                        found.setdefault(stop, {}).setdefault((local, cost), t)
+            self._options[a] = {
+                stop: [(local, cost, frozenset(g for g in templates[t] if a <= g[0] and g[1] <= stop)) for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()])]
+                for stop, opts in found.items()
+            }
         return self._options[a][b]
 
     def templates(self) -> List[List[Region]]:
@@ -301,7 +306,8 @@ def _chunks(units: Sequence[int], size: Optional[int]) -> List[Tuple[int, int]]:
 
 
 def _pareto_options(entries: list) -> list:
-    entries.sort(key=lambda e: (e[1], e[0], len(e[2])))
+    """(local peak, cost, ...) entries none of which another beats or equals in both."""
+    entries.sort(key=lambda e: (e[1], e[0]))
     kept = []
     for e in entries:
         if not kept or e[0] < kept[-1][0]:  # sorted by cost: keep only strictly lower peaks
@@ -325,9 +331,22 @@ def best_plan(
     (FLOPs run again, bytes of cheap ops run again), FLOPs first. ``num_segments``
     asks for an exact count, ``max_segments`` bounds it; ``max_recompute`` bounds
     the FLOPs run again. A cut may fall before unit i only where ``splittable[i]``,
-    and must fall at every index in ``forced``. Each unit gets the policy (among
-    those the model offers it) that serves the objective.
+    and must fall at every index in ``forced``. Regions come from the model's
+    templates (see :meth:`PeakModel.options`).
     """
+    search = functools.partial(_search, model, splittable, forced, num_segments, max_segments)
+    if budget is None and model.candidates:
+        # Regions offer many (peak, recompute) trade-offs per segment: find the lowest peak
+        # first, ignoring recompute, then the least recompute at that peak.
+        if max_recompute is not None:
+            raise ValueError("with regions, bound the recompute under a budget")
+        lowest = search(None, None, with_cost=False)
+        return lowest and search(model.peak(*lowest), None)
+    return search(budget, max_recompute)
+
+
+def _search(model, splittable, forced, num_segments, max_segments, budget, max_recompute, with_cost=True) -> Optional[Cuts]:
+    """The dynamic programme of :func:`best_plan` (``with_cost=False``: lowest peak only)."""
     n = model.n
     forced_set = set(forced)
     allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
@@ -336,12 +355,14 @@ def best_plan(
     states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, (0, 0), (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
-            entries = _pareto(entries)
+            entries = _pareto(entries, with_cost)
             if count >= limit:
                 continue
             next_forced = min([f for f in forced_set if f > p] + [n])
             for q in [i for i in allowed if p < i <= next_forced] + ([n] if next_forced == n else []):
                 options = model.options(p, q)
+                if not with_cost:  # only the lowest local peak matters
+                    options = [min(options, key=lambda o: o[0])]
                 for prefix, peak, recompute, starts, regions in entries:
                     new_prefix = prefix + model.boundary(p)
                     for local, cost, chosen in options:  # by cost, then lower local peak
@@ -362,12 +383,13 @@ def best_plan(
     return Cuts(list(best[3]), best[4])
 
 
-def _pareto(entries: list) -> list:
-    """Entries not dominated in (prefix, peak, recompute); the first of equals is kept."""
+def _pareto(entries: list, with_cost: bool = True) -> list:
+    """Entries not dominated in (prefix, peak, recompute), or in (prefix, peak) without
+    ``with_cost``; the first of equals is kept."""
     entries = sorted(set(entries), key=lambda e: (e[0], e[1], e[2], e[3], sorted(e[4])))
     kept = []
     for e in entries:
-        if not any(k[0] <= e[0] and k[1] <= e[1] and k[2] <= e[2] for k in kept):
+        if not any(k[0] <= e[0] and k[1] <= e[1] and (k[2] <= e[2] or not with_cost) for k in kept):
             kept.append(e)
     return kept
 
