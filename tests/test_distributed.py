@@ -10,6 +10,7 @@ from trunksplit import CheckpointedTrunk, manual_gradient_all_reduce, manual_gra
 
 from distributed_harness import run_processes
 from reference import build, loss_of, plain_features
+from test_regions import _with_plan
 
 
 def _views(rank):
@@ -18,11 +19,14 @@ def _views(rank):
     return torch.randn(2, 3, 64, 64, generator=g), torch.randn(2, 3, 64, 64, generator=g)
 
 
-def _two_forward_step(rank, world_size, arch, manual, out):
+def _two_forward_step(rank, world_size, arch, manual, out, plan=None):
     model = build(arch)
-    trunk = CheckpointedTrunk(model, ["res4", "flatten"], num_splits=4, use_reentrant=manual)
-    ddp = DDP(trunk)
+    how = dict(num_splits=4) if plan is None else dict(memory_budget=0.9)
+    trunk = CheckpointedTrunk(model, ["res4", "flatten"], use_reentrant=manual, **how)
     a, b = _views(rank)
+    if plan is not None:  # cuts and regions of our choosing, the same on every rank
+        _with_plan(trunk, a, *plan)
+    ddp = DDP(trunk)
     if manual:
         assert manual_gradient_reduction(ddp, True)
         with ddp.no_sync():
@@ -34,6 +38,7 @@ def _two_forward_step(rank, world_size, arch, manual, out):
         loss = loss_of(ddp(a)) + loss_of(ddp(b), seed=7)
         loss.backward()
     torch.save({n: p.grad for n, p in trunk.named_parameters()}, f"{out}/rank{rank}.pt")
+    torch.save(trunk.plan.regions, f"{out}/regions{rank}.pt")
 
 
 def _reference_average(arch, world_size):
@@ -61,6 +66,19 @@ def test_both_ddp_paths_average_per_rank_gradients(arch, manual, tmp_path):
             # native path: exact; manual path runs reentrant checkpoint, whose summation order differs in the last bits
             assert got[n] is not None, n
             assert (got[n] - want[n]).abs().max() <= (0 if not manual else 1e-5 * want[n].abs().max()), n
+
+
+def test_native_ddp_averages_gradients_through_regions(tmp_path):
+    """Regions of both kinds, nested in a checkpointed segment and in the last one, two forwards per step."""
+    plan = ([0, 6, 10], [(4, 6, "save_expensive"), (6, 8, "recompute"), (8, 10, "save_expensive"), (11, 12, "save_expensive")])
+    run_processes(_two_forward_step, 2, ("resnet18", False, str(tmp_path), plan))
+    want = _reference_average("resnet18", 2)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"regions{rank}.pt")  # the plan has regions
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert set(got) == set(want)
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
 
 
 def _diverged_buffers(rank, world_size, out):

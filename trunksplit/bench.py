@@ -199,15 +199,16 @@ def run_benchmark(
     for arch in archs:
         rows = _trunk_rows(arch, x, splits, budgets, selective, gradients)
         _measure(rows, x, repeats, progress, gradients)
+        for r in rows:  # keep the figures, not a model copy per row: five big models would not fit
+            r.run = r.module = None
         all_rows += rows
         tables.append(_table(rows, arch, x, gradients))
-    text = "\n\n".join(tables)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
-            f.write(text + "\n")
-        _plot(all_rows, os.path.join(out_dir, "benchmark.png"))
-    return text
+        if out_dir:  # written as each model finishes, so a long run keeps what it measured
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
+                f.write("\n\n".join(tables) + "\n")
+            _plot(all_rows, os.path.join(out_dir, "benchmark.png"))
+    return "\n\n".join(tables)
 
 
 def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str) -> str:
@@ -255,10 +256,11 @@ def _plot(rows: List[Row], path: str) -> None:
             if not mine_here:
                 continue
             label = "budget, with regions" if strategy == "budget" else strategy
-            for ax, x_of in ((axes[0][col], lambda r: r.recompute), (axes[1][col], lambda r: statistics.median(r.times) / t_plain)):
-                pts = sorted((x_of(r), r.peak / plain.peak) for r in mine_here)
-                start = (0.0, 1.0) if ax is axes[0][col] else (1.0, 1.0)
-                ax.plot(*zip(*([start] + pts)), marker="o", label=label)
+            frontier = sorted((r.recompute, r.peak / plain.peak) for r in mine_here)
+            axes[0][col].plot(*zip(*([(0.0, 1.0)] + frontier)), marker="o", label=label)
+            # step time is noisy and not monotone in the recompute: points, not a line
+            timed = [(statistics.median(r.times) / t_plain, r.peak / plain.peak) for r in mine_here]
+            axes[1][col].plot(*zip(*timed), marker="o", linestyle="none", label=label)
         for ax, xlabel in ((axes[0][col], "recomputed FLOPs / forward FLOPs"), (axes[1][col], "step time / plain step time")):
             ax.set_title(arch)
             ax.set_xlabel(xlabel)

@@ -76,7 +76,7 @@ def _plan(args) -> int:
         try:
             model = build_backbone(args.arch, args.input[-1])
             trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients)
-            costs = peak_model(trunk, x)
+            costs = peak_model(trunk, x, regions=args.budget is not None)
             plan = annotate(trunk.plan_for(x), costs)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)

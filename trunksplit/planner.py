@@ -18,9 +18,15 @@ checkpointed) holds, while segment j runs its backward:
   and are not part of its figure.
 
 So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
-local to the segment (the gradients allocated so far depend on the unit only). :func:`best_plan` finds the optimal cuts exactly by
-dynamic programming over Pareto sets of (P, peak so far, recompute), with forced
-cuts after requested features and no cut before an in-place op.
+local to the segment (the gradients allocated so far depend on the unit only).
+:func:`best_plan` finds the optimal cuts exactly by dynamic programming over
+Pareto sets of (P, peak so far, recompute), with forced cuts after requested
+features and no cut before an in-place op.
+
+Regions (budget plans) go below the block level: runs of units checkpointed on
+their own inside a segment (see :class:`PeakModel`). Which regions to try comes
+from a few ranked templates, each evaluated exactly: the search over cuts stays
+exact, the one over regions is as good as its templates.
 """
 import functools
 import itertools

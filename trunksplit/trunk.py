@@ -30,7 +30,11 @@ class CheckpointedTrunk(nn.Module):
         strategy: ``"vissl"`` cuts as vissl did (by module count);
             ``"balanced"`` places the cuts from measured per-layer memory.
         memory_budget: bytes (int), or a fraction in (0, 1] of the unsplit peak:
-            the plan with the least recompute whose predicted peak fits.
+            the plan with the least recompute whose predicted peak fits. With
+            ``use_reentrant=False`` the plan may also run regions of units under
+            their own nested checkpoint, keeping only their convolution/matmul
+            outputs (``"save_expensive"``) or only their input (``"recompute"``),
+            which reaches below what cuts between blocks can (``plan.regions``).
         use_reentrant: torch's reentrant checkpoint (vissl's, for manual DDP) or not.
         gradients: how the training loop clears gradients, which cost-aware plans
             must know: ``"allocated"`` (torch's default ``zero_grad()`` sets them to
