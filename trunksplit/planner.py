@@ -184,7 +184,7 @@ class PeakModel:
                 state, i = self._step_region(state, a, region, last), region[1]
             else:
                 state, i = self._step(state, a, i, last), i + 1
-            if last and i == self.n or not last and i < self.n:
+            if (i == self.n) if last else (i < self.n):  # the last segment ends at n; others before it
                 yield i, self._local(state, i), state.cost
 
     def local(self, a: int, b: int, regions: Iterable[Region] = ()) -> int:
