@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 from tqdm import tqdm
 
 from .blocks import layer_splittable_before
-from .planner import annotate, best_plan, peak_model, plan_from_cuts
+from .planner import PeakModel, annotate, best_plan, peak_model, plan_from_cuts, plan_trunk
 from .profile import PeakMemory
 from .ssl.model import build_backbone
 from .selective import apply_activation_checkpointing, every_k
@@ -59,8 +59,13 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
     profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
 
+    cuts_only = PeakModel(model.costs, model.features, gradients)  # the same measurements, no regions
+
     def trunk_row(name, strategy, trunk):
-        plan = annotate(trunk.plan_for(x), model)
+        if trunk._cost_aware:  # planned from the measurement above, not measured again per row
+            plan = trunk._plans[trunk._plan_key(x)] = plan_trunk(trunk, x, model if trunk.memory_budget is not None else cuts_only)
+        else:
+            plan = annotate(trunk.plan_for(x), model)
         return _plan_row(arch, name, strategy, trunk, plan, total_flops)
 
     rows = [Row(arch, "plain", "plain", _loss_fn(plain), plain, model.peak([0]), 0.0, profile_seconds=profile_seconds)]
@@ -70,7 +75,6 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             warnings.simplefilter("ignore")
             rows.append(trunk_row(f"vissl k={k}", "vissl", trunk(num_splits=k)))
             rows.append(trunk_row(f"balanced k={k}", "balanced", trunk(num_splits=k, strategy="balanced")))
-    cuts_only = peak_model(plain, x)  # the same measurements, no regions: what cutting alone reaches
     for b in budgets:
         try:
             rows.append(trunk_row(f"budget {b:g}", "budget", trunk(memory_budget=b)))

@@ -65,7 +65,7 @@ def _writable_dir(path: str) -> str:
 def _plan(args) -> int:
     import torch
 
-    from .planner import annotate, peak_model
+    from .planner import annotate, peak_model, plan_trunk
     from .trunk import CheckpointedTrunk
 
     from .ssl.model import build_backbone
@@ -76,8 +76,8 @@ def _plan(args) -> int:
         try:
             model = build_backbone(args.arch, args.input[-1])
             trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients)
-            costs = peak_model(trunk, x, regions=args.budget is not None)
-            plan = annotate(trunk.plan_for(x), costs)
+            costs = peak_model(trunk, x, regions=args.budget is not None)  # measured once, for the plan and its figures
+            plan = plan_trunk(trunk, x, costs) if trunk._cost_aware else annotate(trunk.plan_for(x), costs)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
             return 2

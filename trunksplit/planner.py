@@ -187,10 +187,6 @@ class PeakModel:
             if (i == self.n) if last else (i < self.n):  # the last segment ends at n; others before it
                 yield i, self._local(state, i), state.cost
 
-    def local(self, a: int, b: int, regions: Iterable[Region] = ()) -> int:
-        """Peak of segment [a, b) beyond the prefix of kept boundaries (the last one ends at ``n``)."""
-        return self._segment(a, b, regions)[0]
-
     def _segment(self, a: int, b: int, regions: Iterable[Region]) -> Tuple[int, Tuple[int, int]]:
         inside = [g for g in regions if a <= g[0] and g[1] <= b]
         for stop, local, cost in self._scan(a, inside, last=b == self.n, stop=b):
@@ -273,13 +269,6 @@ class PeakModel:
 
     def peak(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
         return max(self.segment_peaks(starts, regions))
-
-    def recomputed(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> Tuple[int, int]:
-        """What backward runs again: (FLOPs, bytes written by cheap ops)."""
-        regions = list(regions)
-        bounds = list(starts) + [self.n]
-        costs = [self._segment(a, b, regions)[1] for a, b in zip(bounds, bounds[1:])]
-        return sum(f for f, _ in costs), sum(b for _, b in costs)
 
     def total_recompute(self, starts: Sequence[int]) -> int:
         return self._flops_prefix[starts[-1]]  # everything before the last segment runs twice
@@ -443,17 +432,19 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     return PeakModel(profile_units(units, x, candidates), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, candidates)
 
 
-def plan_trunk(trunk, x) -> SplitPlan:
+def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
     """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``.
 
     Balanced plans cut at unit boundaries only. Budget plans also place regions
     (nested checkpoints under the "save_expensive" or "recompute" policy; non-reentrant
     trunks only: torch's selective checkpointing has no reentrant form), which reach
-    below the block-level floor at less recompute."""
+    below the block-level floor at less recompute. ``model``: the trunk's peak model at
+    ``x`` if already measured (with regions exactly where this plan may use them), so
+    that several plans of one trunk share one measurement."""
     units = expand_units(trunk._blocks())
     names = [n for n, _ in units]
     budgeted = trunk.memory_budget is not None
-    model = peak_model(trunk, x, regions=budgeted and not trunk.use_reentrant)
+    model = model or peak_model(trunk, x, regions=budgeted and not trunk.use_reentrant)
     splittable = [layer_splittable_before(m) for _, m in units]
     forced = [stop for stop in trunk._ends.values() if stop < len(units)]
     if not budgeted:
