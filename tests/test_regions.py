@@ -44,6 +44,10 @@ LAYOUTS = {
     "recompute in the last segment": ([0], [(4, 5, RC), (6, 8, RC), (9, 12, RC)]),
     "nested in checkpointed segments": ([0, 4, 8], [(0, 1, SE), (4, 6, SE), (6, 7, RC), (8, 10, SE), (10, 12, RC)]),
     "every unit its own region": ([0, 6], [(i, i + 1, SE if i % 2 else RC) for i in (0, 3, 4, 5, 6, 7, 8, 9, 10, 11)]),
+    # regions across the stem's ReLU(inplace=True), in a checkpointed segment and in the last one
+    "the stem as one region": ([0, 4], [(0, 4, SE), (4, 6, RC)]),
+    "the stem's spans as regions": ([0, 6], [(0, 1, SE), (1, 3, RC), (3, 4, SE)]),
+    "the stem in the last segment": ([0], [(0, 4, RC), (4, 8, SE)]),
 }
 
 
@@ -82,10 +86,11 @@ def test_regions_replay_dropout_and_stochastic_depth(name):
     trunk = CheckpointedTrunk(model, ["flatten"], memory_budget=0.9)
     x = input_for(name)
     costs = peak_model(trunk, x, regions=True)
-    ok = costs.candidates
+    spans = costs.spans
     can_save = costs.costs.under(SE).eligible  # EfficientNet's squeeze-excitation changes a conv output in place
-    cut = ok[len(ok) // 2]  # a checkpointed segment [0, cut) and the last one, both with regions
-    _with_plan(trunk, x, [0, cut], [(i, i + 1, SE if i % 2 and can_save[i] else RC) for i in ok if i != cut - 1])
+    cut = spans[len(spans) // 2][0]  # a checkpointed segment [0, cut) and the last one, both with regions
+    regions = [(r, s, SE if k % 2 and can_save[r] else RC) for k, (r, s) in enumerate(spans) if s != cut]
+    _with_plan(trunk, x, [0, cut], regions)
     torch.manual_seed(7)
     want = reference(x)
     loss_of([want]).backward()
@@ -152,6 +157,28 @@ def test_a_save_expensive_region_nested_in_a_checkpointed_segment_costs_no_memor
         peaks[bool(regions)] = _measured_peak(trunk, x)
         assert peaks[bool(regions)] <= 1.02 * plan.predicted_peak_bytes
     assert peaks[True] <= peaks[False]
+
+
+def test_regions_across_an_in_place_relu_are_measured_whole_and_predicted():
+    """The stem's units cannot each be a region (the ReLU would overwrite bn1's output, which
+    a region ending at bn1 returns), but runs ending before a splittable unit can: the
+    profiler measures such spans whole, and the model predicts the peak they give."""
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9, gradients="kept")
+    x = X()
+    model = peak_model(trunk, x, regions=True)
+    names = [n for n, _ in expand_units(trunk._blocks())]
+    assert [names[r:s] for r, s in model.spans[:5]] == [["conv1"], ["bn1", "conv1_relu"], ["maxpool"], ["res2.0"], ["res2.1"]]
+    assert all(model.costs.under(p).eligible[:4] == (True,) * 4 for p in (SE, RC))
+    peaks = {}
+    for stem in ([], [(1, 3, RC)], [(0, 4, RC)], [(0, 4, SE)]):
+        trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9, gradients="kept")
+        plan = _with_plan(trunk, x, [0], stem + [(6, 8, SE)])
+        peaks[str(stem)] = measured = _measured_peak(trunk, x)
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, stem
+    # bn1 + ReLU as a region keeps conv1's output, and maxpool keeps the ReLU's: that frees
+    # nothing but bn1's batch mean and inverse std (64 floats each)
+    assert peaks["[]"] - peaks["[(1, 3, 'recompute')]"] == 2 * 64 * 4
+    assert peaks["[(0, 4, 'recompute')]"] <= peaks["[(0, 4, 'save_expensive')]"] < peaks["[]"]
 
 
 def test_the_plan_table_names_every_region():

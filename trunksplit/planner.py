@@ -65,27 +65,28 @@ class PeakModel:
     """Predicts a step's peak bytes for any cut of a chain: what the step allocates beyond
     what was live before it (parameters, and in ``"kept"`` mode their gradients).
 
-    Regions. A run of ``candidates`` (units that may run under their own checkpoint,
-    measured so in ``costs.policies``) may form a region, checkpointed inside its
-    segment. Under ``"save_expensive"`` it keeps its input and its expensive ops'
-    outputs, under ``"recompute"`` only its input. In the last segment that is what
-    backward finds; in a checkpointed segment, what the segment's recompute holds. The
-    region's own backward then recomputes it whole, like a checkpointed segment of its
-    own, on top of what is kept before it: the outputs it does not keep (a bottleneck
-    block's output is its successor's input) are never held, which is where a region of
-    several blocks saves more than each block on its own.
+    Regions. A run of consecutive ``spans`` (``[start, stop)`` runs of units that may
+    run under their own checkpoint, measured so in ``costs.policies``: see
+    :func:`region_spans`) may form a region, checkpointed inside its segment. Under
+    ``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
+    ``"recompute"`` only its input. In the last segment that is what backward finds; in
+    a checkpointed segment, what the segment's recompute holds. The region's own
+    backward then recomputes it whole, like a checkpointed segment of its own, on top of
+    what is kept before it: the outputs it does not keep (a bottleneck block's output is
+    its successor's input) are never held, which is where a region of several blocks
+    saves more than each block on its own.
     """
 
-    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", candidates: Iterable[int] = ()):
+    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = ()):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
         self.costs = costs
         self.n = len(costs)
         self.gradients = gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
-        self.candidates = sorted(set(candidates))
-        if self.candidates and costs.policies is None:
-            raise ValueError("region candidates need costs measured under each policy (profile_units(..., candidates=...))")
+        self.spans = sorted(set(spans))
+        if self.spans and costs.policies is None:
+            raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")
         c = costs
         self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
         self._cheap = c.recompute_bytes or (0,) * self.n
@@ -130,7 +131,7 @@ class PeakModel:
         c = self.costs.under(policy)
         kept, forward, backward, counted, cost = state
         held_before, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
-        for i in range(r, s):
+        for i in range(r, s):  # span by span: a span's figures are at its first unit (see profile._span_costs)
             region_forward = max(region_forward, held_before + c.forward_peak[i])
             held_before += c.saved[i]
         forward = max(forward, kept + region_forward)
@@ -139,7 +140,8 @@ class PeakModel:
             kept, counted = kept + self.costs.output[source], True
         backward = max(backward, kept + self._region_backward(r, s))
         kept += held_before
-        counted = c.keeps_output[s - 1] if self._allocates[s - 1] else counted
+        if s == self.n or self.costs.input_from[s] >= r:  # the region's output is a storage it allocated
+            counted = c.keeps_output[s - 1]
         flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
         again = flops if policy == "recompute" else 0  # "save_expensive" runs only the cheap ops again
         if last:
@@ -216,43 +218,42 @@ class PeakModel:
     def templates(self) -> List[List[Region]]:
         """Region assignments to try on every segment.
 
-        Choosing per unit multiplies past what a plan can afford to search, so regions
-        come from a few shapes: runs of candidate units cut into regions of 1, 2, 3, 4
-        or 6 units, or whole runs. For each shape the regions are ranked once, for
+        Choosing per span multiplies past what a plan can afford to search, so regions
+        come from a few shapes: runs of consecutive spans cut into regions of 1, 2, 3, 4
+        or 6 spans (at every offset: where the cuts fall matters as much as how far
+        apart), or whole runs. For each shape the regions are ranked once, for
         ``"save_expensive"`` by bytes no longer kept per byte of cheap ops run again,
         for ``"recompute"`` by bytes per FLOP, and a template takes the best j of them
-        (j = 0..all); single-unit ``"recompute"`` regions also go on top of every
+        (j = 0..all); single-span ``"recompute"`` regions also go on top of every
         region of a shape under ``"save_expensive"``."""
         if self._templates is not None:
             return self._templates
-        c = self.costs
         templates: List[List[Region]] = [[]]
-        if not self.candidates:
-            self._templates = templates
-            return templates
-        for size in (1, 2, 3, 4, 6, None):
-            chunks = {policy: _chunks(self._eligible(policy), size) for policy in REGION_POLICIES}
-            if size not in (1, None) and all(s - r <= 1 for r, s in chunks["save_expensive"] + chunks["recompute"]):
-                continue
+        shapes = [(size, offset) for size in (1, 2, 3, 4, 6, None) for offset in range(size or 1)] if self.spans else []
+        for size, offset in shapes:
+            chunks = {policy: _chunks(self._eligible(policy), size, offset) for policy in REGION_POLICIES}
+            if size not in (1, None) and all(len(chunks[p]) == len(self._eligible(p)) for p in REGION_POLICIES):
+                continue  # no run is longer than one span: the same as size 1
             for policy, price in (("save_expensive", self._cheap_prefix), ("recompute", self._flops_prefix)):
-                def gain(chunk, policy=policy, price=price):
-                    r, s = chunk
-                    freed = sum(c.saved[i] - c.under(policy).saved[i] for i in range(r, s))
-                    return -freed / max(1, price[s] - price[r])
-                ranked = sorted(chunks[policy], key=gain)
+                ranked = sorted(chunks[policy], key=lambda chunk, policy=policy, price=price: -self._freed(chunk, policy) / max(1, price[chunk[1]] - price[chunk[0]]))
                 templates += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
             every = [(r, s, "save_expensive") for r, s in chunks["save_expensive"]]
-            singles = sorted(self._eligible("recompute"), key=lambda i: -c.saved[i] / max(1, c.flops[i]))
+            singles = sorted(self._eligible("recompute"), key=lambda span: -self._freed(span, "recompute") / max(1, self.recompute(*span)))
             for k in range(1, len(singles) + 1):
-                chosen = set(singles[:k])
-                templates.append([g for g in every if not any(g[0] <= i < g[1] for i in chosen)] + [(i, i + 1, "recompute") for i in sorted(chosen)])
+                chosen = singles[:k]
+                templates.append([g for g in every if not any(g[0] <= r < g[1] for r, _ in chosen)] + [(r, s, "recompute") for r, s in sorted(chosen)])
         self._templates = templates
         return templates
 
-    def _eligible(self, policy: str) -> List[int]:
-        """Candidate units that ran under ``policy`` when profiled."""
-        under = self.costs.under(policy)
-        return [i for i in self.candidates if not under.eligible or under.eligible[i]]
+    def _freed(self, chunk: Tuple[int, int], policy: str) -> int:
+        """Bytes the units of ``chunk`` keep for backward, less what they keep under ``policy``."""
+        r, s = chunk
+        return sum(self.costs.saved[r:s]) - sum(self.costs.under(policy).saved[r:s])
+
+    def _eligible(self, policy: str) -> List[Tuple[int, int]]:
+        """Spans that ran under ``policy`` when profiled."""
+        eligible = self.costs.under(policy).eligible
+        return [(r, s) for r, s in self.spans if not eligible or eligible[r]]
 
     def recompute(self, a: int, b: int) -> int:
         return self._flops_prefix[b] - self._flops_prefix[a]
@@ -288,16 +289,22 @@ class _Scan(NamedTuple):
 _EMPTY = _Scan(0, 0, 0, True, (0, 0))  # a segment's input is its boundary, counted in the prefix
 
 
-def _chunks(units: Sequence[int], size: Optional[int]) -> List[Tuple[int, int]]:
-    """Runs of consecutive ``units`` cut into [start, stop) pieces of ``size`` (None: whole runs)."""
-    runs, run = [], []
-    for i in units:
-        if run and i != run[-1] + 1:
-            runs.append(run)
-            run = []
-        run.append(i)
-    runs += [run] if run else []
-    return [(r[k], min(r[k] + (size or len(r)), r[-1] + 1)) for r in runs for k in range(0, len(r), size or len(r))]
+def _chunks(spans: Sequence[Tuple[int, int]], size: Optional[int], offset: int = 0) -> List[Tuple[int, int]]:
+    """Runs of consecutive ``spans`` (each starting where the last stopped) cut into
+    [start, stop) pieces of ``size`` spans (None: whole runs), the first piece of a run
+    ``offset`` spans long (when not 0)."""
+    runs: List[List[Tuple[int, int]]] = []
+    for span in spans:
+        if runs and runs[-1][-1][1] == span[0]:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    pieces = []
+    for run in runs:
+        step = size or len(run)
+        ends = sorted((set(range(offset % step, len(run), step)) | {len(run)}) - {0})
+        pieces += [run[i:j] for i, j in zip([0] + ends, ends)]
+    return [(piece[0][0], piece[-1][1]) for piece in pieces]
 
 
 def _pareto_options(entries: list) -> list:
@@ -330,7 +337,7 @@ def best_plan(
     templates (see :meth:`PeakModel.options`).
     """
     search = functools.partial(_search, model, splittable, forced, num_segments, max_segments)
-    if budget is None and model.candidates:
+    if budget is None and model.spans:
         # Regions offer many (peak, recompute) trade-offs per segment: find the lowest peak
         # first, ignoring recompute, then the least recompute at that peak.
         if max_recompute is not None:
@@ -414,12 +421,15 @@ def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, in
     return annotate(SplitPlan(tuple(units), tuple(segments), strategy), model)
 
 
-def region_candidates(units: Sequence[Tuple[str, nn.Module]]) -> List[int]:
-    """Units that may be part of a region (a nested checkpoint): neither they nor the unit
-    after them start with an in-place op, which would overwrite the input a region's
-    recompute needs, or an output the ``"save_expensive"`` policy keeps."""
-    splittable = [layer_splittable_before(m) for _, m in units] + [True]
-    return [i for i in range(len(units)) if splittable[i] and splittable[i + 1]]
+def region_spans(units: Sequence[Tuple[str, nn.Module]]) -> List[Tuple[int, int]]:
+    """The smallest runs of units ``[start, stop)`` that may form a region (a nested
+    checkpoint): a region must neither start nor be followed by an in-place op, which
+    would overwrite the input its recompute needs, or an output the
+    ``"save_expensive"`` policy keeps. So runs are cut where a unit is splittable;
+    inside one, an in-place op changes only what the region itself produced. The
+    ResNet stem gives ``conv1``, ``bn1 + conv1_relu`` and ``maxpool``."""
+    bounds = [i for i, (_, m) in enumerate(units) if layer_splittable_before(m)] + [len(units)]
+    return [(r, s) for r, s in zip(bounds, bounds[1:])]
 
 
 def peak_model(trunk, x, regions: bool = False) -> PeakModel:
@@ -428,8 +438,8 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     ``regions``: also measure the units under the region policies, and let the model
     plan regions (about twice the profiling)."""
     units = expand_units(trunk._blocks())
-    candidates = region_candidates(units) if regions else []
-    return PeakModel(profile_units(units, x, candidates), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, candidates)
+    spans = region_spans(units) if regions else []
+    return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans)
 
 
 def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:

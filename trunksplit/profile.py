@@ -67,6 +67,7 @@ class _TensorAccounting(TorchDispatchMode):
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
         for k in dead:
             self.current -= self.live.pop(k)[1]
+            self.expensive.discard(k)  # a new storage may reuse the id
 
 
 def _tensors(tree):
@@ -144,9 +145,11 @@ class UnitCosts:
     - ``recompute_bytes``: bytes the unit's cheap ops (all but convolution, matmul,
       attention) write in a forward: what running them again costs, in traffic.
     - ``policies``: per region policy (see :func:`trunksplit.wrapper.run_region`),
-      the same chain measured with each unit alone under it: only ``saved``, ``saves_input``, ``keeps_output``,
-      ``forward_peak`` and ``backward_excess`` differ, units not measured so
-      repeat the plain figures, and ``eligible`` says which units can run so.
+      the chain with each measured span run as one region under it: only
+      ``saved``, ``keeps_output`` and ``forward_peak`` differ (laid out per unit
+      so that they add up over whole spans, see :func:`_span_costs`), units not
+      measured so repeat the plain figures, and ``eligible`` says which units
+      belong to a span that can run so.
     """
 
     names: Tuple[str, ...]
@@ -171,28 +174,34 @@ class UnitCosts:
         return self.policies[policy]
 
 
-def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candidates: Sequence[int] = ()) -> UnitCosts:
+def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = ()) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
     BatchNorm statistics and RNG stay untouched, and neither users' module hooks
     nor those of wrappers such as DDP fire): one forward and one backward with
     weights that already hold gradients. Costs about one training step plus one
-    forward of the chain, and two more steps for the units in ``candidates``, which
-    are also measured under the other unit policies (``UnitCosts.policies``).
+    forward of the chain, and two more steps for the units in ``spans``: runs of
+    units ``[start, stop)`` each also measured as one region under each region
+    policy (``UnitCosts.policies``). A span is measured whole because its units
+    may not run alone under a checkpoint: the stem's ``ReLU(inplace=True)`` would
+    overwrite the input its recompute needs.
     Measures with autograd on whatever the caller's mode: a plan made under
     ``no_grad`` or ``inference_mode`` is the training plan.
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes")
-    policy_keys = ("saved", "saves_input", "keeps_output", "forward_peak", "backward_excess")
     fields = {k: [] for k in keys}
-    under_policy = {p: {k: [] for k in policy_keys + ("eligible",)} for p in REGION_POLICIES}
+    span_stop = dict(spans)
+    under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
+    span = None  # (start, its input, private copies of its units so far) while inside a span
     source = -1  # the unit that allocated the storage of the current activation
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
         h = x.detach().clone() if x.is_inference() else x.detach()  # an inference tensor cannot enter autograd
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
             m = _private_copy(unit)
+            if i in span_stop:
+                span = (i, h, [])
             tracker = _TensorAccounting()
             with torch.no_grad(), FlopCounterMode(display=False) as flops, tracker:
                 next_h = m(h)
@@ -201,29 +210,46 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, candi
                 fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
             fields["recompute_bytes"].append(tracker.cheap_bytes)
-            for policy, measured in under_policy.items():
-                policy_cost = _measure_under(m, h, i > 0, policy) if i in candidates else None
-                measured["eligible"].append(policy_cost is not None)
-                for key in policy_keys:
-                    measured[key].append((policy_cost or cost)[key])
+            if span is not None:
+                span[2].append(m)
+                start, span_input, members = span
+                if i + 1 == span_stop[start]:
+                    for policy, measured in under_policy.items():
+                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
+                    span = None
             if not isinstance(next_h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
     plain = {k: tuple(v) for k, v in fields.items()}
     costs = UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **plain)
-    if not candidates:
+    if not spans:
         return costs
-    return replace(costs, policies={p: replace(costs, **{k: tuple(v) for k, v in m.items()}) for p, m in under_policy.items()})
+    return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
 
 
-def _measure_under(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str) -> Optional[dict]:
-    """The unit's costs under a region policy, or None where it cannot run so.
+def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:
+    """``costs`` with each measured span's figures under a policy laid onto its units, so
+    that sums and running maxima over a region of whole spans come out right: what the
+    span keeps and its forward peak at its first unit, whether it keeps its output at its
+    last, zeros between. A span that cannot run under the policy keeps the plain figures."""
+    saved, forward_peak, keeps_output, eligible = (list(v) for v in (costs.saved, costs.forward_peak, costs.keeps_output, [False] * len(costs)))
+    for (r, s), cost in measured.items():
+        if cost is None:
+            continue
+        for i in range(r, s):
+            saved[i], forward_peak[i], keeps_output[i], eligible[i] = 0, 0, False, True
+        saved[r], forward_peak[r], keeps_output[s - 1] = cost["saved"], cost["forward_peak"], cost["keeps_output"]
+    return replace(costs, saved=tuple(saved), forward_peak=tuple(forward_peak), keeps_output=tuple(keeps_output), eligible=tuple(eligible))
 
-    torch's selective checkpoint refuses (at backward) a unit that changes a kept output
+
+def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str) -> Optional[dict]:
+    """The costs of ``members`` run in order as one region under a policy, or None where they cannot run so.
+
+    torch's selective checkpoint refuses (at backward) a region that changes a kept output
     in place, as EfficientNet's squeeze-excitation does with ``SiLU(inplace=True)`` after
-    a convolution: such a unit is not eligible for ``"save_expensive"``."""
+    a convolution: such a span is not eligible for ``"save_expensive"``."""
     try:
-        return _measure_unit(copy.deepcopy(m), h, input_needs_grad, policy)
+        return _measure_unit(copy.deepcopy(nn.Sequential(*members)), h, input_needs_grad, policy)
     except RuntimeError as e:
         if "mutated" not in str(e):
             raise
@@ -276,9 +302,12 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     outs = list(_tensors(out))
     out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in outs}
     if checkpointed:
+        # what is alive after the forward is kept for backward, but for outputs: those only
+        # where "save_expensive" caches them (a convolution's, say)
         saves_input = True
-        keeps_output = any(k in tracker.expensive for k in out_keys)
-        saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in tracker.expensive)}
+        cached = tracker.expensive if policy == "save_expensive" else set()
+        keeps_output = any(k in cached for k in out_keys)
+        saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
     else:
         saved, saves_input, keeps_output = {}, False, False
         for t in packed:
