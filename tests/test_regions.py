@@ -1,21 +1,22 @@
 """Regions: nested checkpoints under "save_expensive" or "recompute", below the block level."""
 import copy
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.planner import Cuts, best_plan, peak_model, plan_from_cuts
-from trunksplit.profile import PeakMemory
+from trunksplit.planner import Cuts, PeakModel, best_plan, peak_model, plan_from_cuts, plan_trunk
+from trunksplit.profile import PeakMemory, profile_units
 from trunksplit.split import expand_units
 from trunksplit.blocks import layer_splittable_before
-from trunksplit.wrapper import batchnorms, is_recomputing, run_checkpointed, run_region
+from trunksplit.wrapper import batchnorms, is_expensive, is_heavy, is_recomputing, run_checkpointed, run_region
 
 from reference import build, grads_by_name, loss_of, plain_features
 from zoo import input_for, small, without_head
 
-SE, RC = "save_expensive", "recompute"
+SE, SH, RC = "save_expensive", "save_heavy", "recompute"
 X = functools.partial(torch.randn, 2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
 
 
@@ -48,6 +49,8 @@ LAYOUTS = {
     "the stem as one region": ([0, 4], [(0, 4, SE), (4, 6, RC)]),
     "the stem's spans as regions": ([0, 6], [(0, 1, SE), (1, 3, RC), (3, 4, SE)]),
     "the stem in the last segment": ([0], [(0, 4, RC), (4, 8, SE)]),
+    "save_heavy in the last segment": ([0], [(0, 4, SH), (4, 6, SH), (6, 7, SH), (9, 12, SH)]),
+    "save_heavy nested in checkpointed segments": ([0, 4, 8], [(0, 1, SH), (4, 6, SH), (6, 7, SE), (8, 10, SH), (10, 12, RC)]),
 }
 
 
@@ -87,9 +90,11 @@ def test_regions_replay_dropout_and_stochastic_depth(name):
     x = input_for(name)
     costs = peak_model(trunk, x, regions=True)
     spans = costs.spans
-    can_save = costs.costs.under(SE).eligible  # EfficientNet's squeeze-excitation changes a conv output in place
+    # EfficientNet's squeeze-excitation changes a conv output in place: such spans cannot run under SE
+    can = {p: costs.costs.under(p).eligible for p in (SE, SH)}
     cut = spans[len(spans) // 2][0]  # a checkpointed segment [0, cut) and the last one, both with regions
-    regions = [(r, s, SE if k % 2 and can_save[r] else RC) for k, (r, s) in enumerate(spans) if s != cut]
+    policy = lambda k, r: [RC, SE, SH][k % 3] if [RC, SE, SH][k % 3] == RC or can[[RC, SE, SH][k % 3]][r] else RC  # noqa: E731
+    regions = [(r, s, policy(k, r)) for k, (r, s) in enumerate(spans) if s != cut]
     _with_plan(trunk, x, [0, cut], regions)
     torch.manual_seed(7)
     want = reference(x)
@@ -181,6 +186,47 @@ def test_regions_across_an_in_place_relu_are_measured_whole_and_predicted():
     assert peaks["[(0, 4, 'recompute')]"] <= peaks["[(0, 4, 'save_expensive')]"] < peaks["[]"]
 
 
+def test_save_heavy_keeps_the_heavy_convolutions_and_reruns_the_light_one():
+    """A torchvision bottleneck (256 -> 64 -> 64 -> 256 channels): its 1x1 reduce (256
+    multiply-adds per output) and 3x3 (576) convolutions are heavy, the expanding 1x1 (64)
+    is light. Hand-computed bytes and FLOPs at input 2x256x16x16, float32."""
+    block = build("resnet50").layer1[1]
+    x = torch.randn(2, 256, 16, 16)
+    costs = profile_units([("block", block)], x, spans=[(0, 1)])
+    narrow, wide = 2 * 64 * 16 * 16 * 4, 2 * 256 * 16 * 16 * 4  # bytes of a 64- and a 256-channel activation
+    assert costs.under(SE).saved[0] == 2 * narrow + wide  # the three convolutions' outputs
+    assert costs.under(SH).saved[0] == 2 * narrow  # all but the expanding 1x1's
+    assert costs.under(RC).saved[0] == 0  # the input only, which is not counted as saved
+    assert costs.light_flops[0] == 2 * (64 * 256) * (2 * 16 * 16)  # the expanding 1x1: 2 FLOPs per multiply-add
+    conv = torch.ops.aten.convolution.default
+    assert is_expensive(conv) and not is_expensive(torch.ops.aten.relu.default)
+    assert is_heavy(conv, (x, block.conv1.weight)) and is_heavy(conv, (x, block.conv2.weight))
+    assert not is_heavy(conv, (x, block.conv3.weight))
+    assert not is_heavy(torch.ops.aten.mm.default, (torch.randn(4, 255), torch.randn(255, 8)))
+    assert is_heavy(torch.ops.aten.mm.default, (torch.randn(4, 256), torch.randn(256, 8)))
+
+
+def test_save_heavy_meets_a_budget_with_fewer_convolution_flops_than_save_expensive_alone():
+    """Under a budget that save_expensive regions alone cannot meet, the planner reruns the
+    light convolutions before it reruns whole blocks; the measured peak fits."""
+    model = build("resnet50")
+    x = torch.randn(2, 3, 96, 96)
+    plans = {}
+    for allowed in ((SE, RC), (SE, SH, RC)):
+        trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=0.5, gradients="kept")
+        model_ = peak_model(trunk, x, regions=True)
+        if SH not in allowed:  # the same measurements with save_heavy made unavailable
+            costs = model_.costs
+            never = replace(costs.under(SH), eligible=(False,) * len(costs))
+            model_ = PeakModel(replace(costs, policies={**costs.policies, SH: never}), model_.features, "kept", model_.spans)
+        plans[allowed] = plan = plan_trunk(trunk, x, model_)
+        trunk._plans[trunk._plan_key(x)] = plan
+        assert _measured_peak(trunk, x) <= 1.02 * plan.predicted_peak_bytes <= 1.02 * 0.5 * model_.peak([0])
+    flops = {k: sum(s.recompute_flops for s in p.segments) for k, p in plans.items()}
+    assert any(p == SH for _, _, p in plans[(SE, SH, RC)].regions)
+    assert flops[(SE, SH, RC)] < 0.6 * flops[(SE, RC)]
+
+
 def test_the_plan_table_names_every_region():
     trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9)
     plan = _with_plan(trunk, X(), [0, 6], [(4, 6, SE), (8, 9, RC)])
@@ -222,5 +268,5 @@ def test_run_region_refuses_what_it_cannot_do():
     block = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="unknown region policy 'all'"):
         run_region(lambda x, m: m(x), [block], torch.randn(2, 3), "all")
-    with pytest.raises(ValueError, match="save_expensive needs non-reentrant"):
-        run_checkpointed(block, [], (torch.randn(2, 3),), use_reentrant=True, save_expensive=True)
+    with pytest.raises(ValueError, match="needs non-reentrant checkpointing.*use_reentrant=False"):
+        run_checkpointed(block, [], (torch.randn(2, 3),), use_reentrant=True, keep=is_expensive)

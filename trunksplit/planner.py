@@ -55,7 +55,7 @@ Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoin
 class Cuts(NamedTuple):
     """A plan as the planner sees it: where segments start, and the regions of units run
     under their own checkpoint, each ``(start, stop, policy)`` with ``policy``
-    ``"save_expensive"`` or ``"recompute"`` (see :func:`trunksplit.wrapper.run_region`)."""
+    ``"save_expensive"``, ``"save_heavy"`` or ``"recompute"`` (see :func:`trunksplit.wrapper.run_region`)."""
 
     starts: List[int]
     regions: FrozenSet[Region] = frozenset()
@@ -69,7 +69,7 @@ class PeakModel:
     run under their own checkpoint, measured so in ``costs.policies``: see
     :func:`region_spans`) may form a region, checkpointed inside its segment. Under
     ``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
-    ``"recompute"`` only its input. In the last segment that is what backward finds; in
+    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` only its input. In the last segment that is what backward finds; in
     a checkpointed segment, what the segment's recompute holds. The region's own
     backward then recomputes it whole, like a checkpointed segment of its own, on top of
     what is kept before it: the outputs it does not keep (a bottleneck block's output is
@@ -91,6 +91,9 @@ class PeakModel:
         self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
         self._cheap = c.recompute_bytes or (0,) * self.n
         self._cheap_prefix = [0] + list(itertools.accumulate(self._cheap))
+        self._light_prefix = [0] + list(itertools.accumulate(c.light_flops or (0,) * self.n))
+        # what a region runs again under each policy, the measure its templates are ranked by
+        self._prices = {"save_expensive": self._cheap_prefix, "save_heavy": self._light_prefix, "recompute": self._flops_prefix}
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
@@ -143,7 +146,8 @@ class PeakModel:
         if s == self.n or self.costs.input_from[s] >= r:  # the region's output is a storage it allocated
             counted = c.keeps_output[s - 1]
         flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
-        again = flops if policy == "recompute" else 0  # "save_expensive" runs only the cheap ops again
+        # the expensive ops a region's backward runs again: all, the light ones, or none ("save_expensive")
+        again = {"recompute": flops, "save_heavy": self._light_prefix[s] - self._light_prefix[r]}.get(policy, 0)
         if last:
             cost = (cost[0] + again, cost[1] + cheap)
         else:  # the segment's recompute runs the region, then the region's own backward again
@@ -221,29 +225,49 @@ class PeakModel:
         Choosing per span multiplies past what a plan can afford to search, so regions
         come from a few shapes: runs of consecutive spans cut into regions of 1, 2, 3, 4
         or 6 spans (at every offset: where the cuts fall matters as much as how far
-        apart), or whole runs. For each shape the regions are ranked once, for
-        ``"save_expensive"`` by bytes no longer kept per byte of cheap ops run again,
-        for ``"recompute"`` by bytes per FLOP, and a template takes the best j of them
-        (j = 0..all); single-span ``"recompute"`` regions also go on top of every
-        region of a shape under ``"save_expensive"``."""
+        apart), or whole runs. For each shape and policy the regions are ranked by bytes
+        no longer kept per unit of recompute (cheap-op bytes for ``"save_expensive"``,
+        FLOPs for the others), and a template takes the best j of them (j = 0..all).
+        Mixed templates start from every region of a shape under ``"save_expensive"``
+        (or ``"save_heavy"``) and upgrade the best k to a policy that keeps less:
+        regions to ``"save_heavy"``, single spans to ``"recompute"``."""
         if self._templates is not None:
             return self._templates
         templates: List[List[Region]] = [[]]
+        seen = {frozenset()}
         shapes = [(size, offset) for size in (1, 2, 3, 4, 6, None) for offset in range(size or 1)] if self.spans else []
         for size, offset in shapes:
             chunks = {policy: _chunks(self._eligible(policy), size, offset) for policy in REGION_POLICIES}
             if size not in (1, None) and all(len(chunks[p]) == len(self._eligible(p)) for p in REGION_POLICIES):
                 continue  # no run is longer than one span: the same as size 1
-            for policy, price in (("save_expensive", self._cheap_prefix), ("recompute", self._flops_prefix)):
-                ranked = sorted(chunks[policy], key=lambda chunk, policy=policy, price=price: -self._freed(chunk, policy) / max(1, price[chunk[1]] - price[chunk[0]]))
-                templates += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
-            every = [(r, s, "save_expensive") for r, s in chunks["save_expensive"]]
-            singles = sorted(self._eligible("recompute"), key=lambda span: -self._freed(span, "recompute") / max(1, self.recompute(*span)))
-            for k in range(1, len(singles) + 1):
-                chosen = singles[:k]
-                templates.append([g for g in every if not any(g[0] <= r < g[1] for r, _ in chosen)] + [(r, s, "recompute") for r, s in sorted(chosen)])
+            found = []
+            for policy in REGION_POLICIES:
+                ranked = self._ranked(chunks[policy], policy)
+                found += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
+            upgrades = (("save_expensive", "save_heavy", chunks["save_heavy"]), ("save_expensive", "recompute", self._eligible("recompute")),
+                        ("save_heavy", "recompute", self._eligible("recompute")))
+            for base, policy, candidates in upgrades:
+                every = [(r, s, base) for r, s in chunks[base]]
+                ranked = self._ranked(candidates, policy, base)
+                for k in range(1, len(ranked) + 1):
+                    chosen = ranked[:k]
+                    found.append([g for g in every if not any(g[0] < s and r < g[1] for r, s in chosen)] + [(r, s, policy) for r, s in chosen])
+            for template in found:
+                if frozenset(template) not in seen:
+                    seen.add(frozenset(template))
+                    templates.append(sorted(template))
         self._templates = templates
         return templates
+
+    def _ranked(self, chunks: Sequence[Tuple[int, int]], policy: str, base: Optional[str] = None) -> List[Tuple[int, int]]:
+        """``chunks`` best first under ``policy``: bytes freed (beyond what ``base`` frees) per unit of recompute."""
+        price = self._prices[policy]
+
+        def worth(chunk):
+            freed = self._freed(chunk, policy) - (self._freed(chunk, base) if base else 0)
+            return -freed / max(1, price[chunk[1]] - price[chunk[0]])
+
+        return sorted(chunks, key=worth)
 
     def _freed(self, chunk: Tuple[int, int], policy: str) -> int:
         """Bytes the units of ``chunk`` keep for backward, less what they keep under ``policy``."""
@@ -446,7 +470,7 @@ def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
     """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``.
 
     Balanced plans cut at unit boundaries only. Budget plans also place regions
-    (nested checkpoints under the "save_expensive" or "recompute" policy; non-reentrant
+    (nested checkpoints under a region policy of :func:`trunksplit.wrapper.run_region`; non-reentrant
     trunks only: torch's selective checkpointing has no reentrant form), which reach
     below the block-level floor at less recompute. ``model``: the trunk's peak model at
     ``x`` if already measured (with regions exactly where this plan may use them), so

@@ -5,9 +5,9 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from .wrapper import REGION_POLICIES, is_expensive, run_region
+from .wrapper import REGION_POLICIES, is_expensive, is_heavy, run_region
 
 # The CPU tracker needs to see every tensor an op creates and to know when its
 # storage dies. torch has no public API for either, so the two private imports
@@ -41,8 +41,10 @@ class _TensorAccounting(TorchDispatchMode):
         self.live = {}  # storage id -> (weak ref, bytes)
         self.current = 0
         self.peak = 0
-        self.expensive = set()  # storages created by ops that cost FLOPs (the selective policy keeps them)
+        self.expensive = set()  # storages created by ops that cost FLOPs ("save_expensive" keeps them)
+        self.heavy = set()  # those of them created by heavy ops ("save_heavy" keeps them)
         self.cheap_bytes = 0  # bytes created by all other ops: what recomputing them writes
+        self.light_flops = 0  # FLOPs of the expensive ops that are not heavy: what "save_heavy" runs again
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -50,6 +52,9 @@ class _TensorAccounting(TorchDispatchMode):
         self._sweep()
         # Outputs that share an input's storage (views, in-place ops, detach) allocate nothing.
         inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
+        heavy = is_heavy(func, args)
+        if is_expensive(func) and not heavy:
+            self.light_flops += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
         for t in _tensors(out):
             storage = t.untyped_storage()
             ref = StorageWeakRef(storage)
@@ -58,6 +63,8 @@ class _TensorAccounting(TorchDispatchMode):
                 self.current += storage.nbytes()
                 if is_expensive(func):
                     self.expensive.add(ref.cdata)
+                    if heavy:
+                        self.heavy.add(ref.cdata)
                 else:
                     self.cheap_bytes += storage.nbytes()
         self.peak = max(self.peak, self.current)
@@ -68,6 +75,7 @@ class _TensorAccounting(TorchDispatchMode):
         for k in dead:
             self.current -= self.live.pop(k)[1]
             self.expensive.discard(k)  # a new storage may reuse the id
+            self.heavy.discard(k)
 
 
 def _tensors(tree):
@@ -144,6 +152,8 @@ class UnitCosts:
       last unit that uses it): what its gradients take once backward allocates them.
     - ``recompute_bytes``: bytes the unit's cheap ops (all but convolution, matmul,
       attention) write in a forward: what running them again costs, in traffic.
+    - ``light_flops``: FLOPs of the unit's light expensive ops (see
+      :func:`trunksplit.wrapper.is_heavy`): what the ``"save_heavy"`` policy runs again.
     - ``policies``: per region policy (see :func:`trunksplit.wrapper.run_region`),
       the chain with each measured span run as one region under it: only
       ``saved``, ``keeps_output`` and ``forward_peak`` differ (laid out per unit
@@ -163,6 +173,7 @@ class UnitCosts:
     flops: Tuple[int, ...]
     param_bytes: Tuple[int, ...]
     recompute_bytes: Tuple[int, ...] = ()
+    light_flops: Tuple[int, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
 
@@ -189,7 +200,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     Measures with autograd on whatever the caller's mode: a plan made under
     ``no_grad`` or ``inference_mode`` is the training plan.
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes")
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops")
     fields = {k: [] for k in keys}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
@@ -210,6 +221,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
             fields["recompute_bytes"].append(tracker.cheap_bytes)
+            fields["light_flops"].append(tracker.light_flops)
             if span is not None:
                 span[2].append(m)
                 start, span_input, members = span
@@ -303,9 +315,9 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in outs}
     if checkpointed:
         # what is alive after the forward is kept for backward, but for outputs: those only
-        # where "save_expensive" caches them (a convolution's, say)
+        # where a selective policy caches them (a convolution's, say)
         saves_input = True
-        cached = tracker.expensive if policy == "save_expensive" else set()
+        cached = {"save_expensive": tracker.expensive, "save_heavy": tracker.heavy}.get(policy, set())
         keeps_output = any(k in cached for k in out_keys)
         saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
     else:

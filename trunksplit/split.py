@@ -18,6 +18,13 @@ from torch import nn
 
 from .blocks import layer_splittable_before, stage_names
 
+# what each region policy keeps (see trunksplit.wrapper.run_region), as the plan table says it
+POLICY_MEANINGS = {
+    "save_expensive": "keep conv/matmul outputs, recompute the rest",
+    "save_heavy": "keep heavy conv/matmul outputs, recompute light convs and the rest",
+    "recompute": "keep only the input",
+}
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -30,8 +37,7 @@ class Segment:
     predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
     recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
     recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
-    # nested checkpoints inside the segment: (start, stop, policy), policy "save_expensive"
-    # (keep conv/matmul/attention outputs, recompute the rest) or "recompute" (keep the input)
+    # nested checkpoints inside the segment: (start, stop, policy), policy one of POLICY_MEANINGS
     regions: Tuple[Tuple[int, int, str], ...] = ()
 
     def __len__(self) -> int:
@@ -54,8 +60,8 @@ class SplitPlan:
     @property
     def regions(self) -> List[Tuple[int, int, str]]:
         """Every segment's regions: units ``[start, stop)`` run as one nested checkpoint
-        under ``"save_expensive"`` (keep conv/matmul/attention outputs, recompute the rest)
-        or ``"recompute"`` (keep only the input; in a checkpointed segment, run three times)."""
+        under a policy of ``POLICY_MEANINGS`` (a ``"recompute"`` region in a checkpointed
+        segment runs three times)."""
         return [g for s in self.segments for g in s.regions]
 
     @property
@@ -84,7 +90,7 @@ class SplitPlan:
         if self.predicted_peak_bytes is not None:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
-        for policy, meaning in (("save_expensive", "keep conv/matmul outputs, recompute the rest"), ("recompute", "keep only the input")):
+        for policy, meaning in POLICY_MEANINGS.items():
             chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)

@@ -11,15 +11,19 @@ once per training step, as without checkpointing). What is not: the recompute
 costs one more forward of the checkpointed part, and code that has side effects
 other than BatchNorm's sees them twice (ask :func:`is_recomputing`).
 
-The selective policy (``save_expensive=True``) keeps the outputs of the ops that
-cost FLOPs (convolution, matmul, attention: exactly the ops torch's FLOP counter
-counts) and recomputes the rest (norms, activations, pooling, adds) in backward,
-with no convolution run twice. What it saves depends on the layout: a torchvision
-bottleneck alone keeps 83% of what it kept (its in-place ReLU already shares
-BatchNorm's output, and its input and convolution outputs stay); a region of several
-blocks also drops the blocks' outputs, rebuilt from the kept convolutions.
+The selective region policy ``"save_expensive"`` (see :func:`run_region`) keeps
+the outputs of the ops that cost FLOPs (convolution, matmul, attention: exactly the
+ops torch's FLOP counter counts) and recomputes the rest (norms, activations,
+pooling, adds) in backward, with no convolution run twice. What it saves depends on
+the layout: a torchvision bottleneck alone keeps 83% of what it kept (its in-place
+ReLU already shares BatchNorm's output, and its input and convolution outputs stay);
+a region of several blocks also drops the blocks' outputs, rebuilt from the kept
+convolutions. ``"save_heavy"`` also recomputes the light convolutions (see
+:func:`is_heavy`): a bottleneck's expanding 1x1, whose output is its biggest, at a
+quarter of the block's FLOPs.
 """
 import contextlib
+import math
 import threading
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
@@ -79,38 +83,72 @@ def _recomputing(bns: List[_NormBase]):
         _local.depth -= 1
 
 
-def is_expensive(func) -> bool:
+def is_expensive(func, args: Sequence = ()) -> bool:  # args: the signature of a selective policy's choice
     """Whether an aten op is one whose output the selective policy keeps: one that
     torch's FLOP counter counts (convolution, mm/addmm/bmm, attention), so that
     "recomputed FLOPs" and "what the policy recomputes" mean the same ops."""
     return getattr(func, "overloadpacket", func) in flop_registry
 
 
-REGION_POLICIES = ("save_expensive", "recompute")
+HEAVY_MACS = 256  # multiply-adds per output element from which "save_heavy" keeps an op's output
+
+
+def is_heavy(func, args: Sequence) -> bool:
+    """Whether an expensive op (see :func:`is_expensive`) does at least ``HEAVY_MACS``
+    multiply-adds per output element: rebuilding its output costs much per byte kept.
+
+    The light ones write much and compute little: a bottleneck's last 1x1 convolution,
+    which expands 64 channels to 256 (64 per element), depthwise 7x7 convolutions (49),
+    the ResNet stem (147). Judged from the arguments' shapes, as a selective policy
+    must (it runs before the op); an op whose count is not known here counts as heavy."""
+    if not is_expensive(func):
+        return False
+    macs = _macs_per_output(getattr(func, "overloadpacket", func).__name__, args)
+    return macs is None or macs >= HEAVY_MACS
+
+
+def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if "convolution" in name and len(tensors) >= 2 and not (len(args) > 6 and args[6] is True):  # not transposed
+        return math.prod(tensors[1].shape[1:])  # the weight's input channels per group x kernel size
+    if name in ("mm", "bmm") and tensors:
+        return tensors[0].shape[-1]
+    if name in ("addmm", "baddbmm") and len(tensors) >= 2:
+        return tensors[1].shape[-1]
+    if "scaled_dot_product" in name and len(tensors) >= 3:
+        q, k, v = tensors[:3]
+        return k.shape[-2] * (q.shape[-1] + v.shape[-1]) / v.shape[-1]  # scores, then the weighted sum of values
+    return None
+
+
+# the region policies, and for the selective ones which ops' outputs they keep
+REGION_POLICIES = ("save_expensive", "save_heavy", "recompute")
+_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}
 
 
 def run_region(run: Callable, layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
-    """``run(x, *layers)`` as one checkpoint that keeps, for backward, its input and the
-    outputs of its expensive ops (``"save_expensive"``: torch's selective checkpointing)
+    """``run(x, *layers)`` as one checkpoint that keeps, for backward, its input and
+    the outputs of its expensive ops (``"save_expensive"``: torch's selective
+    checkpointing), of its heavy ops only (``"save_heavy"``: see :func:`is_heavy`),
     or its input alone (``"recompute"``). Inside another checkpoint's function it nests:
     the outer recompute holds only that, the region's own backward the rest, once."""
     if policy not in REGION_POLICIES:
         raise ValueError(f"unknown region policy {policy!r}; choose one of {REGION_POLICIES}")
-    return run_checkpointed(run, batchnorms(layers), (x, *layers), save_expensive=policy == "save_expensive")
+    return run_checkpointed(run, batchnorms(layers), (x, *layers), keep=_KEEPS.get(policy))
 
 
-def _save_expensive(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if is_expensive(func) else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts(bns: List[_NormBase]) -> Callable:
-    """torch's selective-checkpoint contexts, with the BatchNorm guard entered around the recompute.
+def _selective_contexts(bns: List[_NormBase], keep: Callable) -> Callable:
+    """torch's selective-checkpoint contexts keeping the outputs of the ops ``keep(func,
+    args)`` picks, with the BatchNorm guard entered around the recompute.
 
     The guard's own ops (saving and restoring ``num_batches_tracked``) must run
     outside torch's recompute mode, which replays only the ops the forward ran."""
 
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if keep(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
     def contexts():
-        forward, recompute = create_selective_checkpoint_contexts(_save_expensive)
+        forward, recompute = create_selective_checkpoint_contexts(policy)
         return forward, _both(_recomputing(bns), recompute)
 
     return contexts
@@ -128,7 +166,7 @@ def run_checkpointed(
     args: Tuple = (),
     kwargs: Optional[dict] = None,
     use_reentrant: bool = False,
-    save_expensive: bool = False,
+    keep: Optional[Callable] = None,
 ) -> Any:
     """``function(*args, **kwargs)`` under activation checkpointing.
 
@@ -142,8 +180,9 @@ def run_checkpointed(
     requires grad, torch's reentrant checkpoint would silently give the
     parameters no gradient, so a zero-size input that requires grad is added.
 
-    ``save_expensive`` keeps the outputs of the ops that cost FLOPs and recomputes
-    only the cheap ones (torch's selective checkpointing; non-reentrant only). It
+    ``keep(func, args)``, where given, picks the aten ops whose outputs are kept (as
+    :func:`is_expensive` does): the others are recomputed (torch's selective
+    checkpointing; non-reentrant only). It
     may run inside another checkpointed function: the outer recompute then holds
     only the expensive outputs, and each inner backward one function's worth of
     cheap activations at a time. In the outer function's first forward run it as a
@@ -152,8 +191,8 @@ def run_checkpointed(
     cannot drop them, so they would be held from that forward to the backward.
     """
     kwargs = kwargs or {}
-    if save_expensive and use_reentrant:
-        raise ValueError("save_expensive needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
+    if keep is not None and use_reentrant:
+        raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
     calls = 0
 
     def run(*a, **kw):
@@ -164,8 +203,8 @@ def run_checkpointed(
         with _recomputing(bns):
             return function(*a, **kw)
 
-    if save_expensive:
-        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=_selective_contexts(bns))
+    if keep is not None:
+        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=_selective_contexts(bns, keep))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
