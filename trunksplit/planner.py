@@ -460,7 +460,7 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks.
 
     ``regions``: also measure the units under the region policies, and let the model
-    plan regions (about twice the profiling)."""
+    plan regions (about three times the profiling)."""
     units = expand_units(trunk._blocks())
     spans = region_spans(units) if regions else []
     return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans)

@@ -86,7 +86,8 @@ class SplitPlan:
             headers.append("regions")
         if with_costs:
             headers += ["predicted peak (MiB)", "recompute (GFLOP)"]
-        title = f"SplitPlan ({self.strategy}, {len(self.segments)} segments"
+        count = len(self.segments)
+        title = f"SplitPlan ({self.strategy}, {count} segment{'' if count == 1 else 's'}"
         if self.predicted_peak_bytes is not None:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
