@@ -100,7 +100,7 @@ class PeakModel:
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         self._options: Dict[int, Dict[int, list]] = {}
-        self._regions: Dict[Tuple[int, int], int] = {}
+        self._regions: Dict[Region, tuple] = {}  # see _region
         self._templates: Optional[List[List[Region]]] = None
 
     def boundary(self, a: int) -> int:
@@ -131,40 +131,48 @@ class PeakModel:
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
         r, s, policy = region
-        c = self.costs.under(policy)
         kept, forward, backward, counted, cost = state
-        held_before, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
-        for i in range(r, s):  # span by span: a span's figures are at its first unit (see profile._span_costs)
-            region_forward = max(region_forward, held_before + c.forward_peak[i])
-            held_before += c.saved[i]
+        held, region_forward, backward_peak, output_counted, again_last, again_checkpointed = self._region(region)
         forward = max(forward, kept + region_forward)
         source = self.costs.input_from[r]
         if source >= a and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[source], True
-        backward = max(backward, kept + self._region_backward(r, s))
-        kept += held_before
-        if s == self.n or self.costs.input_from[s] >= r:  # the region's output is a storage it allocated
-            counted = c.keeps_output[s - 1]
-        flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
-        # the expensive ops a region's backward runs again: all, the light ones, or none ("save_expensive")
-        again = {"recompute": flops, "save_heavy": self._light_prefix[s] - self._light_prefix[r]}.get(policy, 0)
-        if last:
-            cost = (cost[0] + again, cost[1] + cheap)
-        else:  # the segment's recompute runs the region, then the region's own backward again
-            cost = (cost[0] + flops + again, cost[1] + 2 * cheap)
-        return _Scan(kept, forward, backward, counted, cost)
+        backward = max(backward, kept + backward_peak)
+        kept += held
+        counted = counted if output_counted is None else output_counted
+        again = again_last if last else again_checkpointed
+        return _Scan(kept, forward, backward, counted, (cost[0] + again[0], cost[1] + again[1]))
+
+    def _region(self, region: Region) -> tuple:
+        """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
+        forward's peak, its backward's peak, whether its output is counted as kept (None:
+        its output is its input's storage), recompute in the last segment, recompute in a
+        checkpointed one)."""
+        if region not in self._regions:
+            r, s, policy = region
+            c = self.costs.under(policy)
+            held, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
+            for i in range(r, s):  # span by span: a span's figures are at its first unit (see profile._span_costs)
+                region_forward = max(region_forward, held + c.forward_peak[i])
+                held += c.saved[i]
+            allocates = s == self.n or self.costs.input_from[s] >= r  # the region's output is a storage it allocated
+            flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
+            # the expensive ops a region's backward runs again: all, the light ones, or none ("save_expensive")
+            again = {"recompute": flops, "save_heavy": self._light_prefix[s] - self._light_prefix[r]}.get(policy, 0)
+            # in a checkpointed segment the segment's recompute runs the region, then the region's own backward again
+            self._regions[region] = (held, region_forward, self._region_backward(r, s), c.keeps_output[s - 1] if allocates else None,
+                                     (again, cheap), (flops + again, 2 * cheap))
+        return self._regions[region]
 
     def _region_backward(self, r: int, s: int) -> int:
         """Peak of a region's backward beyond what is kept before it: its recompute holds
         everything it saves (the kept expensive outputs among them), with its output's
         gradient waiting, then backward walks back through it."""
-        if (r, s) not in self._regions:
-            state = _EMPTY
-            for i in range(r, s):
-                state = self._step(state, r, i, last=False)
-            recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.forward
-            self._regions[(r, s)] = max(recompute, state.backward)
-        return self._regions[(r, s)]
+        state = _EMPTY
+        for i in range(r, s):
+            state = self._step(state, r, i, last=False)
+        recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.forward
+        return max(recompute, state.backward)
 
     def _local(self, state: "_Scan", b: int) -> int:
         """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries.
@@ -208,8 +216,12 @@ class PeakModel:
         segment (a region it cuts through is dropped), each evaluated exactly."""
         if a not in self._options:
             found: Dict[int, dict] = {}  # stop -> {(local, cost): template index}, the first template wins
-            templates = self.templates()
+            templates, scanned = self.templates(), set()
             for t, template in enumerate(templates):
+                after = frozenset(g for g in template if g[0] >= a)  # all a scan from a looks at
+                if after in scanned:
+                    continue
+                scanned.add(after)
                 for last in (False, True):
                     for stop, local, cost in self._scan(a, template, last):
                         found.setdefault(stop, {}).setdefault((local, cost), t)

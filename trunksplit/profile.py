@@ -54,7 +54,7 @@ class _TensorAccounting(TorchDispatchMode):
         inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
         heavy = is_heavy(func, args)
         if is_expensive(func) and not heavy:
-            self.light_flops += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            self.light_flops += flop_registry[getattr(func, "overloadpacket", func)](*args, **kwargs, out_val=out)
         for t in _tensors(out):
             storage = t.untyped_storage()
             ref = StorageWeakRef(storage)

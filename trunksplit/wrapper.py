@@ -109,7 +109,9 @@ def is_heavy(func, args: Sequence) -> bool:
 
 def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if "convolution" in name and len(tensors) >= 2 and not (len(args) > 6 and args[6] is True):  # not transposed
+    if name in ("convolution", "_convolution") and len(tensors) >= 2:
+        if len(args) > 6 and args[6]:  # transposed: not judged here
+            return None
         return math.prod(tensors[1].shape[1:])  # the weight's input channels per group x kernel size
     if name in ("mm", "bmm") and tensors:
         return tensors[0].shape[-1]
