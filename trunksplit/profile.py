@@ -192,9 +192,9 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     BatchNorm statistics and RNG stay untouched, and neither users' module hooks
     nor those of wrappers such as DDP fire): one forward and one backward with
     weights that already hold gradients. Costs about one training step plus one
-    forward of the chain, and two more steps for the units in ``spans``: runs of
-    units ``[start, stop)`` each also measured as one region under each region
-    policy (``UnitCosts.policies``). A span is measured whole because its units
+    forward of the chain, and one more step per region policy for the units in
+    ``spans``: runs of units ``[start, stop)`` each also measured as one region under
+    each policy (``UnitCosts.policies``). A span is measured whole because its units
     may not run alone under a checkpoint: the stem's ``ReLU(inplace=True)`` would
     overwrite the input its recompute needs.
     Measures with autograd on whatever the caller's mode: a plan made under
