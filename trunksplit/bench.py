@@ -23,11 +23,11 @@ from torch.utils.checkpoint import checkpoint_sequential
 from tqdm import tqdm
 
 from .blocks import layer_splittable_before
-from .planner import PeakModel, annotate, best_plan, peak_model, plan_from_cuts, plan_trunk
+from .planner import PeakModel, annotate, best_plan, budget_in_bytes, peak_model, plan_from_cuts, plan_trunk
 from .profile import PeakMemory
 from .ssl.model import build_backbone
 from .selective import apply_activation_checkpointing, every_k
-from .split import expand_units
+from .split import expand_units, policy_counts
 from .trunk import CheckpointedTrunk
 
 
@@ -95,11 +95,9 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
 
 def _plan_row(arch, name, strategy, trunk, plan, total_flops) -> Row:
     recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
-    regions = [g[2] for g in plan.regions]
     note = ""
-    if regions:
-        kinds = ", ".join(f"{regions.count(p)} {p}" for p in dict.fromkeys(regions))
-        note = f"regions: {kinds}; cheap ops rerun {sum(s.recompute_bytes for s in plan.segments) / 2**20:.0f} MiB"
+    if plan.regions:
+        note = f"regions: {policy_counts(plan.regions)}; cheap ops rerun {sum(s.recompute_bytes for s in plan.segments) / 2**20:.0f} MiB"
     return Row(arch, name, strategy, _loss_fn(trunk), trunk, plan.predicted_peak_bytes, recompute, note=note)
 
 
@@ -110,9 +108,7 @@ def _splittable(trunk: CheckpointedTrunk) -> List[bool]:
 def _cuts_only_row(arch, trunk, x, cuts_only, model, total_flops) -> Row:
     """A budget met by cuts alone (no regions): the block-level plan, for comparison."""
     name = f"budget {trunk.memory_budget:g}, cuts only"
-    budget = trunk.memory_budget
-    budget_bytes = int(budget * cuts_only.peak([0])) if isinstance(budget, float) else int(budget)
-    cuts = best_plan(cuts_only, _splittable(trunk), [], budget=budget_bytes)
+    cuts = best_plan(cuts_only, _splittable(trunk), [], budget=budget_in_bytes(trunk.memory_budget, cuts_only.peak([0])))
     if cuts is None:
         floor = cuts_only.peak(best_plan(cuts_only, _splittable(trunk), []).starts)
         return Row(arch, name, "cuts only", None, note=f"cuts alone reach {floor / cuts_only.peak([0]):.3f} of unsplit")

@@ -69,12 +69,12 @@ class PeakModel:
     run under their own checkpoint, measured so in ``costs.policies``: see
     :func:`region_spans`) may form a region, checkpointed inside its segment. Under
     ``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
-    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` only its input. In the last segment that is what backward finds; in
-    a checkpointed segment, what the segment's recompute holds. The region's own
-    backward then recomputes it whole, like a checkpointed segment of its own, on top of
-    what is kept before it: the outputs it does not keep (a bottleneck block's output is
-    its successor's input) are never held, which is where a region of several blocks
-    saves more than each block on its own.
+    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` only its input. In the
+    last segment that is what backward finds; in a checkpointed segment, what the
+    segment's recompute holds. The region's own backward then recomputes it whole, like
+    a checkpointed segment of its own, on top of what is kept before it: the outputs it
+    does not keep (a bottleneck block's output is its successor's input) are never held,
+    which is where a region of several blocks saves more than each block on its own.
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = ()):
@@ -248,16 +248,17 @@ class PeakModel:
         templates: List[List[Region]] = [[]]
         seen = {frozenset()}
         shapes = [(size, offset) for size in (1, 2, 3, 4, 6, None) for offset in range(size or 1)] if self.spans else []
+        eligible = {policy: self._eligible(policy) for policy in REGION_POLICIES} if self.spans else {}
         for size, offset in shapes:
-            chunks = {policy: _chunks(self._eligible(policy), size, offset) for policy in REGION_POLICIES}
-            if size not in (1, None) and all(len(chunks[p]) == len(self._eligible(p)) for p in REGION_POLICIES):
+            chunks = {policy: _chunks(eligible[policy], size, offset) for policy in REGION_POLICIES}
+            if size not in (1, None) and all(len(chunks[p]) == len(eligible[p]) for p in REGION_POLICIES):
                 continue  # no run is longer than one span: the same as size 1
             found = []
             for policy in REGION_POLICIES:
                 ranked = self._ranked(chunks[policy], policy)
                 found += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
-            upgrades = (("save_expensive", "save_heavy", chunks["save_heavy"]), ("save_expensive", "recompute", self._eligible("recompute")),
-                        ("save_heavy", "recompute", self._eligible("recompute")))
+            upgrades = (("save_expensive", "save_heavy", chunks["save_heavy"]), ("save_expensive", "recompute", eligible["recompute"]),
+                        ("save_heavy", "recompute", eligible["recompute"]))
             for base, policy, candidates in upgrades:
                 every = [(r, s, base) for r, s in chunks[base]]
                 ranked = self._ranked(candidates, policy, base)
@@ -291,18 +292,20 @@ class PeakModel:
         eligible = self.costs.under(policy).eligible
         return [(r, s) for r, s in self.spans if not eligible or eligible[r]]
 
-    def recompute(self, a: int, b: int) -> int:
-        return self._flops_prefix[b] - self._flops_prefix[a]
-
     def segment_peaks(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[int]:
         """The predicted peak while each segment runs, for segments starting at ``starts`` (first is 0)."""
+        return [peak for peak, _ in self.segments(starts, regions)]
+
+    def segments(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[Tuple[int, Tuple[int, int]]]:
+        """Each segment's predicted peak and recompute (FLOPs, cheap bytes)."""
         regions = list(regions)
         bounds = list(starts) + [self.n]
-        prefix, peaks = 0, []
+        prefix, out = 0, []
         for a, b in zip(bounds, bounds[1:]):
             prefix += self.boundary(a)
-            peaks.append(prefix + self._segment(a, b, regions)[0])
-        return peaks
+            local, cost = self._segment(a, b, regions)
+            out.append((prefix + local, cost))
+        return out
 
     def peak(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
         return max(self.segment_peaks(starts, regions))
@@ -434,13 +437,12 @@ def _pareto(entries: list, with_cost: bool = True) -> list:
 
 def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
     """``plan`` with the model's predicted peak and recompute per segment."""
-    regions = plan.regions
-    peaks = model.segment_peaks([s.start for s in plan.segments], regions)
-    segments = []
-    for s, pk in zip(plan.segments, peaks):
-        flops, cheap = model._segment(s.start, s.stop, regions)[1]
-        segments.append(replace(s, predicted_bytes=pk, recompute_flops=flops, recompute_bytes=cheap))
-    return replace(plan, segments=tuple(segments), predicted_peak_bytes=max(peaks))
+    predicted = model.segments([s.start for s in plan.segments], plan.regions)
+    segments = tuple(
+        replace(s, predicted_bytes=peak, recompute_flops=flops, recompute_bytes=cheap)
+        for s, (peak, (flops, cheap)) in zip(plan.segments, predicted)
+    )
+    return replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
 
 
 def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, int], strategy: str, model: PeakModel) -> SplitPlan:
@@ -476,6 +478,11 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     units = expand_units(trunk._blocks())
     spans = region_spans(units) if regions else []
     return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans)
+
+
+def budget_in_bytes(budget, unsplit: int) -> int:
+    """A memory budget in bytes: a float is a fraction of the ``unsplit`` peak."""
+    return int(budget * unsplit) if isinstance(budget, float) else int(budget)
 
 
 def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
@@ -517,8 +524,7 @@ def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
         cuts = best_plan(model, splittable, forced, num_segments=k, budget=near_best, max_recompute=cap)
         return plan_from_cuts(names, cuts, trunk._ends, "balanced", model)
     unsplit = model.peak([0])
-    budget = trunk.memory_budget
-    budget_bytes = int(budget * unsplit) if isinstance(budget, float) else int(budget)
+    budget_bytes = budget_in_bytes(trunk.memory_budget, unsplit)
     cuts = best_plan(model, splittable, forced, max_segments=trunk.num_splits, budget=budget_bytes)
     if cuts is None:
         smallest = model.peak(*best_plan(model, splittable, forced, max_segments=trunk.num_splits))

@@ -17,13 +17,7 @@ from tabulate import tabulate
 from torch import nn
 
 from .blocks import layer_splittable_before, stage_names
-
-# what each region policy keeps (see trunksplit.wrapper.run_region), as the plan table says it
-POLICY_MEANINGS = {
-    "save_expensive": "keep conv/matmul outputs, recompute the rest",
-    "save_heavy": "keep heavy conv/matmul outputs, recompute light convs and the rest",
-    "recompute": "keep only the input",
-}
+from .wrapper import REGION_POLICIES
 
 
 @dataclass(frozen=True)
@@ -37,7 +31,7 @@ class Segment:
     predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
     recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
     recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
-    # nested checkpoints inside the segment: (start, stop, policy), policy one of POLICY_MEANINGS
+    # nested checkpoints inside the segment: (start, stop, policy), policy one of wrapper.REGION_POLICIES
     regions: Tuple[Tuple[int, int, str], ...] = ()
 
     def __len__(self) -> int:
@@ -60,7 +54,7 @@ class SplitPlan:
     @property
     def regions(self) -> List[Tuple[int, int, str]]:
         """Every segment's regions: units ``[start, stop)`` run as one nested checkpoint
-        under a policy of ``POLICY_MEANINGS`` (a ``"recompute"`` region in a checkpointed
+        under a policy of ``wrapper.REGION_POLICIES`` (a ``"recompute"`` region in a checkpointed
         segment runs three times)."""
         return [g for s in self.segments for g in s.regions]
 
@@ -77,7 +71,7 @@ class SplitPlan:
             first, last = (self.units[s.start], self.units[s.stop - 1]) if len(s) else ("-", "-")
             row = [s.name, f"{first} .. {last}", len(s), "yes" if s.checkpointed else "no"]
             if regions:
-                row.append(", ".join(f"{n} {p}" for p, n in _counts([g[2] for g in s.regions])) or "-")
+                row.append(policy_counts(s.regions) or "-")
             if with_costs:
                 row += [_mib(s.predicted_bytes), _gflops(s.recompute_flops)]
             rows.append(row)
@@ -91,15 +85,17 @@ class SplitPlan:
         if self.predicted_peak_bytes is not None:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
-        for policy, meaning in POLICY_MEANINGS.items():
+        for policy, meaning in REGION_POLICIES.items():
             chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
         return text
 
 
-def _counts(items: Sequence[str]) -> List[Tuple[str, int]]:
-    return [(p, items.count(p)) for p in dict.fromkeys(items)]
+def policy_counts(regions: Sequence[Tuple[int, int, str]]) -> str:
+    """How many regions run under each policy, in order of first use: "6 save_expensive, 1 save_heavy"."""
+    policies = [g[2] for g in regions]
+    return ", ".join(f"{policies.count(p)} {p}" for p in dict.fromkeys(policies))
 
 
 def _mib(n: Optional[int]) -> str:

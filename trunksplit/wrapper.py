@@ -123,9 +123,13 @@ def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
     return None
 
 
-# the region policies, and for the selective ones which ops' outputs they keep
-REGION_POLICIES = ("save_expensive", "save_heavy", "recompute")
-_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}
+# the region policies and what each keeps, as a plan table says it
+REGION_POLICIES = {
+    "save_expensive": "keep conv/matmul outputs, recompute the rest",
+    "save_heavy": "keep heavy conv/matmul outputs, recompute light convs and the rest",
+    "recompute": "keep only the input",
+}
+_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}  # the selective ones: which ops' outputs they keep
 
 
 def run_region(run: Callable, layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
@@ -135,7 +139,7 @@ def run_region(run: Callable, layers: Sequence[nn.Module], x: Any, policy: str) 
     or its input alone (``"recompute"``). Inside another checkpoint's function it nests:
     the outer recompute holds only that, the region's own backward the rest, once."""
     if policy not in REGION_POLICIES:
-        raise ValueError(f"unknown region policy {policy!r}; choose one of {REGION_POLICIES}")
+        raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
     return run_checkpointed(run, batchnorms(layers), (x, *layers), keep=_KEEPS.get(policy))
 
 
