@@ -11,12 +11,13 @@ from trunksplit.planner import Cuts, PeakModel, best_plan, peak_model, plan_from
 from trunksplit.profile import PeakMemory, profile_units
 from trunksplit.split import expand_units
 from trunksplit.blocks import layer_splittable_before
-from trunksplit.wrapper import batchnorms, is_expensive, is_heavy, is_recomputing, run_checkpointed, run_region
+from trunksplit.regions import run_region
+from trunksplit.wrapper import batchnorms, is_expensive, is_heavy, is_recomputing, run_checkpointed
 
 from reference import build, grads_by_name, loss_of, plain_features
 from zoo import input_for, small, without_head
 
-SE, SH, RC = "save_expensive", "save_heavy", "recompute"
+SE, SH, RC, RS = "save_expensive", "save_heavy", "recompute", "recompute_stages"
 X = functools.partial(torch.randn, 2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
 
 
@@ -40,17 +41,25 @@ def _measured_peak(trunk, x):
 
 
 # resnet18 units: conv1 bn1 conv1_relu maxpool res2.0 res2.1 res3.0 res3.1 res4.0 res4.1 res5.0 res5.1 avgpool flatten
+# layout: (features, segment starts, regions, the regions the plan runs where they differ: in a
+# checkpointed segment a selective region runs as "recompute")
+F1, F2 = ["flatten"], ["res3", "flatten"]  # with res3 requested, a segment ends after res3.1 (unit 8)
 LAYOUTS = {
-    "save_expensive in the last segment": ([0], [(4, 6, SE), (6, 8, SE), (9, 10, SE)]),
-    "recompute in the last segment": ([0], [(4, 5, RC), (6, 8, RC), (9, 12, RC)]),
-    "nested in checkpointed segments": ([0, 4, 8], [(0, 1, SE), (4, 6, SE), (6, 7, RC), (8, 10, SE), (10, 12, RC)]),
-    "every unit its own region": ([0, 6], [(i, i + 1, SE if i % 2 else RC) for i in (0, 3, 4, 5, 6, 7, 8, 9, 10, 11)]),
+    "save_expensive in the last segment": (F1, [0], [(4, 6, SE), (6, 8, SE), (9, 10, SE)], None),
+    "recompute in the last segment": (F1, [0], [(4, 5, RC), (6, 8, RC), (9, 12, RC)], None),
+    "nested in checkpointed segments": (F2, [0, 4, 8], [(0, 1, SE), (4, 6, SE), (6, 7, RC), (8, 10, SE), (10, 12, RC)],
+                                        [(0, 1, RC), (4, 6, RC), (6, 7, RC), (8, 10, SE), (10, 12, RC)]),
+    "every unit its own region": (F2, [0, 6, 8], [(i, i + 1, SE if i % 2 else RC) for i in (0, 3, 4, 5, 6, 7, 8, 9, 10, 11)],
+                                  [(i, i + 1, SE if i % 2 and i >= 8 else RC) for i in (0, 3, 4, 5, 6, 7, 8, 9, 10, 11)]),
     # regions across the stem's ReLU(inplace=True), in a checkpointed segment and in the last one
-    "the stem as one region": ([0, 4], [(0, 4, SE), (4, 6, RC)]),
-    "the stem's spans as regions": ([0, 6], [(0, 1, SE), (1, 3, RC), (3, 4, SE)]),
-    "the stem in the last segment": ([0], [(0, 4, RC), (4, 8, SE)]),
-    "save_heavy in the last segment": ([0], [(0, 4, SH), (4, 6, SH), (6, 7, SH), (9, 12, SH)]),
-    "save_heavy nested in checkpointed segments": ([0, 4, 8], [(0, 1, SH), (4, 6, SH), (6, 7, SE), (8, 10, SH), (10, 12, RC)]),
+    "the stem as one region": (F2, [0, 4, 8], [(0, 4, RC), (4, 6, RC), (8, 12, SE)], None),
+    "the stem's spans as regions": (F2, [0, 6, 8], [(0, 1, RC), (1, 3, RC), (3, 4, RC), (8, 9, SE)], None),
+    "the stem in the last segment": (F1, [0], [(0, 4, RC), (4, 8, SE)], None),
+    "the stem's spans in the last segment": (F1, [0], [(0, 1, SE), (1, 3, RC), (3, 4, SH)], None),
+    "save_heavy in the last segment": (F1, [0], [(0, 4, SH), (4, 6, SH), (6, 7, SH), (9, 12, SH)], None),
+    "recompute_stages in the last segment": (F2, [0, 8], [(8, 9, RS), (9, 10, RS), (11, 12, RS)], None),
+    "recompute_stages nested in checkpointed segments": (F2, [0, 4, 8], [(4, 5, RS), (5, 6, RS), (6, 7, RS), (8, 9, RS)], None),
+    "every policy in one segment": (F1, [0, 4], [(4, 5, RS), (5, 6, SE), (6, 7, RS), (8, 10, SH), (10, 11, RC)], None),
 }
 
 
@@ -59,13 +68,12 @@ LAYOUTS = {
 def test_a_plan_with_regions_trains_exactly_like_the_plain_model(layout, gradients):
     plain = build("resnet18")
     model = copy.deepcopy(plain)
-    trunk = CheckpointedTrunk(model, ["res3", "flatten"], memory_budget=0.9, gradients=gradients)
+    features, starts, regions, runs = LAYOUTS[layout]
+    trunk = CheckpointedTrunk(model, features, memory_budget=0.9, gradients=gradients)
     x = X()
-    starts, regions = LAYOUTS[layout]
-    starts = sorted(set(starts) | {8})  # the cut after res3, a requested feature
     plan = _with_plan(trunk, x, starts, regions)
-    assert plan.regions == sorted(regions)
-    want = plain_features(plain, x, ["res3", "flatten"])
+    assert [s.start for s in plan.segments] == starts and plan.regions == sorted(runs or regions)
+    want = plain_features(plain, x, features)
     loss_of(want).backward()
     got = trunk(x)
     loss_of(got).backward()
@@ -75,7 +83,7 @@ def test_a_plan_with_regions_trains_exactly_like_the_plain_model(layout, gradien
         if name.startswith("fc."):
             continue
         assert torch.equal(want_grads[name], g), name
-    # BatchNorm statistics moved once, as in the plain step, though regions run their norms twice or three times
+    # BatchNorm statistics moved once, as in the plain step, though regions run their norms two to four times
     for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
         assert torch.equal(a, b), name
 
@@ -229,11 +237,12 @@ def test_save_heavy_meets_a_budget_with_fewer_convolution_flops_than_save_expens
 
 def test_the_plan_table_names_every_region():
     trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9)
-    plan = _with_plan(trunk, X(), [0, 6], [(4, 6, SE), (8, 9, RC)])
+    plan = _with_plan(trunk, X(), [0, 6], [(4, 6, RC), (8, 9, SE), (9, 10, RS)])
     text = str(plan)
-    assert "regions" in text and "1 save_expensive" in text and "1 recompute" in text
-    assert "save_expensive regions (keep conv/matmul outputs, recompute the rest): res2.0..res2.1" in text
-    assert "recompute regions (keep only the input): res4.0" in text
+    assert "regions" in text and "1 save_expensive" in text and "1 recompute" in text and "1 recompute_stages" in text
+    assert "save_expensive regions (keep conv/matmul outputs, recompute the rest): res4.0" in text
+    assert "recompute regions (keep only the input): res2.0..res2.1" in text
+    assert "recompute_stages regions (keep only the input, rebuild one conv/matmul stage at a time): res4.1" in text
 
 
 def test_run_region_is_exact_alone_and_nested():
@@ -243,16 +252,15 @@ def test_run_region_is_exact_alone_and_nested():
     ref = copy.deepcopy(block)
     want = ref(x)
     loss_of([want]).backward()
-    run = lambda x, *layers: functools.reduce(lambda h, m: m(h), layers, x)  # noqa: E731
     for nested in (False, True):
-        for policy in (SE, RC):
+        for policy in (SE, SH, RC, RS):
             mine = copy.deepcopy(block).train()
             mine.load_state_dict(build("resnet18").layer1.state_dict())
             calls = []
 
             def region(x, *layers, policy=policy):
                 calls.append(is_recomputing())
-                return run_region(run, list(layers), x, policy)
+                return run_region(list(layers), x, policy)
 
             if nested:
                 got = run_checkpointed(region, batchnorms(mine), (x, *mine))
@@ -267,6 +275,6 @@ def test_run_region_is_exact_alone_and_nested():
 def test_run_region_refuses_what_it_cannot_do():
     block = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="unknown region policy 'all'"):
-        run_region(lambda x, m: m(x), [block], torch.randn(2, 3), "all")
+        run_region([block], torch.randn(2, 3), "all")
     with pytest.raises(ValueError, match="needs non-reentrant checkpointing.*use_reentrant=False"):
         run_checkpointed(block, [], (torch.randn(2, 3),), use_reentrant=True, keep=is_expensive)

@@ -39,7 +39,7 @@ from torch import nn
 from .blocks import layer_splittable_before
 from .profile import UnitCosts, profile_units
 from .split import Segment, SplitPlan, expand_units, vissl_plan
-from .wrapper import REGION_POLICIES
+from .regions import REGION_POLICIES, nested_policy
 
 
 PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
@@ -55,7 +55,7 @@ Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoin
 class Cuts(NamedTuple):
     """A plan as the planner sees it: where segments start, and the regions of units run
     under their own checkpoint, each ``(start, stop, policy)`` with ``policy``
-    ``"save_expensive"``, ``"save_heavy"`` or ``"recompute"`` (see :func:`trunksplit.wrapper.run_region`)."""
+    a policy of :data:`trunksplit.regions.REGION_POLICIES`."""
 
     starts: List[int]
     regions: FrozenSet[Region] = frozenset()
@@ -69,12 +69,15 @@ class PeakModel:
     run under their own checkpoint, measured so in ``costs.policies``: see
     :func:`region_spans`) may form a region, checkpointed inside its segment. Under
     ``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
-    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` only its input. In the
-    last segment that is what backward finds; in a checkpointed segment, what the
-    segment's recompute holds. The region's own backward then recomputes it whole, like
-    a checkpointed segment of its own, on top of what is kept before it: the outputs it
-    does not keep (a bottleneck block's output is its successor's input) are never held,
-    which is where a region of several blocks saves more than each block on its own.
+    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` and
+    ``"recompute_stages"`` only its input. In the last segment that is what backward
+    finds; in a checkpointed segment, what the segment's recompute holds, and there a
+    selective region is a ``"recompute"`` one (see :func:`nested_policy`). The region's
+    own backward then recomputes it, like a checkpointed segment of its own, on top of
+    what is kept before it: the outputs it does not keep (a bottleneck block's output is
+    its successor's input) are never held, which is where a region of several blocks
+    saves more than each block on its own. A ``"recompute_stages"`` region's backward,
+    which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = ()):
@@ -93,7 +96,8 @@ class PeakModel:
         self._cheap_prefix = [0] + list(itertools.accumulate(self._cheap))
         self._light_prefix = [0] + list(itertools.accumulate(c.light_flops or (0,) * self.n))
         # what a region runs again under each policy, the measure its templates are ranked by
-        self._prices = {"save_expensive": self._cheap_prefix, "save_heavy": self._light_prefix, "recompute": self._flops_prefix}
+        self._prices = {"save_expensive": self._cheap_prefix, "save_heavy": self._light_prefix, "recompute": self._flops_prefix,
+                        "recompute_stages": [2 * f for f in self._flops_prefix]}
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
@@ -115,7 +119,7 @@ class PeakModel:
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
         c = self.costs
-        kept, forward, backward, counted, cost = state
+        kept, forward, backward, counted, cost, pending = state
         source = c.input_from[i]
         forward = max(forward, kept + c.forward_peak[i])
         if c.saves_input[i] and source >= a and not counted:
@@ -124,15 +128,24 @@ class PeakModel:
         backward = max(backward, kept + c.backward_excess[i] + self._grads_after[i])
         if self._allocates[i]:
             counted = c.keeps_output[i]
-        if not last:  # a checkpointed segment's recompute runs the unit once more
-            cost = (cost[0] + c.flops[i], cost[1] + self._cheap[i])
-        return _Scan(kept, forward, backward, counted, cost)
+        if not last:
+            # A checkpointed segment's recompute runs the unit once more, if it must: torch stops
+            # a recompute once it has rebuilt the last tensor backward needs, so units after the
+            # last one that saves a tensor of its own do not run (a unit that keeps only its
+            # input, as a lone convolution does, needs only the units before it).
+            if c.saves_input[i]:
+                cost, pending = _add(cost, pending), (0, 0)
+            pending = _add(pending, (c.flops[i], self._cheap[i]))
+            if c.saved[i] or c.keeps_output[i]:
+                cost, pending = _add(cost, pending), (0, 0)
+        return _Scan(kept, forward, backward, counted, cost, pending)
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
+        region = _as_run(region, last)
         r, s, policy = region
-        kept, forward, backward, counted, cost = state
-        held, region_forward, backward_peak, output_counted, again_last, again_checkpointed = self._region(region)
+        kept, forward, backward, counted, cost, pending = state
+        held, region_forward, backward_peak, output_counted, again, body = self._region(region)
         forward = max(forward, kept + region_forward)
         source = self.costs.input_from[r]
         if source >= a and not counted:  # the region keeps its input
@@ -140,14 +153,15 @@ class PeakModel:
         backward = max(backward, kept + backward_peak)
         kept += held
         counted = counted if output_counted is None else output_counted
-        again = again_last if last else again_checkpointed
-        return _Scan(kept, forward, backward, counted, (cost[0] + again[0], cost[1] + again[1]))
+        if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
+            cost, pending = _add(cost, pending), body
+        return _Scan(kept, forward, backward, counted, _add(cost, again), pending)
 
     def _region(self, region: Region) -> tuple:
         """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
         forward's peak, its backward's peak, whether its output is counted as kept (None:
-        its output is its input's storage), recompute in the last segment, recompute in a
-        checkpointed one)."""
+        its output is its input's storage), what its own backward runs again, what running
+        it once costs: (FLOPs, cheap bytes) both)."""
         if region not in self._regions:
             r, s, policy = region
             c = self.costs.under(policy)
@@ -157,12 +171,26 @@ class PeakModel:
                 held += c.saved[i]
             allocates = s == self.n or self.costs.input_from[s] >= r  # the region's output is a storage it allocated
             flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
-            # the expensive ops a region's backward runs again: all, the light ones, or none ("save_expensive")
-            again = {"recompute": flops, "save_heavy": self._light_prefix[s] - self._light_prefix[r]}.get(policy, 0)
-            # in a checkpointed segment the segment's recompute runs the region, then the region's own backward again
-            self._regions[region] = (held, region_forward, self._region_backward(r, s), c.keeps_output[s - 1] if allocates else None,
-                                     (again, cheap), (flops + again, 2 * cheap))
+            # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
+            # the light ones, or none ("save_expensive"); and its cheap ops
+            again = {"recompute": self._rerun(r, s), "recompute_stages": (2 * flops, 2 * cheap),
+                     "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap))
+            if policy == "recompute_stages":
+                if (r, s) not in self.spans:
+                    raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
+                # measured whole: its recompute's holdings and its stages' backward, beyond its input
+                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r]
+            else:
+                backward = self._region_backward(r, s)
+            self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, (flops, cheap))
         return self._regions[region]
+
+    def _rerun(self, r: int, s: int) -> Tuple[int, int]:
+        """What a checkpoint over units [r, s) runs again in backward (see :meth:`_step`)."""
+        state = _EMPTY
+        for i in range(r, s):
+            state = self._step(state, r, i, last=False)
+        return state.cost
 
     def _region_backward(self, r: int, s: int) -> int:
         """Peak of a region's backward beyond what is kept before it: its recompute holds
@@ -226,7 +254,8 @@ class PeakModel:
                     for stop, local, cost in self._scan(a, template, last):
                         found.setdefault(stop, {}).setdefault((local, cost), t)
             self._options[a] = {
-                stop: [(local, cost, frozenset(g for g in templates[t] if a <= g[0] and g[1] <= stop)) for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()])]
+                stop: [(local, cost, frozenset(_as_run(g, stop == self.n) for g in templates[t] if a <= g[0] and g[1] <= stop))
+                       for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()])]
                 for stop, opts in found.items()
             }
         return self._options[a][b]
@@ -241,24 +270,28 @@ class PeakModel:
         no longer kept per unit of recompute (cheap-op bytes for ``"save_expensive"``,
         FLOPs for the others), and a template takes the best j of them (j = 0..all).
         Mixed templates start from every region of a shape under ``"save_expensive"``
-        (or ``"save_heavy"``) and upgrade the best k to a policy that keeps less:
-        regions to ``"save_heavy"``, single spans to ``"recompute"``."""
+        (or ``"save_heavy"``, or ``"recompute"``) and upgrade the best k to a policy that
+        keeps less: regions to ``"save_heavy"``, single spans to ``"recompute"`` or
+        ``"recompute_stages"`` (only ever single spans: see :meth:`_region`)."""
         if self._templates is not None:
             return self._templates
         templates: List[List[Region]] = [[]]
         seen = {frozenset()}
         shapes = [(size, offset) for size in (1, 2, 3, 4, 6, None) for offset in range(size or 1)] if self.spans else []
         eligible = {policy: self._eligible(policy) for policy in REGION_POLICIES} if self.spans else {}
+        grouped = [p for p in REGION_POLICIES if p != "recompute_stages"]  # the policies a region of several spans may have
         for size, offset in shapes:
-            chunks = {policy: _chunks(eligible[policy], size, offset) for policy in REGION_POLICIES}
-            if size not in (1, None) and all(len(chunks[p]) == len(eligible[p]) for p in REGION_POLICIES):
+            chunks = {policy: _chunks(eligible[policy], size, offset) for policy in grouped}
+            if size not in (1, None) and all(len(chunks[p]) == len(eligible[p]) for p in grouped):
                 continue  # no run is longer than one span: the same as size 1
+            chunks["recompute_stages"] = eligible["recompute_stages"] if size == 1 else []
             found = []
             for policy in REGION_POLICIES:
                 ranked = self._ranked(chunks[policy], policy)
                 found += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
             upgrades = (("save_expensive", "save_heavy", chunks["save_heavy"]), ("save_expensive", "recompute", eligible["recompute"]),
-                        ("save_heavy", "recompute", eligible["recompute"]))
+                        ("save_heavy", "recompute", eligible["recompute"]), ("save_expensive", "recompute_stages", eligible["recompute_stages"]),
+                        ("save_heavy", "recompute_stages", eligible["recompute_stages"]), ("recompute", "recompute_stages", eligible["recompute_stages"]))
             for base, policy, candidates in upgrades:
                 every = [(r, s, base) for r, s in chunks[base]]
                 ranked = self._ranked(candidates, policy, base)
@@ -283,9 +316,13 @@ class PeakModel:
         return sorted(chunks, key=worth)
 
     def _freed(self, chunk: Tuple[int, int], policy: str) -> int:
-        """Bytes the units of ``chunk`` keep for backward, less what they keep under ``policy``."""
+        """Bytes the units of ``chunk`` keep for backward, less what they keep under ``policy``;
+        for ``"recompute_stages"``, also what its backward's peak falls below a ``"recompute"`` region's."""
         r, s = chunk
-        return sum(self.costs.saved[r:s]) - sum(self.costs.under(policy).saved[r:s])
+        freed = sum(self.costs.saved[r:s]) - sum(self.costs.under(policy).saved[r:s])
+        if policy == "recompute_stages":
+            freed += max(0, self._region((r, s, "recompute"))[2] - self._region((r, s, policy))[2])
+        return freed
 
     def _eligible(self, policy: str) -> List[Tuple[int, int]]:
         """Spans that ran under ``policy`` when profiled."""
@@ -310,8 +347,15 @@ class PeakModel:
     def peak(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
         return max(self.segment_peaks(starts, regions))
 
-    def total_recompute(self, starts: Sequence[int]) -> int:
-        return self._flops_prefix[starts[-1]]  # everything before the last segment runs twice
+    def total_recompute(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
+        """The FLOPs a step runs again (see :meth:`_step`)."""
+        return sum(flops for _, (flops, _) in self.segments(starts, regions))
+
+
+def _as_run(region: Region, last: bool) -> Region:
+    """``region`` with the policy it runs under in the last segment (``last``) or a checkpointed one (see :func:`nested_policy`)."""
+    r, s, policy = region
+    return region if last else (r, s, nested_policy(policy))
 
 
 class _Scan(NamedTuple):
@@ -323,9 +367,14 @@ class _Scan(NamedTuple):
     backward: int  # max over units so far of (kept up to it + its backward excess + gradients allocated)
     counted: bool  # the current activation's storage is already in ``kept``
     cost: Tuple[int, int]  # recompute so far: (FLOPs, cheap bytes)
+    pending: Tuple[int, int]  # recompute of the units since the last that saves a tensor: paid only if a later one does
 
 
-_EMPTY = _Scan(0, 0, 0, True, (0, 0))  # a segment's input is its boundary, counted in the prefix
+_EMPTY = _Scan(0, 0, 0, True, (0, 0), (0, 0))  # a segment's input is its boundary, counted in the prefix
+
+
+def _add(a: Tuple[int, int], b: Tuple[int, int]) -> Tuple[int, int]:
+    return (a[0] + b[0], a[1] + b[1])
 
 
 def _chunks(spans: Sequence[Tuple[int, int]], size: Optional[int], offset: int = 0) -> List[Tuple[int, int]]:
@@ -454,7 +503,7 @@ def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, in
         name = names_at.get(b)
         if name is None:
             name, extra = f"activation_split_{extra}", extra + 1
-        inside = tuple(sorted(g for g in cuts.regions if a <= g[0] and g[1] <= b))
+        inside = tuple(sorted(_as_run(g, b == bounds[-1]) for g in cuts.regions if a <= g[0] and g[1] <= b))
         segments.append(Segment(name, a, b, checkpointed=b != bounds[-1], regions=inside))
     return annotate(SplitPlan(tuple(units), tuple(segments), strategy), model)
 
@@ -489,7 +538,7 @@ def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
     """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``.
 
     Balanced plans cut at unit boundaries only. Budget plans also place regions
-    (nested checkpoints under a region policy of :func:`trunksplit.wrapper.run_region`; non-reentrant
+    (nested checkpoints under a region policy of :func:`trunksplit.regions.run_region`; non-reentrant
     trunks only: torch's selective checkpointing has no reentrant form), which reach
     below the block-level floor at less recompute. ``model``: the trunk's peak model at
     ``x`` if already measured (with regions exactly where this plan may use them), so

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from .wrapper import REGION_POLICIES, is_expensive, is_heavy, run_region
+from .regions import REGION_POLICIES, run_region
+from .stages import staged_graph
+from .wrapper import is_expensive, is_heavy
 
 # The CPU tracker needs to see every tensor an op creates and to know when its
 # storage dies. torch has no public API for either, so the two private imports
@@ -154,9 +156,10 @@ class UnitCosts:
       attention) write in a forward: what running them again costs, in traffic.
     - ``light_flops``: FLOPs of the unit's light expensive ops (see
       :func:`trunksplit.wrapper.is_heavy`): what the ``"save_heavy"`` policy runs again.
-    - ``policies``: per region policy (see :func:`trunksplit.wrapper.run_region`),
+    - ``policies``: per region policy (see :func:`trunksplit.regions.run_region`),
       the chain with each measured span run as one region under it: only
-      ``saved``, ``keeps_output`` and ``forward_peak`` differ (laid out per unit
+      ``saved``, ``keeps_output``, ``forward_peak`` and ``backward_excess`` (the
+      region's whole backward, its recompute included) differ (laid out per unit
       so that they add up over whole spans, see :func:`_span_costs`), units not
       measured so repeat the plain figures, and ``eligible`` says which units
       belong to a span that can run so.
@@ -242,16 +245,21 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
 def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:
     """``costs`` with each measured span's figures under a policy laid onto its units, so
     that sums and running maxima over a region of whole spans come out right: what the
-    span keeps and its forward peak at its first unit, whether it keeps its output at its
-    last, zeros between. A span that cannot run under the policy keeps the plain figures."""
-    saved, forward_peak, keeps_output, eligible = (list(v) for v in (costs.saved, costs.forward_peak, costs.keeps_output, [False] * len(costs)))
+    span keeps, its forward peak and its backward's excess (recompute included) at its
+    first unit, whether it keeps its output at its last, zeros between. A span that
+    cannot run under the policy keeps the plain figures."""
+    fields = ("saved", "forward_peak", "backward_excess", "keeps_output")
+    values = {k: list(getattr(costs, k)) for k in fields}
+    eligible = [False] * len(costs)
     for (r, s), cost in measured.items():
         if cost is None:
             continue
         for i in range(r, s):
-            saved[i], forward_peak[i], keeps_output[i], eligible[i] = 0, 0, False, True
-        saved[r], forward_peak[r], keeps_output[s - 1] = cost["saved"], cost["forward_peak"], cost["keeps_output"]
-    return replace(costs, saved=tuple(saved), forward_peak=tuple(forward_peak), keeps_output=tuple(keeps_output), eligible=tuple(eligible))
+            values["saved"][i], values["forward_peak"][i], values["backward_excess"][i], values["keeps_output"][i], eligible[i] = 0, 0, 0, False, True
+        for k in ("saved", "forward_peak", "backward_excess"):
+            values[k][r] = cost[k]
+        values["keeps_output"][s - 1] = cost["keeps_output"]
+    return replace(costs, eligible=tuple(eligible), **{k: tuple(v) for k, v in values.items()})
 
 
 def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str) -> Optional[dict]:
@@ -259,9 +267,14 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
 
     torch's selective checkpoint refuses (at backward) a region that changes a kept output
     in place, as EfficientNet's squeeze-excitation does with ``SiLU(inplace=True)`` after
-    a convolution: such a span is not eligible for ``"save_expensive"``."""
+    a convolution: such a span is not eligible for ``"save_expensive"``. A span none of
+    whose units runs in stages (see :func:`trunksplit.stages.staged_graph`) is not
+    eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
+    copies = copy.deepcopy(nn.Sequential(*members))
+    if policy == "recompute_stages" and not any(staged_graph(m) for m in copies):
+        return None
     try:
-        return _measure_unit(copy.deepcopy(nn.Sequential(*members)), h, input_needs_grad, policy)
+        return _measure_unit(copies, h, input_needs_grad, policy)
     except RuntimeError as e:
         if "mutated" not in str(e):
             raise
@@ -304,7 +317,7 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
         # A checkpoint keeps its tensors out of saved-tensor hooks: what it keeps is its
         # input and (save_expensive) the expensive ops' outputs, all alive after the forward.
         with tracker:
-            out = run_region(lambda x, m: m(x), [m], inp, policy)
+            out = run_region(list(m), inp, policy)
     else:
         with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = m(inp)

@@ -17,7 +17,7 @@ from tabulate import tabulate
 from torch import nn
 
 from .blocks import layer_splittable_before, stage_names
-from .wrapper import REGION_POLICIES
+from .regions import REGION_POLICIES
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Segment:
     predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
     recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
     recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
-    # nested checkpoints inside the segment: (start, stop, policy), policy one of wrapper.REGION_POLICIES
+    # nested checkpoints inside the segment: (start, stop, policy), policy one of regions.REGION_POLICIES
     regions: Tuple[Tuple[int, int, str], ...] = ()
 
     def __len__(self) -> int:
@@ -54,7 +54,7 @@ class SplitPlan:
     @property
     def regions(self) -> List[Tuple[int, int, str]]:
         """Every segment's regions: units ``[start, stop)`` run as one nested checkpoint
-        under a policy of ``wrapper.REGION_POLICIES`` (a ``"recompute"`` region in a checkpointed
+        under a policy of ``regions.REGION_POLICIES`` (a ``"recompute"`` region in a checkpointed
         segment runs three times)."""
         return [g for s in self.segments for g in s.regions]
 

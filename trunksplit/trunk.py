@@ -9,7 +9,8 @@ from torch import nn
 from .blocks import FeatureBlocks, feature_blocks, layer_splittable_before, stage_names
 from .planner import GRADIENT_MODES, plan_trunk
 from .split import SplitPlan, expand_units, feature_ends, vissl_plan
-from .wrapper import batchnorms, is_recomputing, run_checkpointed, run_region
+from .regions import nested_policy, run_region
+from .wrapper import batchnorms, run_checkpointed
 
 STRATEGIES = ("vissl", "balanced")
 
@@ -191,20 +192,17 @@ def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_ch
     """Run ``layers`` in order; each region ``(start, stop, policy)`` of them as one nested
     checkpoint.
 
-    ``in_checkpoint``: this runs as a checkpointed segment's function. Its first forward
-    keeps nothing anyway, so there every region runs as ``"recompute"``: torch's
-    selective checkpoint keeps the expensive outputs outside the autograd graph, where
-    the segment's checkpoint cannot drop them. Either kind saves nothing the segment's
-    checkpoint sees, so its recompute (with the real policies) saves what it expects."""
+    ``in_checkpoint``: this runs as a checkpointed segment's function, where a selective
+    region runs as ``"recompute"`` (see :func:`trunksplit.regions.nested_policy`), in the
+    first forward and in the recompute alike."""
     if copy_input:
         x = x.clone()
-    first_forward = in_checkpoint and not is_recomputing()
     starting = {r: (s, p) for r, s, p in regions}
     i = 0
     while i < len(layers):
         if i in starting:
             stop, policy = starting[i]
-            x = run_region(functools.partial(_run_layers, False, (), False), layers[i:stop], x, "recompute" if first_forward else policy)
+            x = run_region(layers[i:stop], x, nested_policy(policy) if in_checkpoint else policy)
             i = stop
         else:
             x = layers[i](x)

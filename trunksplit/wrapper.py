@@ -11,7 +11,7 @@ once per training step, as without checkpointing). What is not: the recompute
 costs one more forward of the checkpointed part, and code that has side effects
 other than BatchNorm's sees them twice (ask :func:`is_recomputing`).
 
-The selective region policy ``"save_expensive"`` (see :func:`run_region`) keeps
+The selective region policy ``"save_expensive"`` (see :func:`trunksplit.regions.run_region`) keeps
 the outputs of the ops that cost FLOPs (convolution, matmul, attention: exactly the
 ops torch's FLOP counter counts) and recomputes the rest (norms, activations,
 pooling, adds) in backward, with no convolution run twice. What it saves depends on
@@ -121,26 +121,6 @@ def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
         q, k, v = tensors[:3]
         return k.shape[-2] * (q.shape[-1] + v.shape[-1]) / v.shape[-1]  # scores, then the weighted sum of values
     return None
-
-
-# the region policies and what each keeps, as a plan table says it
-REGION_POLICIES = {
-    "save_expensive": "keep conv/matmul outputs, recompute the rest",
-    "save_heavy": "keep heavy conv/matmul outputs, recompute light convs and the rest",
-    "recompute": "keep only the input",
-}
-_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}  # the selective ones: which ops' outputs they keep
-
-
-def run_region(run: Callable, layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
-    """``run(x, *layers)`` as one checkpoint that keeps, for backward, its input and
-    the outputs of its expensive ops (``"save_expensive"``: torch's selective
-    checkpointing), of its heavy ops only (``"save_heavy"``: see :func:`is_heavy`),
-    or its input alone (``"recompute"``). Inside another checkpoint's function it nests:
-    the outer recompute holds only that, the region's own backward the rest, once."""
-    if policy not in REGION_POLICIES:
-        raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
-    return run_checkpointed(run, batchnorms(layers), (x, *layers), keep=_KEEPS.get(policy))
 
 
 def _selective_contexts(bns: List[_NormBase], keep: Callable) -> Callable:
