@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # see every op run, to count FLOPs
+from torch.utils.flop_counter import flop_registry
 
 from trunksplit import CheckpointedTrunk
 from trunksplit.planner import Cuts, PeakModel, best_plan, peak_model, plan_from_cuts, plan_trunk
@@ -88,6 +90,35 @@ def test_a_plan_with_regions_trains_exactly_like_the_plain_model(layout, gradien
         assert torch.equal(a, b), name
 
 
+class _ForwardFlops(TorchDispatchMode):
+    """FLOPs of the forward convolutions and matmuls run (in backward: run again), by torch's own formulas."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.convolution.default, torch.ops.aten.addmm.default):
+            self.flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+        return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_plan_says_how_many_flops_backward_runs_again(layout):
+    """Counted as the step runs: torch reruns a nested region as the segment's first forward
+    ran it, and stops a recompute once it has what backward needs (a region ending a segment
+    is not run by the segment's recompute; a lone convolution keeps only its input)."""
+    features, starts, regions, _ = LAYOUTS[layout]
+    trunk = CheckpointedTrunk(build("resnet18"), features, memory_budget=0.9, gradients="kept")
+    x = X()
+    plan = _with_plan(trunk, x, starts, regions)
+    out = trunk(x)
+    with _ForwardFlops() as counted:
+        loss_of(out).backward()
+    assert counted.flops == sum(s.recompute_flops for s in plan.segments)
+
+
 @pytest.mark.parametrize("name", ["vit", "convnext", "efficientnet_b0", "swin"])
 def test_regions_replay_dropout_and_stochastic_depth(name):
     """Nested regions restore the RNG as checkpoints do: the same masks as the plain model."""
@@ -98,10 +129,13 @@ def test_regions_replay_dropout_and_stochastic_depth(name):
     x = input_for(name)
     costs = peak_model(trunk, x, regions=True)
     spans = costs.spans
-    # EfficientNet's squeeze-excitation changes a conv output in place: such spans cannot run under SE
-    can = {p: costs.costs.under(p).eligible for p in (SE, SH)}
+    # EfficientNet's squeeze-excitation changes a conv output in place: such spans cannot run under
+    # SE; a span with no convolution or matmul has no stages
+    can = {p: costs.costs.under(p).eligible for p in (SE, SH, RS)}
     cut = spans[len(spans) // 2][0]  # a checkpointed segment [0, cut) and the last one, both with regions
-    policy = lambda k, r: [RC, SE, SH][k % 3] if [RC, SE, SH][k % 3] == RC or can[[RC, SE, SH][k % 3]][r] else RC  # noqa: E731
+    first_staged = next(r for r, s in spans if can[RS][r] and s != cut)
+    rotation = [SE, SH, RC, RS]
+    policy = lambda k, r: RS if r == first_staged else rotation[k % 4] if rotation[k % 4] == RC or can[rotation[k % 4]][r] else RC  # noqa: E731
     regions = [(r, s, policy(k, r)) for k, (r, s) in enumerate(spans) if s != cut]
     _with_plan(trunk, x, [0, cut], regions)
     torch.manual_seed(7)
@@ -222,17 +256,40 @@ def test_save_heavy_meets_a_budget_with_fewer_convolution_flops_than_save_expens
     plans = {}
     for allowed in ((SE, RC), (SE, SH, RC)):
         trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=0.5, gradients="kept")
-        model_ = peak_model(trunk, x, regions=True)
-        if SH not in allowed:  # the same measurements with save_heavy made unavailable
-            costs = model_.costs
-            never = replace(costs.under(SH), eligible=(False,) * len(costs))
-            model_ = PeakModel(replace(costs, policies={**costs.policies, SH: never}), model_.features, "kept", model_.spans)
+        model_ = _only(peak_model(trunk, x, regions=True), allowed)
         plans[allowed] = plan = plan_trunk(trunk, x, model_)
         trunk._plans[trunk._plan_key(x)] = plan
         assert _measured_peak(trunk, x) <= 1.02 * plan.predicted_peak_bytes <= 1.02 * 0.5 * model_.peak([0])
     flops = {k: sum(s.recompute_flops for s in p.segments) for k, p in plans.items()}
     assert any(p == SH for _, _, p in plans[(SE, SH, RC)].regions)
     assert flops[(SE, SH, RC)] < 0.6 * flops[(SE, RC)]
+
+
+def _only(model: PeakModel, policies) -> PeakModel:
+    """The same measurements with every other region policy made unavailable."""
+    costs = model.costs
+    never = {p: replace(costs.under(p), eligible=(False,) * len(costs)) for p in costs.policies if p not in policies}
+    return PeakModel(replace(costs, policies={**costs.policies, **never}), model.features, model.gradients, model.spans)
+
+
+def test_recompute_stages_goes_below_the_floor_of_whole_block_recompute():
+    """A recompute region's backward rebuilds a whole bottleneck; in stages it holds one stage
+    at a time. That lowers the smallest feasible peak, as measured, and the model predicts it."""
+    model = build("resnet50")
+    x = torch.randn(2, 3, 160, 160)  # smaller, a floor is set by what every plan keeps, not by a block's backward
+    floors = {}
+    for allowed in ((SE, SH, RC), (SE, SH, RC, RS)):
+        trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=1.0, gradients="kept")
+        costs = _only(peak_model(trunk, x, regions=True), allowed)
+        units = expand_units(trunk._blocks())
+        lowest = best_plan(costs, [layer_splittable_before(m) for _, m in units], [])
+        names = [n for n, _ in units]
+        plan = plan_from_cuts(names, lowest, trunk._ends, "budget", costs)
+        trunk._plans[trunk._plan_key(x)] = plan
+        floors[allowed] = measured = _measured_peak(trunk, x)
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes, allowed
+        assert (RS in allowed) == any(p == RS for _, _, p in plan.regions)
+    assert floors[(SE, SH, RC, RS)] < 0.9 * floors[(SE, SH, RC)]
 
 
 def test_the_plan_table_names_every_region():
