@@ -65,6 +65,10 @@ class Step(NamedTuple):
     inputs: Tuple[fx.Node, ...]  # values made before the step that it reads
     outputs: Tuple[fx.Node, ...]  # values it makes that later nodes read
     checkpointed: bool
+    # after each node, the values inside the step read for the last time (a stage's own, freed as
+    # eager code frees them, not held to its end); after the step, the unit's values last read by it
+    done_inside: Tuple[Tuple[fx.Node, ...], ...]
+    done: Tuple[fx.Node, ...]
 
 
 class StagedGraph(NamedTuple):
@@ -107,6 +111,8 @@ def run_in_stages(module: nn.Module, x: Any) -> Any:
             env.update(zip(step.outputs, run_checkpointed(function, batchnorms(layers), tuple(env[n] for n in step.inputs))))
         else:
             env[step.nodes[0]] = _call(module, step.nodes[0], env)
+        for node in step.done:
+            del env[node]
     output = next(n for n in staged.graph.nodes if n.op == "output")
     return map_arg(output.args[0], lambda n: _attribute(module, n.target) if n.op == "get_attr" else env[n])
 
@@ -119,8 +125,11 @@ class _StepFunction:
 
     def __call__(self, *values):
         env = dict(zip(self.step.inputs, values))
-        for node in self.step.nodes:
+        del values
+        for node, done in zip(self.step.nodes, self.step.done_inside):
             env[node] = _call(self.module, node, env)
+            for n in done:
+                del env[n]
         return tuple(env[n] for n in self.step.outputs)
 
 
@@ -185,13 +194,32 @@ def _steps(module: nn.Module, graph: fx.Graph) -> List[Step]:
             continue
         current = None
         groups.append(([node], False))
+    step_of = {node: k for k, (nodes, _) in enumerate(groups) for node in nodes}
+    last_step: Dict[fx.Node, int] = {}  # value passed between steps -> the last step that reads it (the output: none)
+    for node in graph.nodes:
+        for n in node.all_input_nodes:
+            reader = step_of.get(node, len(groups))
+            if n.op != "get_attr" and step_of.get(n) != reader:
+                last_step[n] = max(last_step.get(n, -1), reader)
     steps = []
-    for nodes, checkpointed in groups:
+    for k, (nodes, checkpointed) in enumerate(groups):
         inside = set(nodes)
         inputs = tuple(dict.fromkeys(n for node in nodes for n in node.all_input_nodes if n not in inside and n.op != "get_attr"))
         outputs = tuple(n for n in nodes if any(u not in inside for u in n.users))
-        steps.append(Step(tuple(nodes), inputs, outputs, checkpointed))
+        done = tuple(n for n, last in last_step.items() if last == k)
+        steps.append(Step(tuple(nodes), inputs, outputs, checkpointed, _done_inside(nodes, outputs), done))
     return steps
+
+
+def _done_inside(nodes: List[fx.Node], outputs: Tuple[fx.Node, ...]) -> Tuple[Tuple[fx.Node, ...], ...]:
+    """For each of a step's nodes, the step's values (inputs included) it reads for the last
+    time inside the step, less the step's outputs."""
+    last: Dict[fx.Node, int] = {}
+    for k, node in enumerate(nodes):
+        for n in node.all_input_nodes:
+            if n.op != "get_attr":
+                last[n] = k
+    return tuple(tuple(n for n, at in last.items() if at == k and n not in outputs) for k in range(len(nodes)))
 
 
 def _is_expensive(module: nn.Module, node: fx.Node) -> bool:
