@@ -174,3 +174,16 @@ def test_the_graph_follows_the_module_and_its_mode():
     with torch.no_grad():
         block.conv1.weight.mul_(-1)  # changed after tracing
         assert torch.equal(run_in_stages(block, x), block(x))
+
+
+def test_a_block_in_stages_under_cpu_autocast_is_exact():
+    """Each stage's recompute re-enters the forward's autocast state (bf16 on CPU)."""
+    torch.manual_seed(0)
+    plain = build("resnet50").layer1[0].train()
+    mine = copy.deepcopy(plain)
+    x = torch.randn(2, 64, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _step(plain, x, lambda m, x: m(x))
+        got = _step(mine, x, lambda m, x: run_region([m], x, "recompute_stages"))
+    assert want[0].dtype == torch.bfloat16
+    _same(want, got)

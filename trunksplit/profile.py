@@ -270,7 +270,7 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
     a convolution: such a span is not eligible for ``"save_expensive"``. A span none of
     whose units runs in stages (see :func:`trunksplit.stages.staged_graph`) is not
     eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
-    copies = copy.deepcopy(nn.Sequential(*members))
+    copies = _private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
     if policy == "recompute_stages" and not any(staged_graph(m) for m in copies):
         return None
     try:

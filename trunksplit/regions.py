@@ -34,8 +34,8 @@ _KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}  # the selecti
 def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
     """``layers`` run in order on ``x`` as one checkpoint that keeps, for backward, what
     ``policy`` says (see the module docstring). Inside another checkpoint's function it
-    nests: the outer recompute holds only what the region keeps, the region's own
-    backward the rest."""
+    nests (give it ``nested_policy(policy)`` there): the outer recompute holds only the
+    region's input, the region's own backward the rest."""
     if policy not in REGION_POLICIES:
         raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
     run = _run_in_stages if policy == "recompute_stages" else _run

@@ -36,8 +36,9 @@ class CheckpointedTrunk(nn.Module):
             their own nested checkpoint, keeping only their convolution/matmul
             outputs (``"save_expensive"``), only the heavy ones (``"save_heavy"``:
             light 1x1 expansions and depthwise convolutions run again) or only their
-            input (``"recompute"``), which reaches below what cuts between blocks
-            can (``plan.regions``).
+            input (``"recompute"``, and ``"recompute_stages"``, whose backward
+            rebuilds a block one convolution stage at a time), which reaches below
+            what cuts between blocks can (``plan.regions``).
         use_reentrant: torch's reentrant checkpoint (vissl's, for manual DDP) or not.
         gradients: how the training loop clears gradients, which cost-aware plans
             must know: ``"allocated"`` (torch's default ``zero_grad()`` sets them to

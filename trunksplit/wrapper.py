@@ -168,13 +168,11 @@ def run_checkpointed(
 
     ``keep(func, args)``, where given, picks the aten ops whose outputs are kept (as
     :func:`is_expensive` does): the others are recomputed (torch's selective
-    checkpointing; non-reentrant only). It
-    may run inside another checkpointed function: the outer recompute then holds
-    only the expensive outputs, and each inner backward one function's worth of
-    cheap activations at a time. In the outer function's first forward run it as a
-    plain checkpoint instead (``CheckpointedTrunk`` does): torch keeps the selective
-    checkpoint's outputs outside the autograd graph, where the outer checkpoint
-    cannot drop them, so they would be held from that forward to the backward.
+    checkpointing; non-reentrant only). Do not nest it in another checkpoint: torch
+    reruns a nested checkpoint as the outer one's first forward ran it, and there it
+    would keep its saved outputs outside the autograd graph, where the outer
+    checkpoint cannot drop them, from that forward to the backward (see
+    :func:`trunksplit.regions.nested_policy`).
     """
     kwargs = kwargs or {}
     if keep is not None and use_reentrant:
