@@ -87,6 +87,8 @@ class PeakModel:
         self.n = len(costs)
         self.gradients = gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
+        # while a segment ending before unit b runs its backward: the features it and later segments returned
+        self._features_held = [sum(costs.output[f] for f in self.features if f >= b - 1) for b in range(self.n + 1)]
         self.spans = sorted(set(spans))
         if self.spans and costs.policies is None:
             raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")
@@ -105,6 +107,7 @@ class PeakModel:
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         self._options: Dict[int, Dict[int, list]] = {}
         self._regions: Dict[Region, tuple] = {}  # see _region
+        self._region_steps: Dict[Tuple[Region, bool], tuple] = {}  # see _step_region
         self._templates: Optional[List[List[Region]]] = None
 
     def boundary(self, a: int) -> int:
@@ -141,21 +144,23 @@ class PeakModel:
         return _Scan(kept, forward, backward, counted, cost, pending)
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
-        """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
-        region = _as_run(region, last)
-        r, s, policy = region
+        """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.
+
+        The planner's inner loop: what the region adds is looked up once per (region, last)."""
+        step = self._region_steps.get((region, last))
+        if step is None:
+            step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[region[0]])
+        held, region_forward, backward_peak, output_counted, again, body, source = step
         kept, forward, backward, counted, cost, pending = state
-        held, region_forward, backward_peak, output_counted, again, body = self._region(region)
         forward = max(forward, kept + region_forward)
-        source = self.costs.input_from[r]
         if source >= a and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[source], True
         backward = max(backward, kept + backward_peak)
         kept += held
         counted = counted if output_counted is None else output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
-            cost, pending = _add(cost, pending), body
-        return _Scan(kept, forward, backward, counted, _add(cost, again), pending)
+            cost, pending = (cost[0] + pending[0], cost[1] + pending[1]), body
+        return _Scan(kept, forward, backward, counted, (cost[0] + again[0], cost[1] + again[1]), pending)
 
     def _region(self, region: Region) -> tuple:
         """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
@@ -209,7 +214,7 @@ class PeakModel:
         keeps nothing (its peak, a unit's forward peak, is below the recompute's); the
         recompute, in backward with later gradients allocated, keeps everything, with
         the output's gradient waiting."""
-        held = sum(self.costs.output[f] for f in self.features if f >= b - 1)
+        held = self._features_held[b]
         if b == self.n:
             return held + max(state.forward, state.backward)
         recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.forward
