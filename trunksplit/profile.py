@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .regions import REGION_POLICIES, run_region
-from .stages import staged_graph
+from .stages import hook_dicts, staged_graph
 from .wrapper import is_expensive, is_heavy
 
 # The CPU tracker needs to see every tensor an op creates and to know when its
@@ -22,13 +22,9 @@ def _drop_hooks(module: nn.Module) -> None:
     """Remove the module hooks that ``deepcopy`` carried over to a private copy.
 
     A user's hook (logging, feature capture) must not fire on the profiler's
-    copies. torch has no public call that removes hooks without their handles,
-    so this clears nn.Module's hook dicts directly (private attributes)."""
-    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                 "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
-        hooks = getattr(module, attr, None)
-        if hooks is not None:
-            hooks.clear()
+    copies (see :func:`trunksplit.stages.hook_dicts`)."""
+    for hooks in hook_dicts(module):
+        hooks.clear()
 
 
 class _TensorAccounting(TorchDispatchMode):
