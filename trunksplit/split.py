@@ -54,8 +54,8 @@ class SplitPlan:
     @property
     def regions(self) -> List[Tuple[int, int, str]]:
         """Every segment's regions: units ``[start, stop)`` run as one nested checkpoint
-        under a policy of ``regions.REGION_POLICIES`` (a ``"recompute"`` region in a checkpointed
-        segment runs three times)."""
+        under a policy of ``regions.REGION_POLICIES``, the one it runs under (in a checkpointed
+        segment a selective region runs as ``"recompute"``, and up to three times)."""
         return [g for s in self.segments for g in s.regions]
 
     @property
