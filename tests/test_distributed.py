@@ -69,8 +69,9 @@ def test_both_ddp_paths_average_per_rank_gradients(arch, manual, tmp_path):
 
 
 def test_native_ddp_averages_gradients_through_regions(tmp_path):
-    """Regions of both kinds, nested in a checkpointed segment and in the last one, two forwards per step."""
-    plan = ([0, 6, 10], [(4, 6, "save_expensive"), (6, 8, "recompute"), (8, 10, "save_expensive"), (11, 12, "save_expensive")])
+    """Regions of every policy, nested in a checkpointed segment and in the last one, two forwards per step."""
+    plan = ([0, 6, 10], [(4, 5, "recompute_stages"), (5, 6, "save_expensive"), (6, 8, "recompute"), (8, 9, "recompute_stages"),
+                         (10, 11, "recompute_stages"), (11, 12, "save_heavy"), (12, 13, "save_expensive")])
     run_processes(_two_forward_step, 2, ("resnet18", False, str(tmp_path), plan))
     want = _reference_average("resnet18", 2)
     for rank in range(2):
