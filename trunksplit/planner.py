@@ -178,7 +178,8 @@ class PeakModel:
             flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
             # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
             # the light ones, or none ("save_expensive"); and its cheap ops
-            again = {"recompute": self._rerun(r, s), "recompute_stages": (2 * flops, 2 * cheap),
+            alone = self._alone(r, s)
+            again = {"recompute": alone.cost, "recompute_stages": (2 * flops, 2 * cheap),
                      "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap))
             if policy == "recompute_stages":
                 if (r, s) not in self.spans:
@@ -186,24 +187,23 @@ class PeakModel:
                 # measured whole: its recompute's holdings and its stages' backward, beyond its input
                 backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r]
             else:
-                backward = self._region_backward(r, s)
+                backward = self._region_backward(alone, s)
             self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, (flops, cheap))
         return self._regions[region]
 
-    def _rerun(self, r: int, s: int) -> Tuple[int, int]:
-        """What a checkpoint over units [r, s) runs again in backward (see :meth:`_step`)."""
+    def _alone(self, r: int, s: int) -> "_Scan":
+        """Units [r, s) scanned as a checkpoint of their own: what its backward runs again
+        (``cost``, see :meth:`_step`) and what it holds."""
         state = _EMPTY
         for i in range(r, s):
             state = self._step(state, r, i, last=False)
-        return state.cost
+        return state
 
-    def _region_backward(self, r: int, s: int) -> int:
-        """Peak of a region's backward beyond what is kept before it: its recompute holds
-        everything it saves (the kept expensive outputs among them), with its output's
-        gradient waiting, then backward walks back through it."""
-        state = _EMPTY
-        for i in range(r, s):
-            state = self._step(state, r, i, last=False)
+    def _region_backward(self, state: "_Scan", s: int) -> int:
+        """Peak of a region's backward beyond what is kept before it, from its scan alone
+        (``state``, ending before unit ``s``): its recompute holds everything it saves (the
+        kept expensive outputs among them), with its output's gradient waiting, then
+        backward walks back through it."""
         recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.forward
         return max(recompute, state.backward)
 

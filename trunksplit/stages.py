@@ -115,7 +115,7 @@ def run_in_stages(module: nn.Module, x: Any) -> Any:
         for node in step.done:
             del env[node]
     output = next(n for n in staged.graph.nodes if n.op == "output")
-    return map_arg(output.args[0], lambda n: _attribute(module, n.target) if n.op == "get_attr" else env[n])
+    return map_arg(output.args[0], lambda n: _value(module, env, n))
 
 
 class _StepFunction:
@@ -135,10 +135,10 @@ class _StepFunction:
 
 
 def _call(module: nn.Module, node: fx.Node, env: Dict[fx.Node, Any]) -> Any:
-    """Run one node on the values in ``env``; attributes (``layer_scale``) are read from the module now."""
+    """Run one node on the values in ``env`` (see :func:`_value`)."""
 
     def value(n: fx.Node) -> Any:
-        return _attribute(module, n.target) if n.op == "get_attr" else env[n]
+        return _value(module, env, n)
 
     args, kwargs = map_arg(node.args, value), map_arg(node.kwargs, value)
     if node.op == "call_module":
@@ -148,6 +148,11 @@ def _call(module: nn.Module, node: fx.Node, env: Dict[fx.Node, Any]) -> Any:
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     raise RuntimeError(f"unexpected graph node {node.op} {node.target}")
+
+
+def _value(module: nn.Module, env: Dict[fx.Node, Any], node: fx.Node) -> Any:
+    """A node's value: computed (in ``env``), or an attribute (``layer_scale``) read from the module now."""
+    return _attribute(module, node.target) if node.op == "get_attr" else env[node]
 
 
 def _attribute(module: nn.Module, target: str) -> Any:
