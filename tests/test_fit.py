@@ -110,3 +110,39 @@ def test_fit_command_prints_the_batch_the_plan_and_the_check(capsys):
     assert out.startswith("SplitPlan (budget") and "fits 150.0 MiB" in out and "measured" in out and "of memory)" in out
     assert main(["fit", "--arch", "mobilenet_v2", "--input", "3x64x64", "--memory", "1MiB"]) == 2
     assert "too small for a batch of 1" in capsys.readouterr().err
+
+
+def test_a_huge_memory_is_planned_without_allocating_the_batch():
+    """1 TiB fits hundreds of thousands of 32px images: the plan is keyed by shape, and nothing that size is allocated."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    with PeakMemory() as mem:
+        found = fit(model, (3, 32, 32), "1TiB", verify=False)
+    input_bytes = found.batch_size * 3 * 32 * 32 * 4
+    assert found.batch_size > 100_000 and mem.peak_bytes < input_bytes / 100
+    assert found.measured_total_bytes is None and found.predicted_total_bytes <= 2**40
+    assert found.predicted_peak_bytes >= found.plan.predicted_peak_bytes
+    key = next(iter(found.trunk._plans))
+    assert key[0] == (((found.batch_size, 3, 32, 32), torch.float32),)  # the trunk will use this plan at that batch
+
+
+def test_fit_command_can_predict_without_the_checking_step(capsys):
+    assert main(["fit", "--arch", "resnet18", "--input", "3x32x32", "--memory", "1TiB", "--no-verify"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SplitPlan (budget") and "fits 1024.000 GiB" in out and "measured -" in out
+
+
+class _Traced(torch.nn.Module):
+    """A model no family knows: its chain is traced, and its last block is 'output', not 'flatten'."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x):
+        return self.body(x).mean((2, 3))
+
+
+def test_fit_defaults_to_the_last_block_as_the_trunk_does():
+    found = fit(_Traced(), (3, 16, 16), "20MiB", verify=False)
+    assert found.trunk.out_feat_keys == ("output",) and found.batch_size >= 1

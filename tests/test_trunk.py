@@ -289,3 +289,39 @@ def test_model_state_dict_refuses_a_different_architecture():
         trunk.model_state_dict(torchvision.models.regnet_x_400mf())
     with pytest.raises(ValueError, match="built from feature blocks"):
         CheckpointedTrunk(feature_blocks(build("resnet18")), ["flatten"]).model_state_dict()
+
+
+class _TwoInputs(nn.Module):
+    """A model whose input is a list of tensors (traced: the list is the first unit's input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1)
+        self.b = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, xs):
+        return self.b(self.a(xs[0] + 2 * xs[1])).mean((2, 3))
+
+
+@pytest.mark.parametrize("how", [dict(num_splits=2), dict(num_splits=2, strategy="balanced"), dict(memory_budget=0.9, gradients="kept")])
+def test_a_list_input_is_planned_on_the_tensors_inside_it(how):
+    torch.manual_seed(0)
+    plain = _TwoInputs()
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, **how)
+    xs = [torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16)]
+    plain(xs).pow(2).sum().backward()
+    (got,) = trunk(xs)
+    got.pow(2).sum().backward()
+    assert torch.equal(got, plain(xs))
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    if trunk._cost_aware:
+        assert trunk.plan.predicted_peak_bytes is not None
+        assert trunk.plan_for([torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)]) is not trunk.plan  # keyed by the shapes inside
+
+
+def test_an_input_without_tensors_is_a_clear_error_for_a_cost_aware_plan():
+    trunk = CheckpointedTrunk(_TwoInputs(), num_splits=2, strategy="balanced")
+    with pytest.raises(TypeError, match="holds no tensor"):
+        trunk.plan_for([1.0, 2.0])

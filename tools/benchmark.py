@@ -8,7 +8,7 @@ import sys
 
 if __name__ == "__main__":
     if "--ddp" in sys.argv:
-        from trunksplit.bench_ddp import main
+        from trunksplit.cli.bench_ddp import main
     else:
         from trunksplit.cli import main
 

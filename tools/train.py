@@ -7,7 +7,7 @@
 import argparse
 import sys
 
-from trunksplit.config import load_config
+from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
 
 
@@ -16,12 +16,16 @@ def _beyond(cfg) -> str:
     return "parameters and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else "parameters (gradients included)"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config-file", default="", help="YAML file that overrides the defaults in trunksplit/config.py")
+    parser.add_argument("--config-file", default="", help="YAML file that overrides the defaults in trunksplit/ssl/config.py")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
     parser.add_argument("overrides", nargs="*", help="KEY VALUE pairs, e.g. TRAIN.STEPS 5")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config_file, args.overrides)
         _, last = train(cfg, resume=args.resume)

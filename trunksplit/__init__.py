@@ -1,12 +1,26 @@
-"""trunksplit: train vision trunks with less activation memory and the same gradients."""
-from .blocks import feature_blocks, layer_splittable_before, register_trunk
-from .fit import Fit, fit
+"""trunksplit: train vision trunks with less activation memory and the same gradients.
+
+Layers, each importing only those below it:
+
+    cli/          the trunksplit command (plan, bench, fit)
+    ssl/          the launcher: config, data, models, losses, the loop
+    fit.py        the largest batch that fits a memory size
+    distributed/  several processes: vissl's manual DDP helpers
+    trunk.py      CheckpointedTrunk: runs a plan
+    planning/     where to cut: vissl's bucketing, profiling, the peak model, the search
+    recompute/    how a run of modules is recomputed: checkpointing, wrapper, regions, stages
+    chains/       what a trunk is: feature blocks of any model
+"""
+from .chains import feature_blocks, layer_splittable_before, register_trunk
 from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
-from .profile import PeakMemory
-from .selective import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k
-from .split import Segment, SplitPlan, checkpoint_trunk
+from .fit import Fit, fit
+from .planning.memory import PeakMemory
+from .planning.plan import Segment, SplitPlan
+from .planning.vissl import checkpoint_trunk
+from .recompute.checkpoint import is_recomputing
+from .recompute.select import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k
+from .recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .trunk import CheckpointedTrunk
-from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
 
 __version__ = "0.1.0"
 

@@ -19,16 +19,18 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from .blocks import feature_blocks, layer_splittable_before
-from .planner import PeakModel, best_plan, plan_from_cuts
-from .profile import PeakMemory, UnitCosts, profile_units
-from .split import expand_units
-from .trunk import CheckpointedTrunk
+from .chains import expand_units, feature_blocks, layer_splittable_before
+from .planning.memory import PeakMemory
+from .planning.peak import PeakModel
+from .planning.profile import UnitCosts, profile_units
+from .planning.search import best_plan, plan_from_cuts
+from .planning.plan import SplitPlan
+from .trunk import CheckpointedTrunk, plan_key
 
 OPTIMIZERS = ("sgd", "adamw", None)
 PROFILE_BATCHES = (2, 4)  # two small batches give each cost's slope and intercept; 2, not 1: BatchNorm needs two values
@@ -40,6 +42,7 @@ class Fit:
 
     batch_size: int
     trunk: CheckpointedTrunk  # planned for ``batch_size``, with the least recompute that fits
+    plan: SplitPlan  # that plan
     predicted_peak_bytes: int  # the step's own peak, beyond what is resident before it
     resident_bytes: int  # parameters, buffers, optimizer state (and kept gradients)
     predicted_total_bytes: int
@@ -82,7 +85,7 @@ def fit(
     input_shape: Sequence[int],
     memory: Union[int, str],
     optimizer: Optional[str] = "sgd",
-    out_feat_keys: Sequence[str] = ("flatten",),
+    out_feat_keys: Optional[Sequence[str]] = None,
     num_splits: Optional[int] = None,
     gradients: str = "allocated",
     use_reentrant: bool = False,
@@ -94,7 +97,8 @@ def fit(
     ``model``'s parameters and buffers, the gradients of the parameters the trunk
     trains, ``optimizer``'s state (``"sgd"`` with momentum: one buffer per
     parameter; ``"adamw"``: two; ``None``: none) and the step's peak. ``gradients``
-    is how the loop clears them (see :class:`CheckpointedTrunk`). ``num_splits``
+    is how the loop clears them (see :class:`CheckpointedTrunk`). ``out_feat_keys``
+    defaults to the model's last feature block, as the trunk's does. ``num_splits``
     bounds the segment count. Returns a :class:`Fit` whose ``trunk`` is planned for
     the batch found. With ``verify``, one step at that batch is measured (the model's
     weights, gradients, buffers and RNG are left as they were). A memory too small
@@ -107,26 +111,18 @@ def fit(
     memory = parse_bytes(memory)
     device = next(model.parameters()).device
     blocks = feature_blocks(model)
-    trunk = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant)
-    units = expand_units(trunk._blocks())
-    splittable = [layer_splittable_before(m) for _, m in units]
-    forced = [stop for stop in trunk._ends.values() if stop < len(units)]
-    features = [stop - 1 for stop in trunk._ends.values()]
-    small = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
-    grads = sum(small[0].param_bytes)
-    state = _optimizer_state_bytes(trunk, optimizer)
-    resident = _model_bytes(model) + state + (grads if gradients == "kept" else 0)
-    # the optimizer's step: gradients (all allocated by then) + its temporaries
-    optimizer_peak = (grads if gradients == "allocated" else 0) + _optimizer_step_transient(trunk, optimizer)
 
-    def plan_at(batch: int, budget: Optional[int] = None):
-        peaks = PeakModel(_scaled(small, batch), features, gradients)
-        cuts = best_plan(peaks, splittable, forced, max_segments=num_splits, budget=budget)
-        return peaks, cuts
+    def trunk(**kw) -> CheckpointedTrunk:
+        return CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant, **kw)
+
+    chain = _ScaledChain(trunk(), input_shape, device)
+    state = _optimizer_state_bytes(chain.trunk, optimizer)
+    resident = _model_bytes(model) + state + (chain.grad_bytes if gradients == "kept" else 0)
+    # the optimizer's step: gradients (all allocated by then) + its temporaries
+    optimizer_peak = (chain.grad_bytes if gradients == "allocated" else 0) + _optimizer_step_transient(chain.trunk, optimizer)
 
     def total(batch: int) -> int:
-        peaks, cuts = plan_at(batch)
-        return resident + max(peaks.peak(*cuts), optimizer_peak)
+        return resident + max(chain.lowest_peak(batch), optimizer_peak)
 
     if total(1) > memory:
         raise ValueError(
@@ -136,20 +132,59 @@ def fit(
     batch = _largest(lambda b: total(b) <= memory)
     measured = None
     for _ in range(4):  # the check may find the prediction optimistic: shrink and check again
-        peaks, cuts = plan_at(batch, budget=memory - resident)
-        plan = plan_from_cuts([n for n, _ in units], cuts, trunk._ends, "budget", peaks)
-        fitted = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, memory_budget=memory - resident,
-                                   gradients=gradients, use_reentrant=use_reentrant)
-        x = torch.zeros(batch, *input_shape, device=device)
-        fitted._plans[fitted._plan_key(x)] = plan  # planned from the scaled profile: no profiling at this batch
+        plan = chain.plan(batch, budget=memory - resident)
+        fitted = trunk(memory_budget=memory - resident)
+        # planned from the scaled profile: no profiling, and no allocation, at this batch
+        fitted._plans[plan_key([((batch, *input_shape), torch.get_default_dtype())], device)] = plan
         predicted = max(plan.predicted_peak_bytes, optimizer_peak)
         if not verify:
             break
-        measured = resident + max(_measured_step(fitted, x), optimizer_peak)
+        measured = resident + max(_measured_step(fitted, _check_input(batch, input_shape, device)), optimizer_peak)
         if measured <= memory or batch == 1:
             break
         batch = max(1, min(batch - 1, int(batch * (memory - resident) / (measured - resident))))
-    return Fit(batch, fitted, predicted, resident, resident + predicted, measured, memory)
+    return Fit(batch, fitted, plan, predicted, resident, resident + predicted, measured, memory)
+
+
+class _ScaledChain:
+    """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
+    any batch from costs scaled linearly (see :func:`_scaled`)."""
+
+    def __init__(self, trunk: CheckpointedTrunk, input_shape: Sequence[int], device: torch.device):
+        units = expand_units(trunk._blocks())
+        self.trunk = trunk
+        self.names = [n for n, _ in units]
+        self.splittable = [layer_splittable_before(m) for _, m in units]
+        self.forced = [stop for stop in trunk._ends.values() if stop < len(units)]
+        self.features = [stop - 1 for stop in trunk._ends.values()]
+        self.small = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
+        self.grad_bytes = sum(self.small[0].param_bytes)
+
+    def _cuts(self, batch: int, budget: Optional[int] = None):
+        peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
+        return peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+
+    def lowest_peak(self, batch: int) -> int:
+        """The lowest step peak any plan reaches at ``batch``."""
+        peaks, cuts = self._cuts(batch)
+        return peaks.peak(*cuts)
+
+    def plan(self, batch: int, budget: int):
+        """The least-recompute plan at ``batch`` whose peak fits ``budget``."""
+        peaks, cuts = self._cuts(batch, budget)
+        return plan_from_cuts(self.names, cuts, self.trunk._ends, "budget", peaks)
+
+
+def _check_input(batch: int, input_shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The checking step's input; a clear error where this machine cannot hold it."""
+    try:
+        return torch.zeros(batch, *input_shape, device=device)
+    except (RuntimeError, MemoryError) as e:  # the allocator's own error: too big for this machine
+        raise ValueError(
+            f"the predicted batch {batch} cannot be checked here: its input alone ({_gib(batch * math.prod(input_shape) * 4)}) "
+            f"cannot be allocated on {device} ({type(e).__name__}). Pass verify=False (trunksplit fit --no-verify) for the "
+            "prediction alone, or fit on the machine that will train"
+        ) from None
 
 
 def _largest(fits) -> int:
@@ -257,17 +292,3 @@ def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor) -> int:
         for m, training in modes:
             m.training = training
     return mem.peak_bytes
-
-
-def fit_config_batch(cfg, device: torch.device) -> Tuple[int, int]:
-    """For the launcher's ``TRAIN.BATCH_SIZE_PER_RANK: 0``: (images per rank, memory budget in bytes)."""
-    from .ssl.model import build_backbone
-
-    size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
-    model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
-    found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer="sgd", out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
-                num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=cfg.TRAIN.GRADIENTS,
-                use_reentrant=cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT, verify=False)
-    if found.batch_size < views:
-        raise ValueError(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:g} fits {found.batch_size} crops per step, fewer than the {views} views of one image")
-    return found.batch_size // views, found.memory - found.resident_bytes

@@ -6,11 +6,14 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .blocks import FeatureBlocks, feature_blocks, layer_splittable_before, stage_names
-from .planner import GRADIENT_MODES, plan_trunk
-from .split import SplitPlan, expand_units, feature_ends, vissl_plan
-from .regions import nested_policy, run_region
-from .wrapper import batchnorms, run_checkpointed
+from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names
+from .planning.memory import tensors_in
+from .planning.peak import GRADIENT_MODES
+from .planning.plan import SplitPlan
+from .planning.search import plan_trunk
+from .planning.vissl import vissl_plan
+from .recompute.checkpoint import map_tensors, run_checkpointed
+from .recompute.regions import nested_policy, run_region
 
 STRATEGIES = ("vissl", "balanced")
 
@@ -149,11 +152,13 @@ class CheckpointedTrunk(nn.Module):
         return self._plans[key]
 
     @staticmethod
-    def _plan_key(x: torch.Tensor) -> Tuple:
-        """What a cost-aware plan depends on besides the trunk: the input's shape, dtype, device and autocast."""
-        device = x.device.type
-        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        return (tuple(x.shape), x.dtype, device, autocast)
+    def _plan_key(x) -> Tuple:
+        """What a cost-aware plan depends on besides the trunk: the shape and dtype of each tensor
+        in the input (a tensor, or a list, tuple or dict of them), its device and autocast."""
+        tensors = list(tensors_in(x))
+        if not tensors:
+            raise TypeError(f"a cost-aware plan measures the trunk on its input, and this {type(x).__name__} holds no tensor")
+        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device)
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
         checkpointing = self.training and torch.is_grad_enabled()
@@ -173,7 +178,7 @@ class CheckpointedTrunk(nn.Module):
             copy_input = seg.start > 0 and not layer_splittable_before(layers[0])
             if checkpointing and seg.checkpointed:
                 run = functools.partial(_run_layers, copy_input, regions, True)
-                x = run_checkpointed(run, batchnorms(layers), (x, *layers), use_reentrant=self.use_reentrant)
+                x = run_checkpointed(run, layers, (x, *layers), use_reentrant=self.use_reentrant)
             else:
                 x = _run_layers(copy_input, regions, False, x, *layers)
             if seg.stop in stops:
@@ -182,6 +187,15 @@ class CheckpointedTrunk(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
+
+
+def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device) -> Tuple:
+    """The key of a cost-aware plan for inputs of these (shape, dtype) on ``device``, in the
+    current autocast state: what :meth:`CheckpointedTrunk.plan_for` caches a plan under. It
+    needs no tensor, so a plan for a batch too big to allocate can be stored (``fit``)."""
+    device = torch.device(device).type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return (tuple((tuple(s), d) for s, d in shapes), device, autocast)
 
 
 def _child_name(key: str) -> str:
@@ -194,10 +208,10 @@ def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_ch
     checkpoint.
 
     ``in_checkpoint``: this runs as a checkpointed segment's function, where a selective
-    region runs as ``"recompute"`` (see :func:`trunksplit.regions.nested_policy`), in the
+    region runs as ``"recompute"`` (see :func:`trunksplit.recompute.regions.nested_policy`), in the
     first forward and in the recompute alike."""
     if copy_input:
-        x = x.clone()
+        x = map_tensors(torch.clone, x)
     starting = {r: (s, p) for r, s, p in regions}
     i = 0
     while i < len(layers):

@@ -5,6 +5,7 @@ which flips. That is what makes a resumed run equal an uninterrupted one, and
 what shards the data across ranks without a sampler's state.
 """
 import os
+import warnings
 from typing import List
 
 import torch
@@ -45,14 +46,27 @@ def image_dataset(cfg) -> torch.utils.data.Dataset:
 
 
 class _ImagesOnly(torch.utils.data.Dataset):
+    """The folder's images without labels. A file that cannot be read is skipped, once, with a
+    warning that names it: the next readable image stands in for it, the same one every run, so
+    batches stay a function of (seed, step, rank)."""
+
     def __init__(self, folder):
         self.folder = folder
+        self.unreadable = set()  # indices found unreadable
 
     def __len__(self):
         return len(self.folder)
 
     def __getitem__(self, i):
-        return self.folder[i][0]
+        for j in [(i + k) % len(self.folder) for k in range(len(self.folder))]:
+            if j in self.unreadable:
+                continue
+            try:
+                return self.folder[j][0]
+            except (OSError, SyntaxError, ValueError) as e:  # PIL: UnidentifiedImageError (an OSError), truncated files
+                self.unreadable.add(j)
+                warnings.warn(f"skipping unreadable image {self.folder.samples[j][0]}: {type(e).__name__}: {e}", UserWarning, stacklevel=2)
+        raise ValueError(f"DATA.PATH {self.folder.root!r}: none of its {len(self.folder)} images can be read")
 
 
 def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: int) -> List[int]:

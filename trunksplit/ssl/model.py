@@ -1,46 +1,16 @@
-"""An SSL model: a checkpointed torchvision trunk, a projection head, SwAV's prototypes."""
-from typing import List, Optional
+"""An SSL model: a checkpointed torchvision trunk, a projection head, SwAV's prototypes; and the
+batch per rank that fits a memory limit."""
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
-from ..config import budget_bytes
-from ..selective import apply_activation_checkpointing, condition_from_config
-from ..blocks import feature_blocks
+from ..fit import fit
+from ..recompute.select import apply_activation_checkpointing, condition_from_config
 from ..trunk import CheckpointedTrunk
-
-
-def check_backbone_name(name: str) -> None:
-    """A torchvision classification model's name, or a ``ValueError`` that lists them."""
-    names = torchvision.models.list_models(module=torchvision.models)
-    if name not in names:
-        raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r} (try resnet50, convnext_tiny, vit_b_16; all: {', '.join(names)})")
-
-
-def fixed_resolution(name: str) -> bool:
-    """ViT and MaxViT are built for one input size (position embeddings, attention partitions)."""
-    return name.startswith(("vit_", "maxvit"))
-
-
-def build_backbone(name: str, image_size: Optional[int] = None) -> nn.Module:
-    """A randomly initialised torchvision classification model (nothing is downloaded) that trunksplit can cut.
-
-    ``image_size`` builds ViT and MaxViT for that resolution (the zoo's default is 224)."""
-    check_backbone_name(name)
-    kwargs = {}
-    if image_size is not None and fixed_resolution(name):
-        kwargs = {"image_size": image_size} if name.startswith("vit_") else {"input_size": (image_size, image_size)}
-    try:
-        model = torchvision.models.get_model(name, **kwargs)
-    except (ValueError, AssertionError, RuntimeError) as e:  # e.g. a ViT size that is not a multiple of its patch
-        raise ValueError(f"MODEL.TRUNK.NAME {name} cannot be built for {image_size}px crops: {e}") from None
-    try:
-        feature_blocks(model)
-    except TypeError as e:
-        raise ValueError(f"MODEL.TRUNK.NAME {name!r}: {e}") from None
-    return model
+from .backbones import build_backbone
+from .config import budget_bytes
 
 
 def build_trunk(cfg) -> CheckpointedTrunk:
@@ -122,3 +92,29 @@ def build_model(cfg) -> SSLModel:
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
     return SSLModel(trunk, dim, cfg.MODEL.HEAD.HIDDEN_DIM, cfg.MODEL.HEAD.OUTPUT_DIM, prototypes)
 
+
+def fit_config_batch(cfg, device: torch.device) -> Tuple[int, int]:
+    """For the launcher's ``TRAIN.BATCH_SIZE_PER_RANK: 0``: (images per rank, memory budget in bytes)."""
+    size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
+    model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
+    found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer="sgd", out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
+                num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=cfg.TRAIN.GRADIENTS,
+                use_reentrant=cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT, verify=False)
+    if found.batch_size < views:
+        raise ValueError(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:g} fits {found.batch_size} crops per step, fewer than the {views} views of one image")
+    return found.batch_size // views, found.memory - found.resident_bytes
+
+
+def with_fitted_batch(cfg, device, rank: int):
+    """The config with the largest batch per rank that fits TRAIN.MEMORY_LIMIT, and the memory budget that
+    leaves the trunk (the least recompute that fits), as ``trunksplit.fit`` predicts them."""
+    batch, budget = fit_config_batch(cfg, device)
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.TRAIN.BATCH_SIZE_PER_RANK = batch
+    cfg.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET = float(budget)
+    cfg.freeze()
+    if rank == 0:
+        print(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits {batch} images per rank "
+              f"({batch * sum(cfg.DATA.CROP_COUNTS)} crops through the trunk), trunk budget {budget} bytes")
+    return cfg

@@ -1,0 +1,119 @@
+"""feature_blocks, register_trunk, layer_splittable_before."""
+from collections import OrderedDict
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torchvision.ops.misc import Conv2dNormActivation
+
+from trunksplit import CheckpointedTrunk, feature_blocks, layer_splittable_before, register_trunk
+from trunksplit.planning import vissl as vissl_module
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnext50_32x4d", "wide_resnet50_2"])
+def test_resnet_family_blocks_are_the_models_own_modules(arch):
+    model = getattr(torchvision.models, arch)()
+    blocks = feature_blocks(model)
+    assert list(blocks) == ["conv1", "bn1", "conv1_relu", "maxpool", "res2", "res3", "res4", "res5", "avgpool", "flatten"]
+    assert blocks["conv1"] is model.conv1 and blocks["conv1_relu"] is model.relu
+    assert [blocks[f"res{i}"] for i in range(2, 6)] == [model.layer1, model.layer2, model.layer3, model.layer4]
+    assert blocks["avgpool"] is model.avgpool and isinstance(blocks["flatten"], nn.Flatten)
+
+
+@pytest.mark.parametrize("arch", ["regnet_x_400mf", "regnet_y_400mf"])
+def test_regnet_family_blocks(arch):
+    model = getattr(torchvision.models, arch)()
+    blocks = feature_blocks(model)
+    assert list(blocks) == ["conv1", "res2", "res3", "res4", "res5", "avgpool", "flatten"]
+    assert blocks["conv1"] is model.stem
+    assert [blocks[f"res{i}"] for i in range(2, 6)] == list(model.trunk_output.children())
+
+
+def test_feature_blocks_run_in_order_give_the_model_features():
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(2, 3, 64, 64)
+    h = x
+    for block in feature_blocks(model).values():
+        h = block(h)
+    model.fc = nn.Identity()
+    assert torch.equal(h, model(x))
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3)
+        self.stage = nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3))
+        self.head = nn.Linear(4, 2)
+
+
+def test_register_trunk_teaches_a_new_family():
+    register_trunk(TinyNet, lambda m: OrderedDict(conv1=m.stem, res2=m.stage, flatten=nn.Flatten(1)))
+    model = TinyNet()
+    trunk = CheckpointedTrunk(model, ["res2"], num_splits=3)
+    assert {id(p) for p in trunk.parameters()} == {id(p) for p in list(model.stem.parameters()) + list(model.stage.parameters())}
+    # no cut before the in-place ReLU (unit 3 of conv1, res2.0, res2.1, res2.2, res2.3)
+    assert 3 not in trunk.plan.boundaries
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.equal(trunk(x)[0], model.stage(model.stem(x)))
+
+
+def test_register_trunk_refuses_non_modules():
+    with pytest.raises(TypeError):
+        register_trunk(int, lambda m: m)
+
+
+@pytest.mark.parametrize(
+    "module,splittable",
+    [
+        (nn.ReLU(inplace=True), False),
+        (nn.ReLU(), True),
+        (nn.SiLU(inplace=True), False),
+        (nn.Hardswish(inplace=True), False),
+        (nn.ReLU6(inplace=True), False),
+        (nn.LeakyReLU(inplace=True), False),
+        (nn.Dropout(inplace=True), False),
+        (nn.Conv2d(1, 1, 1), True),
+        (nn.Sequential(nn.ReLU(inplace=True), nn.Conv2d(1, 1, 1)), False),
+        (nn.Sequential(nn.Sequential(nn.SiLU(inplace=True)), nn.Conv2d(1, 1, 1)), False),
+        (Conv2dNormActivation(1, 1), True),  # conv first; its in-place ReLU is last
+        (nn.Sequential(), True),
+    ],
+)
+def test_layer_splittable_before(module, splittable):
+    assert layer_splittable_before(module) is splittable
+
+
+def test_vissl_plan_is_made_once_not_on_every_forward(monkeypatch):
+    trunk = CheckpointedTrunk(torchvision.models.resnet18(), ["flatten"], num_splits=4)
+    calls = []
+    monkeypatch.setattr(vissl_module, "vissl_segments", lambda *a, **k: calls.append(1))
+    for _ in range(2):
+        sum(f.sum() for f in trunk(torch.randn(2, 3, 32, 32))).backward()
+    assert calls == []
+
+
+def test_stages_are_what_feature_blocks_name_not_a_res_prefix():
+    from trunksplit.chains.blocks import FeatureBlocks
+
+    model = TinyNet()
+    named = FeatureBlocks([("stem", model.stem), ("body", model.stage), ("flatten", nn.Flatten(1))], stages=["body"])
+    trunk = CheckpointedTrunk(named, ["flatten"], num_splits=3)
+    assert trunk.plan.units == ("stem", "body.0", "body.1", "body.2", "body.3", "flatten")
+    # a plain dict keeps vissl's rule: "res*" expands, anything else is one unit
+    plain = CheckpointedTrunk(OrderedDict(stem=model.stem, body=model.stage, flatten=nn.Flatten(1)), ["flatten"])
+    assert plain.plan.units == ("stem", "body", "flatten")
+    with pytest.raises(ValueError, match=r"stages \['nope'\] are not among the feature blocks"):
+        FeatureBlocks([("stem", model.stem)], stages=["nope"])
+
+
+@pytest.mark.parametrize("arch", ["alexnet", "squeezenet1_0"])
+def test_unregistered_torchvision_models_are_traced_into_chains(arch):
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(arch).eval()
+    blocks = feature_blocks(model)
+    assert list(blocks)[-1] == "output" and len(blocks) > 5
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        assert torch.equal(CheckpointedTrunk(blocks).eval()(x)[0], model(x))

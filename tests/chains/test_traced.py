@@ -1,0 +1,353 @@
+"""Automatic chains: any traceable model, cut where one tensor carries the state, trains exactly like itself."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from trunksplit import CheckpointedTrunk, PeakMemory, feature_blocks
+
+from reference import loss_of
+
+
+class ResidualNet(nn.Module):
+    """A ModuleList of residual blocks, functional ops in forward, a parameter read directly."""
+
+    def __init__(self, width=8, depth=6):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.Dropout(0.2)) for _ in range(depth))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width).view(1, width, 1, 1))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = F.relu(x + block(x))
+        x = x * self.scale
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class Stages(nn.Module):
+    """timm's layout: stages.i = downsample + blocks, a buffer read in forward, several outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.4, 0.5, 0.6]).view(1, 3, 1, 1))
+        chans = [3, 8, 16, 16]
+        self.stages = nn.ModuleList(
+            nn.ModuleDict(dict(down=nn.Conv2d(a, b, 3, stride=2, padding=1), blocks=nn.Sequential(*[nn.Sequential(nn.BatchNorm2d(b), nn.GELU(), nn.Conv2d(b, b, 1)) for _ in range(2)])))
+            for a, b in zip(chans, chans[1:])
+        )
+
+    def forward(self, x):
+        x = x - self.mean
+        for stage in self.stages:
+            x = stage["down"](x)
+            for block in stage["blocks"]:
+                x = x + block(x)
+        return {"pooled": x.mean((2, 3)), "map": x}
+
+
+class TinyViT(nn.Module):
+    """Tokens: a class-token parameter, attention with a residual, LayerNorm, dropout."""
+
+    def __init__(self, dim=16, depth=3):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 8, stride=8)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(dim), attn=nn.MultiheadAttention(dim, 2, dropout=0.1, batch_first=True), mlp=nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))))
+            for _ in range(depth)
+        )
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        for layer in self.layers:
+            h = layer["norm"](x)
+            x = x + layer["attn"](h, h, h, need_weights=False)[0]
+            x = x + layer["mlp"](x)
+        return x[:, 0]
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's layout: a BatchNorm subclass that calls F.batch_norm itself, then Identity, then an in-place act."""
+
+    def __init__(self, channels):
+        super().__init__(channels, momentum=0.3)
+        self.drop = nn.Identity()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps)
+        return self.act(self.drop(x))
+
+
+class NormActNet(nn.Module):
+    """Conv, BatchNormAct, Identity between blocks, and a forward with optional arguments."""
+
+    def __init__(self):
+        super().__init__()
+        # conv, Identity, in-place ReLU: a cut before the Identity would hand the ReLU the checkpoint's input
+        self.layers = nn.Sequential(*[m for i in range(4) for m in (nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.Identity(), nn.ReLU(inplace=True), BatchNormAct(8))])
+        self.pre = nn.Identity()
+        self.act = nn.SiLU()
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        if mask is not None:
+            x = x * mask
+        return self.act(self.pre(self.layers(x))).mean((2, 3)) * scale
+
+
+class FunctionalInPlace(nn.Module):
+    """In-place ops called as functions (torch.sigmoid_, F.relu_), each right after a conv."""
+
+    def __init__(self, width=8, depth=6):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else width, width, 3, padding=1) for i in range(depth))
+
+    def forward(self, x):
+        for i, conv in enumerate(self.convs):
+            x = torch.sigmoid_(conv(x)) if i % 2 else F.relu_(conv(x))
+        return x.mean((2, 3))
+
+
+class SharedWeights(nn.Module):
+    """One block called twice (its gradients sum over both uses), beside modules whose names look like fx's."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.shared_0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        x = self.shared_0(x)
+        x = self.shared(x)
+        x = self.shared(x)
+        return self.head(x).mean((2, 3))
+
+
+class RunningMean(nn.Module):
+    """Keeps an EMA of its output's channel means in a buffer (timm's EvoNorm keeps running_var so);
+    with ``reads`` its output also uses the buffer, read before it is updated."""
+
+    def __init__(self, width, reads):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.register_buffer("ema", torch.zeros(width))
+        self.reads = reads
+
+    def forward(self, x):
+        y = self.conv(x)
+        out = y + self.ema.view(1, -1, 1, 1) if self.reads else y
+        self.ema.mul_(0.9).add_(0.1 * y.detach().mean((0, 2, 3)))
+        return torch.relu(out)
+
+
+class BufferWriter(nn.Module):
+    def __init__(self, width=8, depth=6):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(RunningMean(width, reads=i % 2 == 1) for i in range(depth))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.mean((2, 3))
+
+
+class CrossStage(nn.Module):
+    """timm's CSP layout: ``x.split`` into halves, one through a block, concatenated: the only cut
+    inside a stage carries the tuple of halves."""
+
+    def __init__(self, width=8, depth=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width // 2, width // 2, 3, padding=1), nn.BatchNorm2d(width // 2), nn.ReLU()) for _ in range(depth))
+        self.mix = nn.ModuleList(nn.Conv2d(width, width, 1) for _ in range(depth))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block, mix in zip(self.blocks, self.mix):
+            a, b = x.split(x.shape[1] // 2, dim=1)
+            x = mix(torch.cat([block(a), b], dim=1))
+        return x.mean((2, 3))
+
+
+MODELS = {"norm_act": NormActNet, "residual": ResidualNet, "stages": Stages, "tiny_vit": TinyViT, "torchvision_resnet18": lambda: _untraced_resnet18(),
+          "functional_in_place": FunctionalInPlace, "shared_weights": SharedWeights, "buffer_writer": BufferWriter, "cross_stage": CrossStage}
+
+
+def _untraced_resnet18():
+    """torchvision's ResNet-18, but as a class trunksplit has no registration for."""
+    return type("MyResNet", (nn.Module,), {"__init__": lambda self: (nn.Module.__init__(self), setattr(self, "net", torchvision.models.resnet18(num_classes=7)))[0],
+                                           "forward": lambda self, x: self.net(x)})()
+
+
+def _build(name, seed=0):
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def _loss(out):
+    return loss_of(list(out.values()) if isinstance(out, dict) else [out])
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("how", [dict(num_splits=3), dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.95, gradients="kept")], ids=["vissl3", "balanced4", "budget"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_traced_chain_trains_exactly_like_the_model(name, how, reentrant):
+    plain = _build(name)
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["output"], use_reentrant=reentrant, **how)
+    assert not (set(map(id, trunk.parameters())) - set(map(id, model.parameters())))  # the model's own objects
+    x = torch.randn(2, 3, 32, 32)
+    torch.manual_seed(3)
+    want = plain(x)
+    _loss(want).backward()
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (got,) = trunk(x)
+    _loss(got).backward()
+    assert len(trunk.plan.segments) > 1 or trunk.plan.regions  # the budget is met by cuts or by regions
+    if isinstance(want, dict):
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    else:
+        assert torch.equal(want, got)
+    close = torch.equal if not reentrant else (lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6))
+    for (n, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        assert a.grad is None or close(a.grad, b.grad), n
+    for (n, a), b in zip(plain.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), n
+    assert list(model.state_dict()) == list(plain.state_dict())  # still the model's own state_dict
+    # only the model's own tensors: no fx-made constant among the trunk's buffers or state
+    assert {id(b) for b in trunk.buffers()} <= {id(b) for b in model.buffers()}
+
+
+def test_cut_points_are_named_after_the_modules_that_end_there():
+    names = list(feature_blocks(_build("stages")))
+    assert names[-1] == "output"
+    assert "stages.0" in names and "stages.1" in names and "stages.2" not in names  # stage 2 ends in the output unit
+    resnet = list(feature_blocks(_untraced_resnet18()))
+    assert {"net.layer1", "net.layer2", "net.layer3", "net.maxpool"} <= set(resnet)
+    trunk = CheckpointedTrunk(_untraced_resnet18(), ["net.layer3", "output"], num_splits=4)
+    assert [f.shape for f in trunk(torch.randn(2, 3, 64, 64))] == [torch.Size([2, 256, 4, 4]), torch.Size([2, 7])]
+
+
+def test_balanced_plans_cut_the_measured_peak_of_a_traced_model():
+    torch.manual_seed(0)
+    model = ResidualNet(width=16, depth=10)
+    x = torch.randn(4, 3, 48, 48)
+
+    def peak(trunk):
+        trunk(x)[0].sum().backward()
+        with PeakMemory() as mem:
+            trunk(x)[0].sum().backward()
+        return mem.peak_bytes
+
+    plain = peak(CheckpointedTrunk(copy.deepcopy(model), gradients="kept"))
+    balanced = peak(CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced", gradients="kept"))
+    assert balanced < 0.6 * plain
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent: fx cannot follow it
+            return self.conv(x)
+        return -self.conv(x)
+
+
+def test_an_untraceable_model_is_a_clear_error_and_nothing_is_built():
+    model = Branchy()
+    before = copy.deepcopy(model.state_dict())
+    children = list(model.named_modules())
+    with pytest.raises(TypeError, match=r"could not trace Branchy.*torch.fx said: TraceError.*register_trunk.*OrderedDict.*apply_activation_checkpointing") as info:
+        CheckpointedTrunk(model, ["output"], num_splits=2)
+    assert "Supported families" in str(info.value)
+    assert list(model.named_modules()) == children and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_registered_families_keep_vissl_names():
+    assert list(feature_blocks(torchvision.models.resnet18()))[:5] == ["conv1", "bn1", "conv1_relu", "maxpool", "res2"]
+
+
+@pytest.mark.parametrize("splits", [6, 12])
+def test_cuts_stay_off_functional_in_place_ops(splits):
+    """torch.sigmoid_(x) overwrites its input as ReLU(inplace=True) does: no segment may start with it."""
+    trunk = CheckpointedTrunk(FunctionalInPlace(), num_splits=splits)
+    starts = {trunk.plan.units[s.start] for s in trunk.plan.segments[1:]}
+    assert starts and not any(name.startswith(("relu_", "sigmoid_")) for name in starts), starts
+    (got,) = trunk(torch.randn(2, 3, 16, 16))
+    got.sum().backward()  # raised "modified by an inplace operation" when a cut fell before sigmoid_
+
+
+def test_a_module_called_twice_gets_names_that_cannot_collide():
+    model = SharedWeights()
+    trunk = CheckpointedTrunk(model, num_splits=3)
+    children = [n.replace(".", "_") for n in trunk.plan.units]
+    assert len(set(children)) == len(children)
+    # the shared block's parameters are the model's, once each, though two units run them
+    assert sorted(id(p) for p in trunk.parameters()) == sorted(id(p) for p in model.parameters())
+
+
+def test_buffer_reads_are_traced_not_frozen_at_trace_time():
+    """fx's default would run ``self.ema.mul_(0.9)`` once while tracing and bake ``self.ema.view(...)``
+    into a constant; the chain's units read and write the model's own buffer when they run."""
+    model = BufferWriter()
+    blocks = feature_blocks(model)
+    assert all(torch.equal(b, torch.zeros(8)) for b in model.buffers())  # tracing wrote nothing
+    code = "".join(unit.code for unit in blocks.values())
+    assert "mul_" in code and "_tensor_constant" not in code
+
+
+class Reassigns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.conv(x)
+        self.ema = 0.9 * self.ema + 0.1 * y.detach().mean((0, 2, 3))
+        return y.mean((2, 3))
+
+
+def test_a_forward_that_reassigns_a_buffer_is_refused_and_the_model_left_as_it_was():
+    model = Reassigns()
+    buffer = model.ema
+    with pytest.raises(TypeError, match=r"writes its buffer\(s\) \['ema'\].*register_trunk.*apply_activation_checkpointing"):
+        CheckpointedTrunk(model, num_splits=2)
+    assert model.ema is buffer and torch.equal(buffer, torch.zeros(4))
+    model(torch.randn(2, 3, 8, 8))  # still a working model, not one holding an fx Proxy
+
+
+def test_a_cut_that_carries_a_tuple_is_planned_and_measured():
+    """After ``x.split`` the chain carries a tuple: a balanced plan profiles it (it crashed on ``h.detach()``)."""
+    trunk = CheckpointedTrunk(CrossStage(), num_splits=4, strategy="balanced", gradients="kept")
+    x = torch.randn(2, 3, 16, 16)
+    plan = trunk.plan_for(x)
+    assert any(isinstance(out, tuple) for out in _unit_outputs(trunk, x))  # the chain really carries a tuple
+    assert len(plan.segments) == 4 and plan.predicted_peak_bytes > 0
+
+
+def _unit_outputs(trunk, x):
+    from trunksplit.chains import expand_units
+
+    outs = []
+    with torch.no_grad():
+        for _, unit in expand_units(trunk._blocks()):
+            x = unit(x)
+            outs.append(x)
+    return outs

@@ -1,0 +1,274 @@
+"""The profiler's byte counts, the peak model against measurement, the DP against brute force,
+and exact training with cost-aware plans."""
+import copy
+import itertools
+import random
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit.planning.peak import PeakModel
+from trunksplit.planning.profile import UnitCosts, profile_units
+from trunksplit.planning.search import annotate, best_plan, peak_model
+
+from reference import build, loss_of
+from test_trunk import _check_step, _step_both
+
+F32 = 4
+
+
+def test_peak_memory_counts_tensor_bytes_by_hand():
+    with PeakMemory() as mem:
+        a = torch.ones(100)  # 400 bytes
+        b = a * 2  # 400 more: peak 800
+        del a
+        c = b.view(10, 10)  # a view allocates nothing
+        d = torch.ones(50)  # 200 bytes, after a's 400 were freed
+    assert mem.peak_bytes == 800
+    del c, d
+
+
+def test_profiler_bytes_on_a_toy_chain_known_by_hand():
+    torch.manual_seed(0)
+    units = [("fc1", nn.Linear(8, 16)), ("act", nn.ReLU()), ("fc2", nn.Linear(16, 4)), ("relu_", nn.ReLU(inplace=True)), ("drop", nn.Dropout(0.5))]
+    before = copy.deepcopy([m.state_dict() for _, m in units])
+    c = profile_units(units, torch.randn(5, 8))
+    batch = 5
+    assert c.output == (batch * 16 * F32, batch * 16 * F32, batch * 4 * F32, batch * 4 * F32, batch * 4 * F32)
+    # ReLU keeps its output; dropout keeps its float mask; Linear keeps its input (and weights, not counted)
+    assert c.saved == (0, batch * 16 * F32, 0, 0, batch * 4 * F32)
+    assert c.saves_input == (True, False, True, True, False)
+    assert c.keeps_output == (False, True, False, False, False)
+    assert c.input_from == (-1, 0, 1, 2, 2)  # the in-place ReLU passes fc2's storage on to dropout
+    assert c.forward_peak == (batch * 16 * F32, batch * 16 * F32, batch * 4 * F32, 0, 2 * batch * 4 * F32)
+    # Each backward holds the gradient arriving at its output while it works, plus:
+    # fc1: weight grad 16x8 + bias grad 16 (the chain's input needs no grad);
+    # fc2: input grad 5x16 + weight grad 4x16 + bias grad 4; ReLU, dropout: one input grad each
+    arriving = (batch * 16 * F32, batch * 16 * F32, batch * 4 * F32, batch * 4 * F32, batch * 4 * F32)
+    own = ((16 * 8 + 16) * F32, batch * 16 * F32, (batch * 16 + 4 * 16 + 4) * F32, batch * 4 * F32, batch * 4 * F32)
+    assert c.backward_excess == tuple(a + o for a, o in zip(arriving, own))
+    assert c.flops == (2 * batch * 8 * 16, 0, 2 * batch * 16 * 4, 0, 0)
+    assert c.param_bytes == ((16 * 8 + 16) * F32, 0, (16 * 4 + 4) * F32, 0, 0)
+    assert all(p.grad is None for _, m in units for p in m.parameters())  # the model is untouched
+    for (_, m), sd in zip(units, before):
+        assert all(torch.equal(v, m.state_dict()[k]) for k, v in sd.items())
+
+
+def _random_costs(rng, n):
+    r = lambda lo, hi: tuple(rng.randint(lo, hi) for _ in range(n))  # noqa: E731
+    return UnitCosts(
+        names=tuple(f"u{i}" for i in range(n)),
+        output=r(1, 50),
+        saved=r(0, 80),
+        saves_input=tuple(rng.random() < 0.7 for _ in range(n)),
+        input_from=tuple(i - 1 - (rng.random() < 0.2 and i > 1) for i in range(n)),
+        keeps_output=tuple(rng.random() < 0.3 for _ in range(n)),
+        forward_peak=r(1, 100),
+        backward_excess=r(1, 100),
+        flops=r(1, 30),
+        param_bytes=r(0, 60),
+    )
+
+
+def _all_plans(n, splittable, forced):
+    allowed = [i for i in range(1, n) if splittable[i] or i in forced]
+    for r in range(len(allowed) + 1):
+        for cuts in itertools.combinations(allowed, r):
+            if set(forced) <= set(cuts):
+                yield [0, *cuts]
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+def test_dp_matches_brute_force_on_random_chains(gradients):
+    rng = random.Random(0)
+    for _ in range(150):
+        n = rng.randint(2, 9)
+        costs = _random_costs(rng, n)
+        model = PeakModel(costs, rng.sample(range(n), rng.randint(1, 2)), gradients)
+        splittable = [True] + [rng.random() < 0.75 for _ in range(n - 1)]
+        forced = sorted(rng.sample(range(1, n), rng.randint(0, min(1, n - 1))))
+        plans = list(_all_plans(n, splittable, forced))
+        # lowest peak for an exact segment count (ties: least recompute)
+        k = rng.randint(1, n)
+        exact = [p for p in plans if len(p) == k]
+        got = best_plan(model, splittable, forced, num_segments=k)
+        got = got and got.starts
+        if not exact:
+            assert got is None
+        else:
+            want = min((model.peak(p), model.total_recompute(p)) for p in exact)
+            assert (model.peak(got), model.total_recompute(got)) == want
+        # lowest peak under a recompute cap
+        cap = rng.choice([model.total_recompute(p) for p in plans])
+        capped = [p for p in exact if model.total_recompute(p) <= cap]
+        got = best_plan(model, splittable, forced, num_segments=k, max_recompute=cap)
+        got = got and got.starts
+        if not capped:
+            assert got is None
+        else:
+            assert (model.peak(got), model.total_recompute(got)) == min((model.peak(p), model.total_recompute(p)) for p in capped)
+        # least recompute under a budget (ties: lowest peak), at most k segments
+        budget = rng.choice([model.peak(p) for p in plans])
+        fits = [p for p in plans if model.peak(p) <= budget and len(p) <= k]
+        got = best_plan(model, splittable, forced, max_segments=k, budget=budget)
+        got = got and got.starts
+        if not fits:
+            assert got is None
+        else:
+            assert (model.total_recompute(got), model.peak(got)) == min((model.total_recompute(p), model.peak(p)) for p in fits)
+            assert set(forced) <= set(got) and all(splittable[i] or i in forced for i in got[1:])
+
+
+def _measured_step_peak(trunk, x):
+    """The second step's peak, its gradients cleared as the trunk's mode says a loop clears them."""
+    loss_of(trunk(x)).backward()  # first step: parameters get their .grad
+    for p in trunk.parameters():
+        if trunk.gradients == "allocated":
+            p.grad = None  # optimizer.zero_grad(), torch's default
+        else:
+            p.grad.zero_()  # optimizer.zero_grad(set_to_none=False)
+    with PeakMemory() as mem:
+        loss_of(trunk(x)).backward()
+    return mem.peak_bytes
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+@pytest.mark.parametrize("arch", ["resnet18", "regnet_x_400mf"])
+def test_model_predicts_measured_peaks_within_10_percent_and_ranks_them(arch, gradients):
+    x = torch.randn(2, 3, 64, 64)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for strategy, k in [("vissl", 1), ("vissl", 2), ("vissl", 4), ("vissl", 8), ("balanced", 2), ("balanced", 4)]:
+            trunk = CheckpointedTrunk(build(arch), ["flatten"], num_splits=k, strategy=strategy, gradients=gradients)
+            predicted = annotate(trunk.plan_for(x), peak_model(trunk, x)).predicted_peak_bytes
+            measured = _measured_step_peak(trunk, x)
+            rows.append((strategy, k, predicted, measured))
+    for strategy, k, predicted, measured in rows:
+        assert abs(predicted / measured - 1) <= 0.10, (strategy, k, predicted, measured)
+    for (_, _, p1, m1), (_, _, p2, m2) in itertools.combinations(rows, 2):
+        if abs(m1 / m2 - 1) > 0.10:  # clearly different measured peaks: the model orders them the same way
+            assert (p1 < p2) == (m1 < m2)
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "regnet_y_400mf"])
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("kw", [dict(strategy="balanced", splits=4), dict(strategy="balanced", splits=2), dict(memory_budget=0.8, splits=None, gradients="kept")], ids=["balanced4", "balanced2", "budget0.8"])
+def test_cost_aware_plans_train_exactly(arch, reentrant, kw):
+    kw = dict(kw)
+    splits = kw.pop("splits")
+    plain, model, trunk, want, got, _ = _step_both(arch, ["res3", "flatten"], splits, reentrant, **kw)
+    _check_step(plain, model, trunk, want, got, reentrant)
+    assert trunk.plan.strategy == ("budget" if "memory_budget" in kw else "balanced")
+    assert "res3" in trunk.plan.names and len(trunk.plan.segments) >= 2
+
+
+def test_balanced_plan_cuts_after_requested_features_and_never_before_inplace():
+    trunk = CheckpointedTrunk(build("resnet50"), ["res3", "flatten"], num_splits=5, strategy="balanced")
+    plan = trunk.plan_for(torch.randn(2, 3, 64, 64))
+    assert len(plan.segments) == 5
+    assert plan.units.index("res3.3") + 1 in plan.boundaries
+    assert plan.units.index("conv1_relu") not in plan.boundaries
+    assert [s.checkpointed for s in plan.segments] == [True] * 4 + [False]
+    text = str(plan)
+    assert "predicted peak (MiB)" in text and "recompute (GFLOP)" in text
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50", "regnet_x_400mf"])
+def test_balanced_never_recomputes_more_than_vissl_plus_10_percent(arch):
+    x = torch.randn(2, 3, 32, 32)
+    for k in (2, 3, 4, 6):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            vissl = CheckpointedTrunk(build(arch), ["flatten"], num_splits=k)
+            balanced = CheckpointedTrunk(build(arch), ["flatten"], num_splits=k, strategy="balanced").plan_for(x)
+        # FLOPs of everything before the last segment, counted independently with torch's FlopCounterMode
+        assert _recompute_flops(balanced, arch, x) <= 1.10 * _recompute_flops(vissl.plan, arch, x), k
+        assert balanced.predicted_peak_bytes <= annotate(vissl.plan, peak_model(vissl, x)).predicted_peak_bytes
+
+
+def _recompute_flops(plan, arch, x):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trunksplit import feature_blocks
+    from trunksplit.chains.blocks import expand_units
+
+    units = [m for _, m in expand_units(feature_blocks(build(arch)))][: plan.segments[-1].start]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        h = x
+        for m in units:
+            h = m(h)
+    return counter.get_total_flops()
+
+
+def test_balanced_with_fewer_splits_than_features_cuts_after_each_feature():
+    trunk = CheckpointedTrunk(build("resnet18"), ["res3", "flatten"], num_splits=1, strategy="balanced")
+    plan = trunk.plan_for(torch.randn(2, 3, 32, 32))
+    assert plan.names == ["res3", "flatten"]
+
+
+def test_balanced_warns_when_the_split_count_cannot_be_reached():
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=50, strategy="balanced")
+    with pytest.warns(UserWarning, match="asked for 50 checkpoint segments but only 13 can be made"):
+        plan = trunk.plan_for(torch.randn(2, 3, 32, 32))
+    assert len(plan.segments) == 13
+
+
+def test_replans_when_the_input_shape_changes():
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=3, strategy="balanced")
+    small = trunk.plan_for(torch.randn(2, 3, 64, 64))
+    assert trunk.plan_for(torch.randn(2, 3, 64, 64)) is small  # measured once per shape
+    big = trunk.plan_for(torch.randn(2, 3, 96, 96))
+    assert big.predicted_peak_bytes > small.predicted_peak_bytes
+    loss_of(trunk(torch.randn(2, 3, 96, 96))).backward()
+    assert trunk.plan is big
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+def test_budget_plan_fits_and_impossible_budget_names_the_smallest_feasible(gradients):
+    x = torch.randn(2, 3, 64, 64)
+    with pytest.raises(ValueError, match=r"budget.*smallest feasible budget is (\d+) bytes") as info:
+        CheckpointedTrunk(build("resnet18"), memory_budget=1000, gradients=gradients).plan_for(x)
+    smallest = int(info.value.args[0].split("smallest feasible budget is ")[1].split()[0])
+    plan = CheckpointedTrunk(build("resnet18"), memory_budget=smallest, gradients=gradients).plan_for(x)
+    assert plan.predicted_peak_bytes <= smallest
+    with pytest.raises(ValueError, match="budget"):
+        CheckpointedTrunk(build("resnet18"), memory_budget=smallest - 1, gradients=gradients).plan_for(x)
+    # a generous budget needs less recompute than a tight one
+    loose = CheckpointedTrunk(build("resnet18"), memory_budget=0.999, gradients=gradients).plan_for(x)
+    assert sum(s.recompute_flops for s in loose.segments) <= sum(s.recompute_flops for s in plan.segments)
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+def test_budget_ladder_is_met_when_measured_and_tighter_never_measures_higher(gradients):
+    # An activation-heavy model, so that budgets down to 0.35 are feasible at a test's size.
+    torch.manual_seed(0)
+    import torchvision
+
+    base = torchvision.models.mobilenet_v2(width_mult=0.5)
+    x = torch.randn(4, 3, 96, 96)
+    plain = _measured_step_peak(CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients), x)
+    measured = []
+    for budget in (0.6, 0.5, 0.45, 0.4, 0.35):
+        trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=budget, gradients=gradients)
+        measured.append(_measured_step_peak(trunk, x) / plain)
+        assert measured[-1] <= budget * 1.03, (budget, measured)
+    assert measured == sorted(measured, reverse=True)
+
+
+def test_gradients_allocated_by_the_step_are_part_of_its_peak():
+    # torch's default zero_grad() leaves .grad None: the step allocates every gradient. A
+    # model that assumed them allocated already would plan that step too optimistically.
+    x = torch.randn(2, 3, 64, 64)
+    allocated = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=4, strategy="balanced")
+    kept = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=4, strategy="balanced", gradients="kept")
+    param_bytes = sum(p.numel() * 4 for p in allocated.parameters())
+    a, k = (annotate(t.plan_for(x), peak_model(t, x)).predicted_peak_bytes for t in (allocated, kept))
+    assert a - k >= 0.5 * param_bytes  # most gradients exist at the allocated-mode peak
+    for trunk, predicted in ((allocated, a), (kept, k)):
+        assert abs(predicted / _measured_step_peak(trunk, x) - 1) <= 0.05
+    with pytest.raises(ValueError, match="gradients must be one of"):
+        CheckpointedTrunk(build("resnet18"), gradients="none")

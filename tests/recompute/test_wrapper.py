@@ -1,0 +1,251 @@
+"""checkpoint_wrapper: the wrapped module trains exactly like the plain one, and stays a normal module."""
+import copy
+import gc
+import io
+import pickle
+import weakref
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from trunksplit import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
+
+
+class Block(nn.Module):
+    """kwargs in, a nested structure with non-tensor members out; dropout and BatchNorm inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+        self.runs = []
+
+    def forward(self, x, scale=1.0, bias=None):
+        self.runs.append(is_recomputing())
+        y = self.drop(torch.relu(self.bn(self.conv(x)))) * scale
+        if bias is not None:
+            y = y + bias
+        return {"out": (y, y.mean()), "tag": "block", "n": 3}
+
+
+def _loss(res):
+    y, m = res["out"]
+    assert res["tag"] == "block" and res["n"] == 3
+    return (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum() + m
+
+
+def _pair():
+    torch.manual_seed(0)
+    plain = Block()
+    return plain, checkpoint_wrapper(copy.deepcopy(plain))
+
+
+def _run(module, x, bias, seed=7):
+    torch.manual_seed(seed)
+    loss = _loss(module(x, scale=2.0, bias=bias))
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_loss_gradients_dropout_and_batchnorm_equal_the_plain_module(input_grad):
+    plain, wrapped = _pair()
+    x = torch.randn(2, 3, 8, 8)
+    bias = torch.randn(4, 1, 1, requires_grad=True)
+    xp, xw = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    bp, bw = bias.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    assert torch.equal(_run(plain, xp, bp), _run(wrapped, xw, bw))
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert b.grad is not None and torch.equal(a.grad, b.grad), n
+    for (n, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
+        assert torch.equal(a, b), n  # running stats moved once, num_batches_tracked == 1
+    assert int(wrapped.bn.num_batches_tracked) == 1
+    assert torch.equal(bp.grad, bw.grad)
+    if input_grad:
+        assert torch.equal(xp.grad, xw.grad)
+
+
+def test_runs_twice_in_training_once_under_no_grad_and_flags_the_recompute():
+    _, wrapped = _pair()
+    x = torch.randn(2, 3, 8, 8)
+    _run(wrapped, x, None)
+    assert wrapped.runs == [False, True]
+    wrapped.runs.clear()
+    with torch.no_grad():
+        wrapped(x)
+    assert wrapped.runs == [False]
+    assert not is_recomputing()
+
+
+def test_bf16_autocast_on_cpu_is_restored_in_the_recompute():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(4, 16)
+    for m in (plain, wrapped):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        assert out.dtype == torch.bfloat16
+        out.float().pow(2).sum().backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_state_dict_and_parameter_names_unchanged_and_loadable_both_ways():
+    model = torchvision.models.resnet18()
+    plain_keys = list(model.state_dict())
+    plain_names = [n for n, _ in model.layer1[0].named_parameters()]
+    wrapped = copy.deepcopy(model)
+    checkpoint_wrapper(wrapped.layer1[0])
+    assert list(wrapped.state_dict()) == plain_keys
+    assert [n for n, _ in wrapped.layer1[0].named_parameters()] == plain_names
+    model.load_state_dict(wrapped.state_dict(), strict=True)
+    wrapped.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_deepcopy_is_an_independent_copy_that_trains_itself():
+    _, wrapped = _pair()
+    twin = copy.deepcopy(wrapped)
+    assert is_checkpoint_wrapped(twin)
+    x = torch.randn(2, 3, 8, 8)
+    _run(twin, x, None)
+    assert all(p.grad is None for p in wrapped.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+    assert twin.runs[-2:] == [False, True] and wrapped.runs == []  # the copy ran its own forward, checkpointed
+    assert int(twin.bn.num_batches_tracked) == 1 and int(wrapped.bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_pickle_and_torch_save_round_trip(how):
+    plain, wrapped = _pair()
+    if how == "pickle":
+        back = pickle.loads(pickle.dumps(wrapped))
+    else:
+        buf = io.BytesIO()
+        torch.save(wrapped, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=False)
+    assert is_checkpoint_wrapped(back) and type(back) is type(wrapped)
+    back.runs.clear()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(_run(plain, x, None), _run(back, x, None))
+    assert back.runs == [False, True]
+    for (n, a), (_, b) in zip(plain.named_parameters(), back.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_a_deleted_wrapped_module_is_freed_without_gc():
+    gc.disable()
+    try:
+        module = checkpoint_wrapper(nn.Linear(4, 4))
+        module(torch.randn(2, 4)).sum().backward()
+        ref = weakref.ref(module)
+        del module
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_wrapping_twice_is_harmless_and_unwrap_restores_the_class():
+    _, wrapped = _pair()
+    again = checkpoint_wrapper(wrapped)
+    assert again is wrapped and type(wrapped).__mro__.count(type(wrapped)) == 1
+    _run(wrapped, torch.randn(2, 3, 8, 8), None)
+    assert wrapped.runs == [False, True]  # checkpointed once, not nested
+    unwrap_checkpoint(wrapped)
+    assert type(wrapped) is Block and not is_checkpoint_wrapped(wrapped)
+    wrapped.runs.clear()
+    _run(wrapped, torch.randn(2, 3, 8, 8), None)
+    assert wrapped.runs == [False]
+
+
+def test_offload_to_cpu_works_on_a_cpu_only_machine():
+    plain, _ = _pair()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain), offload_to_cpu=True)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(_run(plain, x, None), _run(wrapped, x, None))
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_wrapping_a_non_module_is_refused():
+    with pytest.raises(TypeError, match="nn.Module"):
+        checkpoint_wrapper(lambda x: x)
+
+
+class TakesTorchsNames(nn.Module):
+    """A module whose own keywords share names with torch.utils.checkpoint's and run_checkpointed's."""
+
+    def forward(self, x, debug=None, preserve_rng_state=None, early_stop=None, use_reentrant=None, context_fn=None,
+                determinism_check=None, function=None, bns=None):
+        got = dict(debug=debug, preserve_rng_state=preserve_rng_state, early_stop=early_stop, use_reentrant=use_reentrant,
+                   context_fn=context_fn, determinism_check=determinism_check, function=function, bns=bns)
+        return x * 2, got
+
+
+def test_every_keyword_reaches_the_module_unchanged():
+    wrapped = checkpoint_wrapper(TakesTorchsNames())
+    kwargs = dict(debug="d", preserve_rng_state="p", early_stop="e", use_reentrant="u", context_fn="c", determinism_check="dc", function="f", bns="b")
+    x = torch.randn(3, requires_grad=True)
+    y, got = wrapped(x, **kwargs)
+    assert got == kwargs
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+
+def test_a_slice_of_a_wrapped_sequential_runs_and_trains_like_the_plain_slice():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(3, 4)
+    part = wrapped[1:]
+    assert is_checkpoint_wrapped(part) and list(part.state_dict()) == list(plain[1:].state_dict())
+    plain[1:](x).pow(2).sum().backward()
+    part(x).pow(2).sum().backward()
+    assert torch.equal(plain[2].weight.grad, wrapped[2].weight.grad)
+    unwrap_checkpoint(part)  # a slice made by the container can be unwrapped too
+    assert type(part) is nn.Sequential
+
+
+@pytest.mark.parametrize("make", [nn.ReLU, nn.SiLU, nn.Hardswish, nn.Dropout, nn.LeakyReLU,
+                                  lambda inplace: nn.Sequential(nn.ReLU(inplace=inplace), nn.Linear(4, 4))],
+                         ids=["relu", "silu", "hardswish", "dropout", "leaky_relu", "sequential_starting_in_place"])
+def test_a_module_that_overwrites_its_input_is_refused_and_left_unwrapped(make):
+    module = make(inplace=True)
+    cls = type(module)
+    with pytest.raises(ValueError, match=r"cannot wrap .* inplace=True: it overwrites its input.*inplace=False"):
+        checkpoint_wrapper(module)
+    assert type(module) is cls and not is_checkpoint_wrapped(module)
+    wrapped = checkpoint_wrapper(make(inplace=False))  # the same module without the in-place op is fine
+    x = torch.randn(3, 4, requires_grad=True)
+    wrapped(x * 1).sum().backward()
+    assert x.grad is not None
+
+
+class _RunningMean(nn.Module):
+    """Writes a buffer in forward (an EMA of its input) and reads it before the write."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.linear(x) + self.ema
+        self.ema.mul_(0.9).add_(0.1 * y.detach().mean(0))
+        return y.relu()
+
+
+def test_a_buffer_written_in_forward_moves_once_and_the_recompute_reads_it_as_the_forward_did():
+    torch.manual_seed(0)
+    plain = _RunningMean()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        plain(x).pow(2).sum().backward()
+        wrapped(x).pow(2).sum().backward()
+    assert torch.equal(plain.ema, wrapped.ema)
+    assert torch.equal(plain.linear.weight.grad, wrapped.linear.weight.grad)

@@ -1,0 +1,126 @@
+"""The package's layers, as its imports really run: one way only, no circle, nothing hidden in a function.
+
+Read from the source with ``ast`` (what Python would import, not what a docstring says), so a
+new module that imports back up a layer, or hides an import inside a function to dodge a
+circle, fails here with the arrow named.
+"""
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "trunksplit"
+
+# lowest first: a module may import its own layer and the layers before it
+LAYERS = ["chains", "recompute", "planning", "trunk", "distributed", "fit", "ssl", "cli"]
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 45  # a function's body, its docstring not counted: one screen
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        yield name, path
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list:
+    """The trunksplit modules an ``import`` statement loads (a package's ``__init__`` included)."""
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if not target.startswith("trunksplit"):
+        return []
+    known = dict(_modules())
+    found = [target]
+    for alias in node.names:  # `from . import families` imports a module, not a name
+        if f"{target}.{alias.name}" in known:
+            found.append(f"{target}.{alias.name}")
+    return found
+
+
+def _imports():
+    """(importer, imported, line, at module level) for every trunksplit import in the package."""
+    for module, path in _modules():
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                targets = _resolve(module, is_package, node)
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("trunksplit")]
+            else:
+                continue
+            for target in targets:
+                yield module, target, node.lineno, id(node) in top
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(LAYERS)  # the package's own __init__: the public API, above everything
+    return LAYERS.index(parts[1])
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = [m for m, _ in _modules() if m != "trunksplit" and m.split(".")[1] not in LAYERS]
+    assert unknown == [], f"modules outside the layers {LAYERS}: {unknown}"
+
+
+def test_no_import_of_the_package_inside_a_function():
+    hidden = [f"{m} line {line}: {t}" for m, t, line, at_top in _imports() if not at_top]
+    assert hidden == [], "imports hidden in functions (move what is in the wrong place instead):\n" + "\n".join(hidden)
+
+
+def test_imports_run_down_the_layers_only():
+    upward = [f"{m} -> {t} (line {line})" for m, t, line, _ in _imports() if _layer(t) > _layer(m)]
+    assert upward == [], f"imports up the layers {LAYERS}:\n" + "\n".join(upward)
+
+
+def test_the_import_graph_has_no_circle():
+    graph = {}
+    for m, t, _, _ in _imports():
+        if t != m and not m.startswith(t + "."):  # a module's own package runs before it: not an arrow back
+            graph.setdefault(m, set()).add(t)
+    state = {}
+
+    def visit(node, path):
+        if state.get(node) == "done":
+            return
+        if state.get(node) == "open":
+            cycle = path[path.index(node):] + [node]
+            pytest.fail("import circle: " + " -> ".join(cycle))
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_modules_and_functions_fit_a_reader():
+    too_long = []
+    for module, path in _modules():
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                length = body[-1].end_lineno - body[0].lineno + 1 if body else 0
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: a body of {length} lines")
+    assert too_long == [], "split these:\n" + "\n".join(too_long)
+
+
+def test_the_checker_sees_an_upward_import():
+    """The checks above would pass vacuously if the resolver found no arrows: it finds the real ones."""
+    arrows = {(m, t) for m, t, _, _ in _imports()}
+    assert ("trunksplit.trunk", "trunksplit.planning.search") in arrows
+    assert ("trunksplit.chains", "trunksplit.chains.families") in arrows
+    assert _layer("trunksplit.ssl.loop") > _layer("trunksplit.trunk") > _layer("trunksplit.chains.blocks")

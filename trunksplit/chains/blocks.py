@@ -1,0 +1,95 @@
+"""Feature blocks and the chain of units they make.
+
+vissl's trunks expose their layers as ``feature_blocks``: an ordered dict whose
+``res2``..``res5`` entries are stages that the splitter expands into their
+residual blocks. :class:`FeatureBlocks` says which blocks are stages;
+:func:`expand_units` turns the blocks into the chain of units a plan cuts, and
+:func:`layer_splittable_before` says where a cut may fall.
+"""
+from collections import OrderedDict
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from torch import nn
+
+
+class FeatureBlocks(OrderedDict):
+    """Ordered feature blocks that also say which of them are stages.
+
+    A stage is an iterable of blocks (an ``nn.Sequential`` or ``nn.ModuleList``);
+    the splitter may cut between its children. Every other block is one unit.
+    ``stages`` defaults to vissl's rule: the names that start with ``res``.
+    """
+
+    def __init__(self, *args, stages: Optional[Iterable[str]] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stages = frozenset(n for n in self if n.startswith("res")) if stages is None else frozenset(stages)
+        unknown = self.stages - set(self)
+        if unknown:
+            raise ValueError(f"stages {sorted(unknown)} are not among the feature blocks {list(self)}")
+
+    def __reduce__(self):
+        return (type(self), (list(self.items()),), {"stages": self.stages})
+
+
+def stage_names(blocks: Mapping[str, nn.Module]) -> frozenset:
+    """The names of ``blocks`` that are stages (see :class:`FeatureBlocks`)."""
+    if isinstance(blocks, FeatureBlocks):
+        return blocks.stages
+    return frozenset(n for n in blocks if n.startswith("res"))
+
+
+
+def layer_splittable_before(module: nn.Module) -> bool:
+    """Whether a checkpoint segment may start at ``module``.
+
+    A segment must not start with an in-place operation: it would overwrite the
+    previous segment's output, which checkpointing keeps for the recompute, and
+    backward fails with "modified by an inplace operation". vissl compared
+    ``str(m)`` to ``"ReLU(inplace=True)"``; this also catches every other module
+    with ``inplace=True`` (ReLU6, LeakyReLU, SiLU, Hardswish, Dropout, ...) and
+    looks through ``nn.Sequential`` containers (torchvision's
+    ``Conv2dNormActivation`` included) at the child that runs first.
+
+    Sharp edge: a custom module whose ``forward`` starts with an in-place op is
+    invisible here; give it an ``inplace = True`` attribute or keep it off
+    segment starts.
+    """
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return getattr(module, "inplace", False) is not True
+
+
+def expand_units(blocks: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]:
+    """The chain of units: each block, with the stages expanded into their children."""
+    units, stages = [], stage_names(blocks)
+    for name, block in blocks.items():
+        if name in stages:
+            if not isinstance(block, Iterable):
+                raise TypeError(f"feature block {name!r} is a stage so it must be an iterable of blocks, got {type(block).__name__}")
+            child_names = {id(m): n for n, m in block.named_children()} if isinstance(block, nn.Module) else {}
+            for i, child in enumerate(block):
+                units.append((f"{name}.{child_names.get(id(child), i)}", child))
+        else:
+            units.append((name, block))
+    return units
+
+
+def feature_ends(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> "OrderedDict[str, int]":
+    """For each requested feature in chain order: the unit index just past it."""
+    _check_keys(blocks, keys)
+    ends, n, stages = OrderedDict(), 0, stage_names(blocks)
+    for name, block in blocks.items():
+        n += len(block) if name in stages else 1
+        if name in keys:
+            ends[name] = n
+    return ends
+
+
+def _check_keys(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> None:
+    if isinstance(keys, str):
+        raise TypeError(f"feature keys must be a list of names, got the string {keys!r}")
+    if len(keys) == 0:
+        raise ValueError(f"no output feature requested; known keys: {list(blocks)}")
+    unknown = [k for k in keys if k not in blocks]
+    if unknown:
+        raise ValueError(f"unknown feature key(s) {unknown}; known keys: {list(blocks)}")

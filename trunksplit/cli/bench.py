@@ -1,0 +1,273 @@
+"""The benchmark behind ``trunksplit bench`` and ``tools/benchmark.py``.
+
+Every row is one way of running the same trunk on the same batch: the plain
+trunk, torch's ``checkpoint_sequential`` with equal segments, vissl's plan,
+the balanced plan, memory-budget plans (with regions, and with cuts alone),
+the smallest feasible budget, and selective wrapping of residual blocks. Peaks are measured (``PeakMemory``) on a second step, in the gradient
+mode asked for: ``allocated`` (torch's default ``zero_grad()``: the step
+allocates the gradients) or ``kept`` (they exist before the step); step times
+are medians of interleaved repeats, reported as ratios to the plain trunk
+measured in the same run.
+"""
+import copy
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+from tqdm import tqdm
+
+from ..chains.blocks import expand_units, layer_splittable_before
+from ..planning.memory import PeakMemory
+from ..planning.peak import PeakModel
+from ..planning.plan import policy_counts
+from ..planning.search import annotate, best_plan, budget_in_bytes, peak_model, plan_from_cuts, plan_trunk
+from ..recompute.select import apply_activation_checkpointing, every_k
+from ..ssl.backbones import build_backbone
+from ..trunk import CheckpointedTrunk
+
+
+@dataclass
+class Row:
+    arch: str
+    name: str
+    strategy: str  # line in the plot: plain, checkpoint_sequential, vissl, balanced, budget, cuts only, selective
+    run: Optional[Callable[[torch.Tensor], torch.Tensor]]  # x -> scalar loss; None where it cannot run
+    module: Optional[nn.Module] = None  # what holds the parameters ``run`` trains
+    predicted: Optional[int] = None
+    recompute: Optional[float] = None  # recomputed FLOPs / forward FLOPs
+    note: str = ""
+    peak: Optional[int] = None
+    times: Optional[List[float]] = None
+    profile_seconds: Optional[float] = None  # plain row: the time a cost-aware plan spends measuring
+
+
+def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str) -> List[Row]:
+    torch.manual_seed(0)
+    base = build_backbone(arch, x.shape[-1]).to(x.device)
+
+    def trunk(**kw):
+        return CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients, **kw)
+
+    plain = trunk()
+    start = time.perf_counter()
+    model = peak_model(plain, x, regions=True)  # what a budget plan measures, once per input shape
+    profile_seconds = time.perf_counter() - start
+    total_flops = sum(model.costs.flops)
+
+    cuts_only = PeakModel(model.costs, model.features, gradients)  # the same measurements, no regions
+
+    def trunk_row(name, strategy, trunk):
+        if trunk._cost_aware:  # planned from the measurement above, not measured again per row
+            plan = trunk._plans[trunk._plan_key(x)] = plan_trunk(trunk, x, model if trunk.memory_budget is not None else cuts_only)
+        else:
+            plan = annotate(trunk.plan_for(x), model)
+        return _plan_row(arch, name, strategy, trunk, plan, total_flops)
+
+    rows = [Row(arch, "plain", "plain", _loss_fn(plain), plain, model.peak([0]), 0.0, profile_seconds=profile_seconds)]
+    for k in splits:
+        rows.append(_sequential_row(arch, trunk(), x, k, model, total_flops))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows.append(trunk_row(f"vissl k={k}", "vissl", trunk(num_splits=k)))
+            rows.append(trunk_row(f"balanced k={k}", "balanced", trunk(num_splits=k, strategy="balanced")))
+    for b in budgets:
+        try:
+            rows.append(trunk_row(f"budget {b:g}", "budget", trunk(memory_budget=b)))
+        except ValueError as e:
+            rows.append(Row(arch, f"budget {b:g}", "budget", None, note=str(e).split("; ")[-1]))
+        rows.append(_cuts_only_row(arch, trunk(memory_budget=b), x, cuts_only, model, total_flops))
+    if budgets:  # the smallest feasible budget, asked for
+        floor = model.peak(*best_plan(model, _splittable(plain), []))
+        rows.append(trunk_row("budget floor", "budget", trunk(memory_budget=floor)))
+    if selective:
+        block = _block_type(plain)
+        for k, label in [(1, "every block"), (2, "every 2nd block")]:
+            wrapped = trunk()
+            names = apply_activation_checkpointing(wrapped, every_k(k, block))
+            rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(wrapped), wrapped))
+    return rows
+
+
+def _plan_row(arch, name, strategy, trunk, plan, total_flops) -> Row:
+    recompute = sum(s.recompute_flops for s in plan.segments) / total_flops
+    note = ""
+    if plan.regions:
+        note = f"regions: {policy_counts(plan.regions)}; cheap ops rerun {sum(s.recompute_bytes for s in plan.segments) / 2**20:.0f} MiB"
+    return Row(arch, name, strategy, _loss_fn(trunk), trunk, plan.predicted_peak_bytes, recompute, note=note)
+
+
+def _splittable(trunk: CheckpointedTrunk) -> List[bool]:
+    return [layer_splittable_before(m) for _, m in expand_units(trunk._blocks())]
+
+
+def _cuts_only_row(arch, trunk, x, cuts_only, model, total_flops) -> Row:
+    """A budget met by cuts alone (no regions): the block-level plan, for comparison."""
+    name = f"budget {trunk.memory_budget:g}, cuts only"
+    cuts = best_plan(cuts_only, _splittable(trunk), [], budget=budget_in_bytes(trunk.memory_budget, cuts_only.peak([0])))
+    if cuts is None:
+        floor = cuts_only.peak(best_plan(cuts_only, _splittable(trunk), []).starts)
+        return Row(arch, name, "cuts only", None, note=f"cuts alone reach {floor / cuts_only.peak([0]):.3f} of unsplit")
+    plan = plan_from_cuts([n for n, _ in expand_units(trunk._blocks())], cuts, trunk._ends, "budget", model)
+    trunk._plans[trunk._plan_key(x)] = plan
+    return _plan_row(arch, name, "cuts only", trunk, plan, total_flops)
+
+
+def _block_type(trunk: CheckpointedTrunk) -> type:
+    """The class the trunk's stages are made of (Bottleneck, CNBlock, EncoderBlock ...): the most common one."""
+    stages = trunk._blocks().stages
+    kinds = [type(m) for name, stage in trunk._blocks().items() if name in stages for m in stage]
+    return max(set(kinds), key=kinds.count)
+
+
+def _sequential_row(arch, trunk, x, k, model, total_flops) -> Row:
+    """torch's checkpoint_sequential with k equal segments over the flattened trunk."""
+    chain = nn.Sequential(*[m for _, m in expand_units(trunk._blocks())])
+    n = len(chain)
+    if k > n:
+        return Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, note=f"only {n} layers")
+    size = n // k
+    starts = [i * size for i in range(k)]
+    row = Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, chain, model.peak(starts), model.total_recompute(starts) / total_flops)
+    run = lambda x: checkpoint_sequential(chain, k, x, use_reentrant=False).sum()  # noqa: E731
+    try:
+        run(x).backward()
+        row.run = run
+    except RuntimeError as e:
+        row.predicted = row.recompute = None
+        row.note = "fails: " + str(e).split("\n")[0][:60]
+    return row
+
+
+def _loss_fn(trunk):
+    return lambda x: sum(f.sum() for f in trunk(x))
+
+
+def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gradients: str) -> None:
+    runnable = [r for r in rows if r.run is not None]
+    bar = tqdm(total=len(runnable) * (2 + repeats), desc="bench", disable=not progress)
+
+    def zero_grad(r):  # as the training loop would between steps
+        for p in r.module.parameters():
+            if gradients == "allocated":
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    for r in runnable:
+        r.run(x).backward()  # a first step: parameters get their .grad
+        zero_grad(r)
+        with PeakMemory(x.device) as mem:
+            r.run(x).backward()
+        r.peak, r.times = mem.peak_bytes, []
+        bar.update(2)
+    for _ in range(repeats):  # interleaved, so drifting machine load hits every row alike
+        for r in runnable:
+            zero_grad(r)
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            r.run(x).backward()
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            r.times.append(time.perf_counter() - t)
+            bar.update(1)
+    bar.close()
+
+
+def run_benchmark(
+    archs: Sequence[str] = ("resnet50",),
+    batch: int = 4,
+    resolution: int = 224,
+    splits: Sequence[int] = (4, 6),
+    budgets: Sequence[float] = (0.5, 0.45),
+    repeats: int = 5,
+    device: str = "cpu",
+    out_dir: Optional[str] = "output/bench",
+    selective: bool = True,
+    progress: bool = True,
+    gradients: str = "allocated",
+) -> str:
+    """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``)."""
+    dev = torch.device(device)
+    x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
+    tables, all_rows = [], []
+    for arch in archs:
+        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients)
+        _measure(rows, x, repeats, progress, gradients)
+        for r in rows:  # keep the figures, not a model copy per row: five big models would not fit
+            r.run = r.module = None
+        all_rows += rows
+        tables.append(_table(rows, arch, x, gradients))
+        if out_dir:  # written as each model finishes, so a long run keeps what it measured
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
+                f.write("\n\n".join(tables) + "\n")
+            _plot(all_rows, os.path.join(out_dir, "benchmark.png"))
+    return "\n\n".join(tables)
+
+
+def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str) -> str:
+    from tabulate import tabulate
+
+    plain = rows[0]
+    t_plain = statistics.median(plain.times)
+    plain.note = f"profiling for a cost-aware plan: {plain.profile_seconds:.2f} s = {plain.profile_seconds / t_plain:.1f} plain steps"
+    body = []
+    for r in rows:
+        measured = r.peak is not None
+        body.append(
+            [
+                r.name,
+                f"{r.peak / 2**20:.1f}" if measured else "-",
+                f"{r.peak / plain.peak:.2f}" if measured else "-",
+                f"{r.predicted / 2**20:.1f}" if r.predicted is not None else "-",
+                f"{r.predicted / r.peak - 1:+.1%}" if measured and r.predicted is not None else "-",
+                f"{r.recompute:.2f}" if r.recompute is not None else "-",
+                f"{statistics.median(r.times) / t_plain:.2f}" if measured else "-",
+                r.note,
+            ]
+        )
+    beyond = "parameters (gradients allocated by the step)" if gradients == "allocated" else "parameters and kept gradients"
+    head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond {beyond}"
+    headers = ["plan", "peak MiB", "peak / plain", "predicted MiB", "predicted vs measured", "recompute / forward", "step time / plain", "note"]
+    return head + "\n\n" + tabulate(body, headers=headers, tablefmt="github")
+
+
+def _plot(rows: List[Row], path: str) -> None:
+    """Per model: peak against recomputed FLOPs (top) and against step time (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    archs = sorted({r.arch for r in rows}, key=[r.arch for r in rows].index)
+    fig, axes = plt.subplots(2, len(archs), figsize=(5.5 * len(archs), 8.4), squeeze=False)
+    for col, arch in enumerate(archs):
+        mine = [r for r in rows if r.arch == arch and r.peak is not None and r.recompute is not None]
+        plain = next(r for r in mine if r.strategy == "plain")
+        t_plain = statistics.median(plain.times)
+        for strategy in ["checkpoint_sequential", "vissl", "balanced", "cuts only", "budget"]:
+            mine_here = [r for r in mine if r.strategy == strategy]
+            if not mine_here:
+                continue
+            label = "budget, with regions" if strategy == "budget" else strategy
+            frontier = sorted((r.recompute, r.peak / plain.peak) for r in mine_here)
+            axes[0][col].plot(*zip(*([(0.0, 1.0)] + frontier)), marker="o", label=label)
+            # step time is noisy and not monotone in the recompute: points, not a line
+            timed = [(statistics.median(r.times) / t_plain, r.peak / plain.peak) for r in mine_here]
+            axes[1][col].plot(*zip(*timed), marker="o", linestyle="none", label=label)
+        for ax, xlabel in ((axes[0][col], "recomputed FLOPs / forward FLOPs"), (axes[1][col], "step time / plain step time")):
+            ax.set_title(arch)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("step peak / plain peak")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,196 @@
+"""The ``trunksplit`` command: ``plan`` shows how a trunk would be cut, ``bench`` measures plans,
+``fit`` finds the largest batch whose training step fits a memory size."""
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from typing import List, Optional
+
+import torch
+
+from ..fit import fit, parse_bytes
+from ..planning.search import annotate, peak_model, plan_trunk
+from ..ssl.backbones import build_backbone
+from ..ssl.config import budget_bytes
+from ..trunk import CheckpointedTrunk
+from .bench import run_benchmark
+
+
+GRADIENTS_HELP = "allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False)"
+
+
+def _dims(text: str, count: int, example: str):
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != count or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected a shape like {example}, got {text!r}")
+    return dims
+
+
+def _shape(text: str):
+    return _dims(text, 4, "8x3x224x224")
+
+
+def _image_shape(text: str):
+    return _dims(text, 3, "3x224x224 (one image)")
+
+
+def _budget(text: str):
+
+    try:
+        value = budget_bytes(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("MEMORY_BUDGET", "a budget")) from None
+    if value is None:
+        raise argparse.ArgumentTypeError("a budget must be above 0: a fraction in (0, 1] or bytes")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _writable_dir(path: str) -> str:
+    """Checked before a long run, not after it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write to {path!r}: {e.strerror or e}") from None
+    return path
+
+
+def _plan(args) -> int:
+
+
+
+    x = torch.randn(*args.input)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model = build_backbone(args.arch, args.input[-1])
+            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients)
+            costs = peak_model(trunk, x, regions=args.budget is not None)  # measured once, for the plan and its figures
+            plan = plan_trunk(trunk, x, costs) if trunk._cost_aware else annotate(trunk.plan_for(x), costs)
+        except ValueError as e:
+            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            return 2
+        except RuntimeError as e:  # the model cannot run this input (channels, size)
+            print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    unsplit = costs.peak([0])
+    print(plan)
+    print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit ({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, args.input))}")
+    return 0
+
+
+def _bench(args) -> int:
+
+    for arch in args.arch:  # every name checked before an hour of measuring
+        try:
+            build_backbone(arch, args.resolution)
+        except ValueError as e:
+            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            return 2
+
+    try:
+        table = run_benchmark(
+            args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
+            repeats=args.repeats, device=args.device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
+        )
+    except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
+        print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"\nwritten to {args.out}/benchmark.md and {args.out}/benchmark.png")
+    return 0
+
+
+def _memory(text: str) -> int:
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fit(args) -> int:
+
+
+    try:
+        model = build_backbone(args.arch, args.input[-1]).to(args.device)
+        found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
+                    num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify)
+    except ValueError as e:
+        print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(found.plan)
+    print(found)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (``main`` runs what they ask; the docs test parses the documented calls)."""
+    parser = argparse.ArgumentParser(prog="trunksplit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
+    p.add_argument("--arch", default="resnet50")
+    p.add_argument("--splits", type=_positive, default=None)
+    p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl")
+    p.add_argument("--budget", type=_budget, default=None, help="bytes, or a fraction of the unsplit peak")
+    p.add_argument("--features", nargs="+", default=["flatten"])
+    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
+    p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    p.set_defaults(fn=_plan)
+    b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
+    b.add_argument("--arch", nargs="+", default=["resnet50"])
+    b.add_argument("--batch", type=_positive, default=4)
+    b.add_argument("--resolution", type=_positive, default=224)
+    b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6])
+    b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="fractions of the unsplit peak, or bytes (2e9)")
+    b.add_argument("--repeats", type=_positive, default=5)
+    b.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    b.add_argument("--out", type=_writable_dir, default="output/bench")
+    b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
+    b.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    b.set_defaults(fn=_bench)
+    f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
+    f.add_argument("--arch", default="resnet50")
+    f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
+    f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
+    f.add_argument("--optimizer", choices=["sgd", "adamw", "none"], default="sgd")
+    f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
+    f.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    f.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
+    f.set_defaults(fn=_fit)
+    return parser
+
+
+def _cuda() -> bool:
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The peak model: a training step's predicted peak and recompute for any plan of a chain.
+
+The peak model. A training step with checkpoint segments S_1..S_m (S_m not
+checkpointed) holds, while segment j runs its backward:
+
+- P_j: the input of every segment up to j (checkpoints keep their inputs), plus
+  the requested features the caller still holds;
+- the tensors S_j saves for backward, recomputed (or, for S_m, kept from the
+  forward), freed unit by unit as backward walks back;
+- the gradient flowing into the current unit and the unit's own backward
+  excess: gradient buffers of activations and transient weight gradients. A
+  model of saved tensors alone misses these and predicts far too low a peak.
+
+- in torch's default gradient mode (``zero_grad()`` sets gradients to None, so
+  the step allocates them in backward order: ``gradients="allocated"``), the
+  gradients of every parameter after the current unit, kept from then on; with
+  ``zero_grad(set_to_none=False)`` (``"kept"``) they existed before the step
+  and are not part of its figure.
+
+So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
+local to the segment (the gradients allocated so far depend on the unit only).
+:func:`best_plan` finds the optimal cuts exactly by dynamic programming over
+Pareto sets of (P, peak so far, recompute), with forced cuts after requested
+features and no cut before an in-place op (:mod:`trunksplit.planning.search`).
+
+Regions (budget plans) go below the block level: runs of units checkpointed on
+their own inside a segment (see :class:`PeakModel`); which ones to try comes from
+:mod:`trunksplit.planning.templates`.
+"""
+import itertools
+from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+from .profile import UnitCosts
+from .templates import Region, RegionTemplates, _as_run
+
+GRADIENT_MODES = ("allocated", "kept")
+
+
+class PeakModel:
+    """Predicts a step's peak bytes for any cut of a chain: what the step allocates beyond
+    what was live before it (parameters, and in ``"kept"`` mode their gradients).
+
+    Regions. A run of consecutive ``spans`` (``[start, stop)`` runs of units that may
+    run under their own checkpoint, measured so in ``costs.policies``: see
+    :func:`region_spans`) may form a region, checkpointed inside its segment. Under
+    ``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
+    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` and
+    ``"recompute_stages"`` only its input. In the last segment that is what backward
+    finds; in a checkpointed segment, what the segment's recompute holds, and there a
+    selective region is a ``"recompute"`` one (see :func:`nested_policy`). The region's
+    own backward then recomputes it, like a checkpointed segment of its own, on top of
+    what is kept before it: the outputs it does not keep (a bottleneck block's output is
+    its successor's input) are never held, which is where a region of several blocks
+    saves more than each block on its own. A ``"recompute_stages"`` region's backward,
+    which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
+    """
+
+    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = ()):
+        if gradients not in GRADIENT_MODES:
+            raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
+        self.costs = costs
+        self.n = len(costs)
+        self.gradients = gradients
+        self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
+        # while a segment ending before unit b runs its backward: the features it and later segments returned
+        self._features_held = [sum(costs.output[f] for f in self.features if f >= b - 1) for b in range(self.n + 1)]
+        self.spans = sorted(set(spans))
+        if self.spans and costs.policies is None:
+            raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")
+        c = costs
+        self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
+        self._cheap = c.recompute_bytes or (0,) * self.n
+        self._cheap_prefix = [0] + list(itertools.accumulate(self._cheap))
+        self._light_prefix = [0] + list(itertools.accumulate(c.light_flops or (0,) * self.n))
+        # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
+        after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
+        self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
+        # a unit that allocates a new activation (rather than passing its input's storage on)
+        self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
+        self._regions: Dict[Region, tuple] = {}  # see _region
+        self._region_steps: Dict[Tuple[Region, bool], tuple] = {}  # see _step_region
+        self._choices = RegionTemplates(self)
+
+    def boundary(self, a: int) -> int:
+        """Bytes a segment starting at unit ``a`` keeps as its input (the chain's own input is not counted)."""
+        return self.costs.output[a - 1] if a > 0 else 0
+
+    def _step(self, state: "_Scan", a: int, i: int, last: bool) -> "_Scan":
+        """The scan of a segment starting at ``a`` extended by unit ``i``, which keeps
+        everything; ``last``: the segment is the last, not checkpointed.
+
+        Kept bytes: what each unit allocates and keeps itself, plus the outputs of
+        units in the segment that later units keep as their input, each storage once
+        (``counted``: the current activation's storage is already in ``kept``)."""
+        c = self.costs
+        kept, forward, backward, counted, cost, pending = state
+        source = c.input_from[i]
+        forward = max(forward, kept + c.forward_peak[i])
+        if c.saves_input[i] and source >= a and not counted:
+            kept, counted = kept + c.output[source], True
+        kept += c.saved[i]
+        backward = max(backward, kept + c.backward_excess[i] + self._grads_after[i])
+        if self._allocates[i]:
+            counted = c.keeps_output[i]
+        if not last:
+            # A checkpointed segment's recompute runs the unit once more, if it must: torch stops
+            # a recompute once it has rebuilt the last tensor backward needs, so units after the
+            # last one that saves a tensor of its own do not run (a unit that keeps only its
+            # input, as a lone convolution does, needs only the units before it).
+            if c.saves_input[i]:
+                cost, pending = _add(cost, pending), (0, 0)
+            pending = _add(pending, (c.flops[i], self._cheap[i]))
+            if c.saved[i] or c.keeps_output[i]:
+                cost, pending = _add(cost, pending), (0, 0)
+        return _Scan(kept, forward, backward, counted, cost, pending)
+
+    def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
+        """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.
+
+        The planner's inner loop: what the region adds is looked up once per (region, last)."""
+        step = self._region_steps.get((region, last))
+        if step is None:
+            step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[region[0]])
+        held, region_forward, backward_peak, output_counted, again, body, source = step
+        kept, forward, backward, counted, cost, pending = state
+        forward = max(forward, kept + region_forward)
+        if source >= a and not counted:  # the region keeps its input
+            kept, counted = kept + self.costs.output[source], True
+        backward = max(backward, kept + backward_peak)
+        kept += held
+        counted = counted if output_counted is None else output_counted
+        if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
+            cost, pending = (cost[0] + pending[0], cost[1] + pending[1]), body
+        return _Scan(kept, forward, backward, counted, (cost[0] + again[0], cost[1] + again[1]), pending)
+
+    def _region(self, region: Region) -> tuple:
+        """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
+        forward's peak, its backward's peak, whether its output is counted as kept (None:
+        its output is its input's storage), what its own backward runs again, what running
+        it once costs: (FLOPs, cheap bytes) both)."""
+        if region not in self._regions:
+            r, s, policy = region
+            c = self.costs.under(policy)
+            held, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
+            for i in range(r, s):  # span by span: a span's figures are at its first unit (see profile._span_costs)
+                region_forward = max(region_forward, held + c.forward_peak[i])
+                held += c.saved[i]
+            allocates = s == self.n or self.costs.input_from[s] >= r  # the region's output is a storage it allocated
+            flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
+            # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
+            # the light ones, or none ("save_expensive"); and its cheap ops
+            alone = self._alone(r, s)
+            again = {"recompute": alone.cost, "recompute_stages": (2 * flops, 2 * cheap),
+                     "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap))
+            if policy == "recompute_stages":
+                if (r, s) not in self.spans:
+                    raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
+                # measured whole: its recompute's holdings and its stages' backward, beyond its input
+                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r]
+            else:
+                backward = self._region_backward(alone, s)
+            self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, (flops, cheap))
+        return self._regions[region]
+
+    def _alone(self, r: int, s: int) -> "_Scan":
+        """Units [r, s) scanned as a checkpoint of their own: what its backward runs again
+        (``cost``, see :meth:`_step`) and what it holds."""
+        state = _EMPTY
+        for i in range(r, s):
+            state = self._step(state, r, i, last=False)
+        return state
+
+    def _region_backward(self, state: "_Scan", s: int) -> int:
+        """Peak of a region's backward beyond what is kept before it, from its scan alone
+        (``state``, ending before unit ``s``): its recompute holds everything it saves (the
+        kept expensive outputs among them), with its output's gradient waiting, then
+        backward walks back through it."""
+        recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.forward
+        return max(recompute, state.backward)
+
+    def _local(self, state: "_Scan", b: int) -> int:
+        """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries.
+
+        The last segment's forward keeps what it saves. A checkpointed segment's forward
+        keeps nothing (its peak, a unit's forward peak, is below the recompute's); the
+        recompute, in backward with later gradients allocated, keeps everything, with
+        the output's gradient waiting."""
+        held = self._features_held[b]
+        if b == self.n:
+            return held + max(state.forward, state.backward)
+        recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.forward
+        return held + max(recompute, state.backward)
+
+    def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
+        """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each
+        unit boundary b a segment [a, b) could end at (``last``: only b = n)."""
+        starting = {r: (r, s, p) for r, s, p in regions if r >= a}
+        state, i, stop = _EMPTY, a, stop or self.n
+        while i < stop:
+            region = starting.get(i)
+            if region is not None and region[1] <= stop:
+                state, i = self._step_region(state, a, region, last), region[1]
+            else:
+                state, i = self._step(state, a, i, last), i + 1
+            if (i == self.n) if last else (i < self.n):  # the last segment ends at n; others before it
+                yield i, self._local(state, i), state.cost
+
+    def _segment(self, a: int, b: int, regions: Iterable[Region]) -> Tuple[int, Tuple[int, int]]:
+        inside = [g for g in regions if a <= g[0] and g[1] <= b]
+        for stop, local, cost in self._scan(a, inside, last=b == self.n, stop=b):
+            if stop == b:
+                return local, cost
+        raise ValueError(f"segment [{a}, {b}) does not end at a unit boundary of its regions")
+
+    def options(self, a: int, b: int) -> List[Tuple[int, Tuple[int, int], FrozenSet[Region]]]:
+        """The choices of regions for segment [a, b) worth considering (see :meth:`RegionTemplates.options`)."""
+        return self._choices.options(a, b)
+
+    def segment_peaks(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[int]:
+        """The predicted peak while each segment runs, for segments starting at ``starts`` (first is 0)."""
+        return [peak for peak, _ in self.segments(starts, regions)]
+
+    def segments(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[Tuple[int, Tuple[int, int]]]:
+        """Each segment's predicted peak and recompute (FLOPs, cheap bytes)."""
+        regions = list(regions)
+        bounds = list(starts) + [self.n]
+        prefix, out = 0, []
+        for a, b in zip(bounds, bounds[1:]):
+            prefix += self.boundary(a)
+            local, cost = self._segment(a, b, regions)
+            out.append((prefix + local, cost))
+        return out
+
+    def peak(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
+        return max(self.segment_peaks(starts, regions))
+
+    def total_recompute(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
+        """The FLOPs a step runs again (see :meth:`_step`)."""
+        return sum(flops for _, (flops, _) in self.segments(starts, regions))
+
+
+class _Scan(NamedTuple):
+    """A segment scanned up to some unit, for one choice of policies: what the peak
+    model needs to extend it by one more unit."""
+
+    kept: int  # bytes kept for backward so far
+    forward: int  # max over units so far of (kept before it + its forward peak)
+    backward: int  # max over units so far of (kept up to it + its backward excess + gradients allocated)
+    counted: bool  # the current activation's storage is already in ``kept``
+    cost: Tuple[int, int]  # recompute so far: (FLOPs, cheap bytes)
+    pending: Tuple[int, int]  # recompute of the units since the last that saves a tensor: paid only if a later one does
+
+
+_EMPTY = _Scan(0, 0, 0, True, (0, 0), (0, 0))  # a segment's input is its boundary, counted in the prefix
+
+
+def _add(a: Tuple[int, int], b: Tuple[int, int]) -> Tuple[int, int]:
+    return (a[0] + b[0], a[1] + b[1])

@@ -1,0 +1,98 @@
+"""``SplitPlan``: how a trunk is cut, the value every strategy returns and ``print(trunk.plan)`` shows.
+
+A plan cuts the trunk's chain of units into contiguous segments (see
+:func:`trunksplit.chains.blocks.expand_units`); a segment may hold regions,
+runs of units checkpointed again inside it (see :mod:`trunksplit.recompute.regions`).
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from tabulate import tabulate
+
+from ..recompute.regions import REGION_POLICIES
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Units ``[start, stop)`` of the chain, run as one checkpoint segment."""
+
+    name: str
+    start: int
+    stop: int
+    checkpointed: bool = True
+    predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
+    recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
+    recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
+    # nested checkpoints inside the segment: (start, stop, policy), policy one of regions.REGION_POLICIES
+    regions: Tuple[Tuple[int, int, str], ...] = ()
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How a trunk is cut: ``units`` are the chain's names, ``segments`` cover them in order."""
+
+    units: Tuple[str, ...]
+    segments: Tuple[Segment, ...]
+    strategy: str = "vissl"
+    predicted_peak_bytes: Optional[int] = None
+
+    @property
+    def names(self) -> List[str]:
+        return [s.name for s in self.segments]
+
+    @property
+    def regions(self) -> List[Tuple[int, int, str]]:
+        """Every segment's regions: units ``[start, stop)`` run as one nested checkpoint
+        under a policy of ``regions.REGION_POLICIES``, the one it runs under (in a checkpointed
+        segment a selective region runs as ``"recompute"``, and up to three times)."""
+        return [g for s in self.segments for g in s.regions]
+
+    @property
+    def boundaries(self) -> List[int]:
+        """Unit indices where a new segment starts (the first one excluded)."""
+        return [s.start for s in self.segments[1:]]
+
+    def __str__(self) -> str:
+        with_costs = any(s.predicted_bytes is not None for s in self.segments)
+        regions = self.regions
+        rows = []
+        for s in self.segments:
+            first, last = (self.units[s.start], self.units[s.stop - 1]) if len(s) else ("-", "-")
+            row = [s.name, f"{first} .. {last}", len(s), "yes" if s.checkpointed else "no"]
+            if regions:
+                row.append(policy_counts(s.regions) or "-")
+            if with_costs:
+                row += [_mib(s.predicted_bytes), _gflops(s.recompute_flops)]
+            rows.append(row)
+        headers = ["segment", "layers", "count", "checkpointed"]
+        if regions:
+            headers.append("regions")
+        if with_costs:
+            headers += ["predicted peak (MiB)", "recompute (GFLOP)"]
+        count = len(self.segments)
+        title = f"SplitPlan ({self.strategy}, {count} segment{'' if count == 1 else 's'}"
+        if self.predicted_peak_bytes is not None:
+            title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
+        text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
+        for policy, meaning in REGION_POLICIES.items():
+            chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
+            if chosen:
+                text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
+        return text
+
+
+def policy_counts(regions: Sequence[Tuple[int, int, str]]) -> str:
+    """How many regions run under each policy, in order of first use: "6 save_expensive, 1 save_heavy"."""
+    policies = [g[2] for g in regions]
+    return ", ".join(f"{policies.count(p)} {p}" for p in dict.fromkeys(policies))
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _gflops(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"

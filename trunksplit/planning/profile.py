@@ -1,0 +1,265 @@
+"""Profiling: what each unit of a chain costs (``UnitCosts``), measured on private copies.
+
+The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the tracker that
+counts the bytes is :class:`trunksplit.planning.memory.PeakMemory`'s.
+"""
+import copy
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..recompute.checkpoint import map_tensors
+from ..recompute.regions import REGION_POLICIES, run_region
+from ..recompute.stages import hook_dicts, staged_graph
+from .memory import StorageWeakRef, _TensorAccounting, tensors_in
+
+
+def _drop_hooks(module: nn.Module) -> None:
+    """Remove the module hooks that ``deepcopy`` carried over to a private copy.
+
+    A user's hook (logging, feature capture) must not fire on the profiler's
+    copies (see :func:`trunksplit.recompute.stages.hook_dicts`)."""
+    for hooks in hook_dicts(module):
+        hooks.clear()
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Measured costs of each unit of a chain, for one input shape.
+
+    All byte counts are exact tensor-storage bytes (see :class:`PeakMemory`'s tracker):
+
+    - ``output``: the unit's output.
+    - ``saved``: what the unit's own forward creates and keeps for backward
+      (its output too, when backward needs it, as ReLU's does).
+    - ``saves_input``: whether the unit keeps its input for backward.
+    - ``input_from``: the unit that allocated the storage of this unit's input
+      (-1: the chain's input). In-place units pass their input's storage on, so
+      two units may keep the same storage; the peak model counts it once.
+    - ``keeps_output``: whether the unit's own backward needs its output.
+    - ``forward_peak``: peak of the unit's forward, beyond its input.
+    - ``backward_excess``: peak of the unit's backward above what its forward
+      left alive: the gradient arriving at its output (until backward frees it),
+      gradient buffers of activations and transient weight gradients (weights
+      already holding a ``.grad``, as from the second step on).
+    - ``flops``: forward FLOPs (a multiply-add counts 2).
+    - ``param_bytes``: the unit's trainable parameters (each counted once, at the
+      last unit that uses it): what its gradients take once backward allocates them.
+    - ``recompute_bytes``: bytes the unit's cheap ops (all but convolution, matmul,
+      attention) write in a forward: what running them again costs, in traffic.
+    - ``light_flops``: FLOPs of the unit's light expensive ops (see
+      :func:`trunksplit.recompute.checkpoint.is_heavy`): what the ``"save_heavy"`` policy runs again.
+    - ``policies``: per region policy (see :func:`trunksplit.recompute.regions.run_region`),
+      the chain with each measured span run as one region under it: only
+      ``saved``, ``keeps_output``, ``forward_peak`` and ``backward_excess`` (the
+      region's whole backward, its recompute included) differ (laid out per unit
+      so that they add up over whole spans, see :func:`_span_costs`), units not
+      measured so repeat the plain figures, and ``eligible`` says which units
+      belong to a span that can run so.
+    """
+
+    names: Tuple[str, ...]
+    output: Tuple[int, ...]
+    saved: Tuple[int, ...]
+    saves_input: Tuple[bool, ...]
+    input_from: Tuple[int, ...]
+    keeps_output: Tuple[bool, ...]
+    forward_peak: Tuple[int, ...]
+    backward_excess: Tuple[int, ...]
+    flops: Tuple[int, ...]
+    param_bytes: Tuple[int, ...]
+    recompute_bytes: Tuple[int, ...] = ()
+    light_flops: Tuple[int, ...] = ()
+    policies: Optional[Dict[str, "UnitCosts"]] = None
+    eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def under(self, policy: str) -> "UnitCosts":
+        """The costs with each unit alone under the region ``policy``."""
+        return self.policies[policy]
+
+
+def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = ()) -> UnitCosts:
+    """Measure every unit of a chain at the input it gets from ``x``.
+
+    Each unit runs on a private copy (the model's parameters, gradients,
+    BatchNorm statistics and RNG stay untouched, and neither users' module hooks
+    nor those of wrappers such as DDP fire): one forward and one backward with
+    weights that already hold gradients. Costs about one training step plus one
+    forward of the chain, and one more step per region policy for the units in
+    ``spans``: runs of units ``[start, stop)`` each also measured as one region under
+    each policy (``UnitCosts.policies``). A span is measured whole because its units
+    may not run alone under a checkpoint: the stem's ``ReLU(inplace=True)`` would
+    overwrite the input its recompute needs.
+    Measures with autograd on whatever the caller's mode: a plan made under
+    ``no_grad`` or ``inference_mode`` is the training plan.
+    """
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops")
+    fields = {k: [] for k in keys}
+    span_stop = dict(spans)
+    under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
+    span = None  # (start, its input, private copies of its units so far) while inside a span
+    source = -1  # the unit that allocated the storage of the current activation
+    device = next(iter(tensors_in(x))).device
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        h = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x)  # an inference tensor cannot enter autograd
+        for i, (_, unit) in enumerate(units):
+            fields["input_from"].append(source)
+            m = _private_copy(unit)
+            if i in span_stop:
+                span = (i, h, [])
+            tracker = _TensorAccounting()
+            with torch.no_grad(), FlopCounterMode(display=False) as flops, tracker:
+                next_h = m(h)
+            cost = _measure_unit(m, h, input_needs_grad=i > 0)
+            for key, value in cost.items():
+                fields[key].append(value)
+            fields["flops"].append(int(flops.get_total_flops()))
+            fields["recompute_bytes"].append(tracker.cheap_bytes)
+            fields["light_flops"].append(tracker.light_flops)
+            if span is not None:
+                span[2].append(m)
+                start, span_input, members = span
+                if i + 1 == span_stop[start]:
+                    for policy, measured in under_policy.items():
+                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
+                    span = None
+            if not isinstance(next_h, torch.Tensor) or not isinstance(h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
+                source = i  # a new activation; an in-place unit passes its input's storage on
+            h = next_h
+    plain = {k: tuple(v) for k, v in fields.items()}
+    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **plain)
+    if not spans:
+        return costs
+    return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
+
+
+def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:
+    """``costs`` with each measured span's figures under a policy laid onto its units, so
+    that sums and running maxima over a region of whole spans come out right: what the
+    span keeps, its forward peak and its backward's excess (recompute included) at its
+    first unit, whether it keeps its output at its last, zeros between. A span that
+    cannot run under the policy keeps the plain figures."""
+    fields = ("saved", "forward_peak", "backward_excess", "keeps_output")
+    values = {k: list(getattr(costs, k)) for k in fields}
+    eligible = [False] * len(costs)
+    for (r, s), cost in measured.items():
+        if cost is None:
+            continue
+        for i in range(r, s):
+            values["saved"][i], values["forward_peak"][i], values["backward_excess"][i], values["keeps_output"][i], eligible[i] = 0, 0, 0, False, True
+        for k in ("saved", "forward_peak", "backward_excess"):
+            values[k][r] = cost[k]
+        values["keeps_output"][s - 1] = cost["keeps_output"]
+    return replace(costs, eligible=tuple(eligible), **{k: tuple(v) for k, v in values.items()})
+
+
+def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str) -> Optional[dict]:
+    """The costs of ``members`` run in order as one region under a policy, or None where they cannot run so.
+
+    torch's selective checkpoint refuses (at backward) a region that changes a kept output
+    in place, as EfficientNet's squeeze-excitation does with ``SiLU(inplace=True)`` after
+    a convolution: such a span is not eligible for ``"save_expensive"``. A span none of
+    whose units runs in stages (see :func:`trunksplit.recompute.stages.staged_graph`) is not
+    eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
+    copies = _private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
+    if policy == "recompute_stages" and not any(staged_graph(m) for m in copies):
+        return None
+    try:
+        return _measure_unit(copies, h, input_needs_grad, policy)
+    except RuntimeError as e:
+        if "mutated" not in str(e):
+            raise
+        return None
+
+
+def _param_bytes(units: Sequence[nn.Module]) -> Tuple[int, ...]:
+    """Bytes of each unit's trainable parameters; a shared one counts at its last unit (first in backward)."""
+    seen, out = set(), []
+    for unit in reversed(units):
+        fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        out.append(sum(p.numel() * p.element_size() for p in fresh))
+    return tuple(reversed(out))
+
+
+def _private_copy(unit: nn.Module) -> nn.Module:
+    m = copy.deepcopy(unit)
+    for sub in m.modules():
+        _drop_hooks(sub)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    return m
+
+
+def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep") -> dict:
+    """One forward and backward of ``m`` on a copy of ``h``, run plainly (``"keep"``) or as one
+    region under ``policy``: the figures of :class:`UnitCosts` for it."""
+    # the chain's input may be a list or dict of tensors (then it is the first unit's, which needs no gradient)
+    leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
+    inp = map_tensors(torch.clone, leaf) if input_needs_grad else leaf  # not a leaf, so an in-place first op is allowed
+    tracker = _TensorAccounting()
+    out, kept = _forward_keeping(m, inp, tracker, policy)
+    forward_peak, after_forward = tracker.peak, tracker.current
+    outs = [t for t in tensors_in(out) if t.requires_grad]
+    if outs:
+        # The gradient arriving at the unit must be allocated inside the measured window and
+        # held by nobody else, as in a real step, where backward frees it once consumed:
+        # so it is made by the multiply's backward from a scalar loss, not passed in.
+        loss = sum((t * torch.ones_like(t)).sum() for t in outs)
+        seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
+        tracker.peak = tracker.current
+        with tracker:
+            loss.backward(seed)
+        backward_excess = tracker.peak - after_forward
+    else:
+        backward_excess = 0
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess)
+
+
+def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting, policy: str):
+    """``m(inp)`` under ``tracker``; returns the output and what the forward keeps for backward:
+    ``output``, ``saved``, ``saves_input`` and ``keeps_output`` of :class:`UnitCosts`."""
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
+    in_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in(inp)}  # a tuple's tensors too
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    checkpointed = policy != "keep"
+    if checkpointed:
+        # A checkpoint keeps its tensors out of saved-tensor hooks: what it keeps is its
+        # input and (save_expensive) the expensive ops' outputs, all alive after the forward.
+        with tracker:
+            out = run_region(list(m), inp, policy)
+    else:
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = m(inp)
+    tracker._sweep()  # storages freed as the forward returned (its locals) are not alive after it
+    # a chain's last unit may return any structure (a traced model's own output): count all its tensors
+    out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in tensors_in(out)}
+    if checkpointed:
+        # what is alive after the forward is kept for backward, but for outputs: those only
+        # where a selective policy caches them (a convolution's, say)
+        saves_input = True
+        cached = {"save_expensive": tracker.expensive, "save_heavy": tracker.heavy}.get(policy, set())
+        keeps_output = any(k in cached for k in out_keys)
+        saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
+    else:
+        saved, saves_input, keeps_output = {}, False, False
+        for t in packed:
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            if key in in_keys:
+                saves_input = True
+            elif key not in params and key in tracker.live:
+                saved[key] = t.untyped_storage().nbytes()
+                keeps_output |= key in out_keys
+        packed.clear()  # release the saved tensors' extra references before backward
+    return out, dict(output=sum(out_keys.values()), saved=sum(saved.values()), saves_input=saves_input, keeps_output=keeps_output)

@@ -1,0 +1,233 @@
+"""Where to cut: the optimal plan under the peak model, for a segment count or a memory budget.
+
+:func:`best_plan` finds the optimal cuts exactly by dynamic programming over
+Pareto sets of (P, peak so far, recompute) (see :mod:`trunksplit.planning.peak`
+for P and the peak), with forced cuts after requested features and no cut before
+an in-place op. :func:`plan_trunk` is what a ``CheckpointedTrunk`` calls: balanced
+plans for a segment count, budget plans (with regions) for a memory budget.
+"""
+import functools
+import warnings
+from dataclasses import replace
+from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..chains.blocks import expand_units, layer_splittable_before
+from .memory import tensors_in
+from .peak import PeakModel
+from .plan import Segment, SplitPlan
+from .profile import profile_units
+from .templates import Region, _as_run
+from .vissl import vissl_plan
+
+PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
+RECOMPUTE_SLACK = 0.10  # balanced plans recompute at most this much more than vissl's plan of the same count
+
+
+class Cuts(NamedTuple):
+    """A plan as the planner sees it: where segments start, and the regions of units run
+    under their own checkpoint, each ``(start, stop, policy)`` with ``policy``
+    a policy of :data:`trunksplit.recompute.regions.REGION_POLICIES`."""
+
+    starts: List[int]
+    regions: FrozenSet[Region] = frozenset()
+
+
+def best_plan(
+    model: PeakModel,
+    splittable: Sequence[bool],
+    forced: Sequence[int],
+    num_segments: Optional[int] = None,
+    max_segments: Optional[int] = None,
+    budget: Optional[int] = None,
+    max_recompute: Optional[int] = None,
+) -> Optional[Cuts]:
+    """The optimal plan under ``model``, or None if none qualifies.
+
+    With ``budget``: the least recompute whose peak fits (ties: lower peak).
+    Without: the lowest peak (ties: less recompute). Recompute is compared as
+    (FLOPs run again, bytes of cheap ops run again), FLOPs first. ``num_segments``
+    asks for an exact count, ``max_segments`` bounds it; ``max_recompute`` bounds
+    the FLOPs run again. A cut may fall before unit i only where ``splittable[i]``,
+    and must fall at every index in ``forced``. Regions come from the model's
+    templates (see :meth:`PeakModel.options`).
+    """
+    search = functools.partial(_search, model, splittable, forced, num_segments, max_segments)
+    if budget is None and model.spans:
+        # Regions offer many (peak, recompute) trade-offs per segment: find the lowest peak
+        # first, ignoring recompute, then the least recompute at that peak.
+        if max_recompute is not None:
+            raise ValueError("with regions, bound the recompute under a budget")
+        lowest = search(None, None, with_cost=False)
+        return lowest and search(model.peak(*lowest), None)
+    return search(budget, max_recompute)
+
+
+def _search(model, splittable, forced, num_segments, max_segments, budget, max_recompute, with_cost=True) -> Optional[Cuts]:
+    """The dynamic programme of :func:`best_plan` (``with_cost=False``: lowest peak only)."""
+    n = model.n
+    forced_set = set(forced)
+    allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
+    limit = num_segments or max_segments or n
+    # states[p]: {count: [(prefix, peak, recompute, starts, regions)]}, Pareto-pruned
+    states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, (0, 0), (), frozenset())]}}
+    for p in [0] + allowed:
+        for count, entries in sorted(states.get(p, {}).items()):
+            entries = _pareto(entries, with_cost)
+            if count >= limit:
+                continue
+            next_forced = min([f for f in forced_set if f > p] + [n])
+            for q in [i for i in allowed if p < i <= next_forced] + ([n] if next_forced == n else []):
+                options = model.options(p, q)
+                if not with_cost:  # only the lowest local peak matters
+                    options = [min(options, key=lambda o: o[0])]
+                for prefix, peak, recompute, starts, regions in entries:
+                    new_prefix = prefix + model.boundary(p)
+                    for local, cost, chosen in options:  # by cost, then lower local peak
+                        new_peak = max(peak, new_prefix + local)
+                        if budget is not None and new_peak > budget:
+                            continue
+                        new_recompute = (recompute[0] + cost[0], recompute[1] + cost[1])
+                        if max_recompute is not None and new_recompute[0] > max_recompute:
+                            continue
+                        states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
+                        if budget is not None:
+                            break  # the cheapest option that fits: more cost buys nothing under a budget
+    finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
+    if not finals:
+        return None
+    key = (lambda e: (e[2], e[1])) if budget is not None else (lambda e: (e[1], e[2]))
+    best = min(finals, key=key)
+    return Cuts(list(best[3]), best[4])
+
+
+def _pareto(entries: list, with_cost: bool = True) -> list:
+    """Entries not dominated in (prefix, peak, recompute), or in (prefix, peak) without
+    ``with_cost``; the first of equals is kept."""
+    entries = sorted(set(entries), key=lambda e: (e[0], e[1], e[2], e[3], sorted(e[4])))
+    kept = []
+    for e in entries:
+        if not any(k[0] <= e[0] and k[1] <= e[1] and (k[2] <= e[2] or not with_cost) for k in kept):
+            kept.append(e)
+    return kept
+
+
+def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
+    """``plan`` with the model's predicted peak and recompute per segment."""
+    predicted = model.segments([s.start for s in plan.segments], plan.regions)
+    segments = tuple(
+        replace(s, predicted_bytes=peak, recompute_flops=flops, recompute_bytes=cheap)
+        for s, (peak, (flops, cheap)) in zip(plan.segments, predicted)
+    )
+    return replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
+
+
+def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, int], strategy: str, model: PeakModel) -> SplitPlan:
+    """A plan cutting before each of ``cuts.starts``; segments ending at a requested feature take its name."""
+    names_at = {stop: name for name, stop in feature_stops.items()}
+    bounds = list(cuts.starts) + [len(units)]
+    segments, extra = [], 0
+    for a, b in zip(bounds, bounds[1:]):
+        name = names_at.get(b)
+        if name is None:
+            name, extra = f"activation_split_{extra}", extra + 1
+        inside = tuple(sorted(_as_run(g, b == bounds[-1]) for g in cuts.regions if a <= g[0] and g[1] <= b))
+        segments.append(Segment(name, a, b, checkpointed=b != bounds[-1], regions=inside))
+    return annotate(SplitPlan(tuple(units), tuple(segments), strategy), model)
+
+
+def region_spans(units: Sequence[Tuple[str, nn.Module]]) -> List[Tuple[int, int]]:
+    """The smallest runs of units ``[start, stop)`` that may form a region (a nested
+    checkpoint): a region must neither start nor be followed by an in-place op, which
+    would overwrite the input its recompute needs, or an output the
+    ``"save_expensive"`` policy keeps. So runs are cut where a unit is splittable;
+    inside one, an in-place op changes only what the region itself produced. The
+    ResNet stem gives ``conv1``, ``bn1 + conv1_relu`` and ``maxpool``."""
+    bounds = [i for i, (_, m) in enumerate(units) if layer_splittable_before(m)] + [len(units)]
+    return [(r, s) for r, s in zip(bounds, bounds[1:])]
+
+
+def peak_model(trunk, x, regions: bool = False) -> PeakModel:
+    """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks.
+
+    ``regions``: also measure the units under the region policies, and let the model
+    plan regions (about three times the profiling)."""
+    units = expand_units(trunk._blocks())
+    spans = region_spans(units) if regions else []
+    return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans)
+
+
+def budget_in_bytes(budget, unsplit: int) -> int:
+    """A memory budget in bytes: a float is a fraction of the ``unsplit`` peak."""
+    return int(budget * unsplit) if isinstance(budget, float) else int(budget)
+
+
+def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
+    """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``.
+
+    Balanced plans cut at unit boundaries only. Budget plans also place regions
+    (nested checkpoints under a region policy of :func:`trunksplit.recompute.regions.run_region`; non-reentrant
+    trunks only: torch's selective checkpointing has no reentrant form), which reach
+    below the block-level floor at less recompute. ``model``: the trunk's peak model at
+    ``x`` if already measured (with regions exactly where this plan may use them), so
+    that several plans of one trunk share one measurement."""
+    units = expand_units(trunk._blocks())
+    names = [n for n, _ in units]
+    budgeted = trunk.memory_budget is not None
+    model = model or peak_model(trunk, x, regions=budgeted and not trunk.use_reentrant)
+    splittable = [layer_splittable_before(m) for _, m in units]
+    forced = [stop for stop in trunk._ends.values() if stop < len(units)]
+    if budgeted:
+        return plan_from_cuts(names, _budget_cuts(trunk, x, model, splittable, forced), trunk._ends, "budget", model)
+    return plan_from_cuts(names, _balanced_cuts(trunk, model, splittable, forced), trunk._ends, "balanced", model)
+
+
+def _balanced_cuts(trunk, model: PeakModel, splittable: Sequence[bool], forced: Sequence[int]) -> Cuts:
+    """The lowest-peak cuts into ``trunk.num_splits`` segments (fewer, with a warning, where
+    fewer valid cuts exist), recomputing no more than vissl's plan of the same count."""
+    k = max(trunk.num_splits or 1, len(forced) + 1)  # the cuts after requested features always exist
+    cuts = best_plan(model, splittable, forced, num_segments=k)
+    while cuts is None:  # fewer valid cuts than asked for
+        k -= 1
+        cuts = best_plan(model, splittable, forced, num_segments=k)
+    if k < (trunk.num_splits or 0):
+        warnings.warn(f"asked for {trunk.num_splits} checkpoint segments but only {k} can be made", UserWarning, stacklevel=5)
+    # Switching from vissl to balanced must not cost compute: cap the recompute at vissl's
+    # (plus RECOMPUTE_SLACK), where a plan under the cap exists.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vissl = vissl_plan(trunk._blocks(), list(trunk._ends), k)
+    cap = int(model.total_recompute([s.start for s in vissl.segments]) * (1 + RECOMPUTE_SLACK))
+    if best_plan(model, splittable, forced, num_segments=k, max_recompute=cap) is None:
+        cap = None
+    lowest = best_plan(model, splittable, forced, num_segments=k, max_recompute=cap)
+    # Peaks within the model's own accuracy are a tie: take the least recompute among them,
+    # but never a plan predicted to peak above vissl's.
+    lowest_peak, vissl_peak = model.peak(lowest.starts), model.peak([s.start for s in vissl.segments])
+    near_best = min(int(lowest_peak * (1 + PEAK_TOLERANCE)), max(lowest_peak, vissl_peak))
+    return best_plan(model, splittable, forced, num_segments=k, budget=near_best, max_recompute=cap)
+
+
+def _budget_cuts(trunk, x, model: PeakModel, splittable: Sequence[bool], forced: Sequence[int]) -> Cuts:
+    """The least-recompute cuts and regions whose predicted peak meets ``trunk.memory_budget``;
+    a ``ValueError`` naming the smallest feasible budget where none does."""
+    unsplit = model.peak([0])
+    budget_bytes = budget_in_bytes(trunk.memory_budget, unsplit)
+    cuts = best_plan(model, splittable, forced, max_segments=trunk.num_splits, budget=budget_bytes)
+    if cuts is None:
+        smallest = model.peak(*best_plan(model, splittable, forced, max_segments=trunk.num_splits))
+        raise ValueError(
+            f"no plan meets the memory budget of {budget_bytes} bytes ({budget_bytes / unsplit:.2f} of the unsplit "
+            f"{unsplit} bytes) for input {_shapes(x)}; the smallest feasible budget is {smallest} bytes "
+            f"({smallest / unsplit:.3f} of unsplit)" + (f" with at most {trunk.num_splits} segments" if trunk.num_splits else "")
+            + ("; use_reentrant=False lets the planner recompute cheap ops only, which goes lower" if trunk.use_reentrant else "")
+        )
+    return cuts
+
+
+def _shapes(x) -> str:
+    """The input's shape, or the shapes of the tensors in a structured input."""
+    shapes = [tuple(t.shape) for t in tensors_in(x)]
+    return str(shapes[0]) if isinstance(x, torch.Tensor) else str(shapes)

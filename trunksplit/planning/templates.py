@@ -1,0 +1,152 @@
+"""Which regions to try: a few ranked templates of nested checkpoints, evaluated exactly.
+
+Choosing a region policy per span multiplies past what a plan can afford to
+search, so the peak model (:mod:`trunksplit.planning.peak`) offers each segment
+the Pareto-best of a few region assignments (templates), each scanned exactly.
+The search over cuts stays exact; the one over regions is as good as its templates.
+"""
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+from ..recompute.regions import REGION_POLICIES, nested_policy
+
+Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoint under a policy
+
+
+class RegionTemplates:
+    """The region templates of one :class:`~trunksplit.planning.peak.PeakModel`, and the
+    choices they give each segment (both computed once, then cached)."""
+
+    def __init__(self, model):
+        self.model = model
+        # what a region runs again under each policy, the measure its templates are ranked by
+        self.prices = {"save_expensive": model._cheap_prefix, "save_heavy": model._light_prefix, "recompute": model._flops_prefix,
+                       "recompute_stages": [2 * f for f in model._flops_prefix]}
+        self._options: Dict[int, Dict[int, list]] = {}
+        self._templates: Optional[List[List[Region]]] = None
+
+    def options(self, a: int, b: int) -> List[Tuple[int, Tuple[int, int], FrozenSet[Region]]]:
+        """The choices of regions for segment [a, b) worth considering: (local peak,
+        recompute (FLOPs, cheap bytes), regions), none worse in both than another.
+
+        The choices are the model's templates (see :meth:`templates`) restricted to the
+        segment (a region it cuts through is dropped), each evaluated exactly."""
+        if a not in self._options:
+            found: Dict[int, dict] = {}  # stop -> {(local, cost): template index}, the first template wins
+            templates, scanned = self.templates(), set()
+            for t, template in enumerate(templates):
+                after = frozenset(g for g in template if g[0] >= a)  # all a scan from a looks at
+                if after in scanned:
+                    continue
+                scanned.add(after)
+                for last in (False, True):
+                    for stop, local, cost in self.model._scan(a, template, last):
+                        found.setdefault(stop, {}).setdefault((local, cost), t)
+            self._options[a] = {
+                stop: [(local, cost, frozenset(_as_run(g, stop == self.model.n) for g in templates[t] if a <= g[0] and g[1] <= stop))
+                       for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()])]
+                for stop, opts in found.items()
+            }
+        return self._options[a][b]
+
+    def templates(self) -> List[List[Region]]:
+        """Region assignments to try on every segment.
+
+        Choosing per span multiplies past what a plan can afford to search, so regions
+        come from a few shapes: runs of consecutive spans cut into regions of 1, 2, 3, 4
+        or 6 spans (at every offset: where the cuts fall matters as much as how far
+        apart), or whole runs. For each shape and policy the regions are ranked by bytes
+        no longer kept per unit of recompute (cheap-op bytes for ``"save_expensive"``,
+        FLOPs for the others), and a template takes the best j of them (j = 0..all).
+        Mixed templates start from every region of a shape under ``"save_expensive"``
+        (or ``"save_heavy"``, or ``"recompute"``) and upgrade the best k to a policy that
+        keeps less: regions to ``"save_heavy"``, single spans to ``"recompute"`` or
+        ``"recompute_stages"`` (only ever single spans: see :meth:`_region`)."""
+        if self._templates is not None:
+            return self._templates
+        templates: List[List[Region]] = [[]]
+        seen = {frozenset()}
+        shapes = [(size, offset) for size in (1, 2, 3, 4, 6, None) for offset in range(size or 1)] if self.model.spans else []
+        eligible = {policy: self._eligible(policy) for policy in REGION_POLICIES} if self.model.spans else {}
+        grouped = [p for p in REGION_POLICIES if p != "recompute_stages"]  # the policies a region of several spans may have
+        for size, offset in shapes:
+            chunks = {policy: _chunks(eligible[policy], size, offset) for policy in grouped}
+            if size not in (1, None) and all(len(chunks[p]) == len(eligible[p]) for p in grouped):
+                continue  # no run is longer than one span: the same as size 1
+            chunks["recompute_stages"] = eligible["recompute_stages"] if size == 1 else []
+            found = []
+            for policy in REGION_POLICIES:
+                ranked = self._ranked(chunks[policy], policy)
+                found += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
+            upgrades = (("save_expensive", "save_heavy", chunks["save_heavy"]), ("save_expensive", "recompute", eligible["recompute"]),
+                        ("save_heavy", "recompute", eligible["recompute"]), ("save_expensive", "recompute_stages", eligible["recompute_stages"]),
+                        ("save_heavy", "recompute_stages", eligible["recompute_stages"]), ("recompute", "recompute_stages", eligible["recompute_stages"]))
+            for base, policy, candidates in upgrades:
+                every = [(r, s, base) for r, s in chunks[base]]
+                ranked = self._ranked(candidates, policy, base)
+                for k in range(1, len(ranked) + 1):
+                    chosen = ranked[:k]
+                    found.append([g for g in every if not any(g[0] < s and r < g[1] for r, s in chosen)] + [(r, s, policy) for r, s in chosen])
+            for template in found:
+                if frozenset(template) not in seen:
+                    seen.add(frozenset(template))
+                    templates.append(sorted(template))
+        self._templates = templates
+        return templates
+
+    def _ranked(self, chunks: Sequence[Tuple[int, int]], policy: str, base: Optional[str] = None) -> List[Tuple[int, int]]:
+        """``chunks`` best first under ``policy``: bytes freed (beyond what ``base`` frees) per unit of recompute."""
+        price = self.prices[policy]
+
+        def worth(chunk):
+            freed = self._freed(chunk, policy) - (self._freed(chunk, base) if base else 0)
+            return -freed / max(1, price[chunk[1]] - price[chunk[0]])
+
+        return sorted(chunks, key=worth)
+
+    def _freed(self, chunk: Tuple[int, int], policy: str) -> int:
+        """Bytes the units of ``chunk`` keep for backward, less what they keep under ``policy``;
+        for ``"recompute_stages"``, also what its backward's peak falls below a ``"recompute"`` region's."""
+        r, s = chunk
+        freed = sum(self.model.costs.saved[r:s]) - sum(self.model.costs.under(policy).saved[r:s])
+        if policy == "recompute_stages":
+            freed += max(0, self.model._region((r, s, "recompute"))[2] - self.model._region((r, s, policy))[2])
+        return freed
+
+    def _eligible(self, policy: str) -> List[Tuple[int, int]]:
+        """Spans that ran under ``policy`` when profiled."""
+        eligible = self.model.costs.under(policy).eligible
+        return [(r, s) for r, s in self.model.spans if not eligible or eligible[r]]
+
+
+def _chunks(spans: Sequence[Tuple[int, int]], size: Optional[int], offset: int = 0) -> List[Tuple[int, int]]:
+    """Runs of consecutive ``spans`` (each starting where the last stopped) cut into
+    [start, stop) pieces of ``size`` spans (None: whole runs), the first piece of a run
+    ``offset`` spans long (when not 0)."""
+    runs: List[List[Tuple[int, int]]] = []
+    for span in spans:
+        if runs and runs[-1][-1][1] == span[0]:
+            runs[-1].append(span)
+        else:
+            runs.append([span])
+    pieces = []
+    for run in runs:
+        step = size or len(run)
+        ends = sorted((set(range(offset % step, len(run), step)) | {len(run)}) - {0})
+        pieces += [run[i:j] for i, j in zip([0] + ends, ends)]
+    return [(piece[0][0], piece[-1][1]) for piece in pieces]
+
+
+def _pareto_options(entries: list) -> list:
+    """(local peak, cost, ...) entries none of which another beats or equals in both."""
+    entries.sort(key=lambda e: (e[1], e[0]))
+    kept = []
+    for e in entries:
+        if not kept or e[0] < kept[-1][0]:  # sorted by cost: keep only strictly lower peaks
+            kept.append(e)
+    return kept
+
+
+def _as_run(region: Region, last: bool) -> Region:
+    """``region`` with the policy it runs under in the last segment (``last``) or a checkpointed one (see :func:`nested_policy`)."""
+    r, s, policy = region
+    return region if last else (r, s, nested_policy(policy))

@@ -1,0 +1,286 @@
+"""Checkpointed execution: every function trunksplit runs under ``torch.utils.checkpoint`` goes
+through :func:`run_checkpointed`, so BatchNorm, RNG, autocast and the reentrant-mode input quirk
+are handled once, for the trunk's segments, its regions and :func:`checkpoint_wrapper` alike.
+
+What is exact: outputs, every gradient, dropout masks (torch restores the RNG
+state), autocast (torch re-enters the forward's autocast state, CPU bf16
+included) and BatchNorm buffers (running stats and ``num_batches_tracked`` move
+once per training step, as without checkpointing). What is not: the recompute
+costs one more forward of the checkpointed part, and code that has side effects
+other than BatchNorm's sees them twice (ask :func:`is_recomputing`).
+
+The selective region policy ``"save_expensive"`` (see :func:`trunksplit.recompute.regions.run_region`) keeps
+the outputs of the ops that cost FLOPs (convolution, matmul, attention: exactly the
+ops torch's FLOP counter counts) and recomputes the rest (norms, activations,
+pooling, adds) in backward, with no convolution run twice. What it saves depends on
+the layout: a torchvision bottleneck alone keeps 83% of what it kept (its in-place
+ReLU already shares BatchNorm's output, and its input and convolution outputs stay);
+a region of several blocks also drops the blocks' outputs, rebuilt from the kept
+convolutions. ``"save_heavy"`` also recomputes the light convolutions (see
+:func:`is_heavy`): a bottleneck's expanding 1x1, whose output is its biggest, at a
+quarter of the block's FLOPs.
+"""
+import contextlib
+import math
+import threading
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, InstanceNorm: the norms with running stats
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
+
+_local = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True only while a checkpointed forward is being run again for backward."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def batchnorms(modules: Iterable[nn.Module]) -> List[_NormBase]:
+    """Every norm layer with running statistics inside ``modules`` (each once).
+
+    BatchNorm is the common case; InstanceNorm with ``track_running_stats=True``
+    moves its statistics the same way and needs the same care."""
+    seen, found = set(), []
+    for top in modules:
+        for m in top.modules():
+            if isinstance(m, _NormBase) and id(m) not in seen:
+                seen.add(id(m))
+                found.append(m)
+    return found
+
+
+class _WrittenBuffers:
+    """The buffers other than norm statistics that a checkpointed forward writes (an EMA of
+    its inputs, say), kept so that the recompute sees them as the first forward did and
+    its own write is undone: the buffer moves once per step, as without checkpointing.
+
+    Every such buffer is copied before the first forward (buffers are small: statistics,
+    counters, index tables); after it, the copies of those the forward did not write
+    (same tensor, same ``_version``) are dropped. A buffer is rebound, not copied into, for
+    the recompute, so both in-place writes and reassignment (``self.ema = ...``) are seen."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        seen, self.slots = set(), []  # (module, buffer name): norms are left to _recomputing
+        for top in modules:
+            for m in top.modules():
+                if isinstance(m, _NormBase) or id(m) in seen:
+                    continue
+                seen.add(id(m))
+                self.slots += [(m, name) for name, _ in m.named_buffers(recurse=False)]
+        self.before: List[Tuple[nn.Module, str, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def first_forward(self):
+        saved = [(m, name, getattr(m, name)) for m, name in self.slots]
+        copies = [(b, b._version, b.detach().clone()) for _, _, b in saved]
+        yield
+        self.before = [(m, name, copy) for (m, name, b), (_, version, copy) in zip(saved, copies)
+                       if getattr(m, name) is not b or b._version != version]
+
+    @contextlib.contextmanager
+    def recompute(self):
+        now = [(m, name, getattr(m, name)) for m, name, _ in self.before]
+        try:
+            for m, name, value in self.before:
+                setattr(m, name, value.clone())  # the recompute may write it again: into a copy
+            yield
+        finally:
+            for m, name, value in now:
+                setattr(m, name, value)
+
+
+@contextlib.contextmanager
+def _recomputing(bns: List[_NormBase], written: Optional[_WrittenBuffers] = None):
+    """Mark a recompute and keep BatchNorm buffers as the first forward left them.
+
+    The recompute must normalise with the batch statistics, exactly as the first
+    forward did, but must not move the running statistics again. vissl flipped
+    ``track_running_stats``, which changes which tensors BatchNorm saves and trips
+    non-reentrant checkpoint's determinism check. Instead the momentum is set to 0
+    (``(1 - 0) * running + 0 * batch`` is ``running``, bit for bit, and the op
+    saves the same tensors) and ``num_batches_tracked``, which BatchNorm bumps in
+    Python, is put back afterwards. Restoring in ``finally`` matters: non-reentrant
+    checkpoint may stop a recompute early, in the middle of a BatchNorm.
+    """
+    tracked = [m for m in bns if m.training and m.track_running_stats]
+    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in tracked]
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        for m in tracked:
+            m.momentum = 0.0
+        with written.recompute() if written is not None else contextlib.nullcontext():
+            yield
+    finally:
+        for m, momentum, count in saved:
+            m.momentum = momentum
+            if count is not None:
+                m.num_batches_tracked.copy_(count)
+        _local.depth -= 1
+
+
+def map_tree(fn: Callable, tree):
+    """``tree`` (nested lists, tuples, named tuples and dict values) with ``fn`` applied to each leaf."""
+    if isinstance(tree, (list, tuple)):
+        items = [map_tree(fn, t) for t in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    if isinstance(tree, dict):
+        return {k: map_tree(fn, v) for k, v in tree.items()}
+    return fn(tree)
+
+
+def map_tensors(fn: Callable, tree):
+    """``tree`` with ``fn`` applied to each tensor in it: what flows between units may be a tensor,
+    or a tuple of them where a traced model cuts after ``x.split(...)``."""
+    return map_tree(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
+
+
+class _Slot:
+    """Where a tensor stood in a tree, while the tensors travel as reentrant checkpoint's inputs
+    (a leaf: not a tuple, which :func:`map_tree` would walk into)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _flatten_tensors(tree) -> Tuple[Any, List[torch.Tensor]]:
+    flat: List[torch.Tensor] = []
+
+    def take(t):
+        flat.append(t)
+        return _Slot(len(flat) - 1)
+
+    return map_tensors(take, tree), flat
+
+
+def _filled(skeleton, tensors: Sequence[torch.Tensor]):
+    return map_tree(lambda t: tensors[t.index] if isinstance(t, _Slot) else t, skeleton)
+
+
+def is_expensive(func, args: Sequence = ()) -> bool:  # args: the signature of a selective policy's choice
+    """Whether an aten op is one whose output the selective policy keeps: one that
+    torch's FLOP counter counts (convolution, mm/addmm/bmm, attention), so that
+    "recomputed FLOPs" and "what the policy recomputes" mean the same ops."""
+    return getattr(func, "overloadpacket", func) in flop_registry
+
+
+HEAVY_MACS = 256  # multiply-adds per output element from which "save_heavy" keeps an op's output
+
+
+def is_heavy(func, args: Sequence) -> bool:
+    """Whether an expensive op (see :func:`is_expensive`) does at least ``HEAVY_MACS``
+    multiply-adds per output element: rebuilding its output costs much per byte kept.
+
+    The light ones write much and compute little: a bottleneck's last 1x1 convolution,
+    which expands 64 channels to 256 (64 per element), depthwise 7x7 convolutions (49),
+    the ResNet stem (147). Judged from the arguments' shapes, as a selective policy
+    must (it runs before the op); an op whose count is not known here counts as heavy."""
+    if not is_expensive(func):
+        return False
+    macs = _macs_per_output(getattr(func, "overloadpacket", func).__name__, args)
+    return macs is None or macs >= HEAVY_MACS
+
+
+def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in ("convolution", "_convolution") and len(tensors) >= 2:
+        if len(args) > 6 and args[6]:  # transposed: not judged here
+            return None
+        return math.prod(tensors[1].shape[1:])  # the weight's input channels per group x kernel size
+    if name in ("mm", "bmm") and tensors:
+        return tensors[0].shape[-1]
+    if name in ("addmm", "baddbmm") and len(tensors) >= 2:
+        return tensors[1].shape[-1]
+    if "scaled_dot_product" in name and len(tensors) >= 3:
+        q, k, v = tensors[:3]
+        return k.shape[-2] * (q.shape[-1] + v.shape[-1]) / v.shape[-1]  # scores, then the weighted sum of values
+    return None
+
+
+def _selective_contexts(bns: List[_NormBase], written: _WrittenBuffers, keep: Callable) -> Callable:
+    """torch's selective-checkpoint contexts keeping the outputs of the ops ``keep(func,
+    args)`` picks, with the guards of BatchNorm and written buffers entered around them.
+
+    The guards' own ops (saving and restoring ``num_batches_tracked``, copying buffers)
+    must run outside torch's modes, whose recompute replays only the ops the forward ran."""
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if keep(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def contexts():
+        forward, recompute = create_selective_checkpoint_contexts(policy)
+        return _both(written.first_forward(), forward), _both(_recomputing(bns, written), recompute)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield
+
+
+def run_checkpointed(
+    function: Callable,
+    modules: Sequence[nn.Module],
+    args: Tuple = (),
+    kwargs: Optional[dict] = None,
+    use_reentrant: bool = False,
+    keep: Optional[Callable] = None,
+) -> Any:
+    """``function(*args, **kwargs)`` under activation checkpointing.
+
+    ``modules`` are those ``function`` runs: their norm layers' running statistics (see
+    :func:`batchnorms`) and any other buffer their forward writes (see
+    :class:`_WrittenBuffers`) move once, not again in the recompute, which sees them as
+    the first forward did. ``args`` and ``kwargs`` are passed as a tuple and a dict,
+    never spread into this call or torch's, so a module's own keyword named
+    ``debug``, ``use_reentrant`` or ``function`` reaches the module unchanged.
+    Non-reentrant mode (the default) takes keyword arguments (closed over: torch's
+    non-reentrant checkpoint follows any tensor the function uses) and any output
+    structure. Reentrant mode takes positional tensors only; where no input
+    requires grad, torch's reentrant checkpoint would silently give the
+    parameters no gradient, so a zero-size input that requires grad is added.
+
+    ``keep(func, args)``, where given, picks the aten ops whose outputs are kept (as
+    :func:`is_expensive` does): the others are recomputed (torch's selective
+    checkpointing; non-reentrant only). Do not nest it in another checkpoint: torch
+    reruns a nested checkpoint as the outer one's first forward ran it, and there it
+    would keep its saved outputs outside the autograd graph, where the outer
+    checkpoint cannot drop them, from that forward to the backward (see
+    :func:`trunksplit.recompute.regions.nested_policy`).
+    """
+    kwargs = kwargs or {}
+    if keep is not None and use_reentrant:
+        raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
+    bns, written = batchnorms(modules), _WrittenBuffers(modules)
+    calls = 0
+
+    def run(*a, **kw):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            with written.first_forward():
+                return function(*a, **kw)
+        with _recomputing(bns, written):
+            return function(*a, **kw)
+
+    if keep is not None:
+        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=_selective_contexts(bns, written, keep))
+    if not use_reentrant:
+        return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
+    if kwargs:
+        raise TypeError("reentrant checkpointing takes positional arguments only; use use_reentrant=False to pass keywords")
+    # Reentrant checkpoint gives gradients to its top-level tensor arguments only: tensors inside
+    # a tuple (what a traced model carries after x.split) travel as arguments of their own.
+    skeleton, tensors = _flatten_tensors(args)
+    if any(t.requires_grad for t in tensors):
+        return checkpoint(lambda *t: run(*_filled(skeleton, t)), *tensors, use_reentrant=True)
+    device = tensors[0].device if tensors else None
+    anchor = torch.empty(0, device=device, requires_grad=True)  # same device: torch infers the RNG device from the inputs
+    return checkpoint(lambda _anchor, *t: run(*_filled(skeleton, t)), anchor, *tensors, use_reentrant=True)

@@ -1,0 +1,63 @@
+"""Region policies: how a run of units runs as one checkpoint nested in a segment.
+
+The planner picks, per region, what its checkpoint keeps for backward; this module
+runs it so. Each policy keeps less than the one before and runs more again:
+
+- ``"save_expensive"``: its input and the outputs of its expensive ops (convolution,
+  matmul, attention: see :func:`trunksplit.recompute.checkpoint.is_expensive`); the cheap ops
+  (norms, activations, pooling, adds) run again in backward, no convolution does.
+- ``"save_heavy"``: only the heavy expensive ops' outputs (see
+  :func:`trunksplit.recompute.checkpoint.is_heavy`); light convolutions run again too.
+- ``"recompute"``: only its input; backward runs the region again, whole.
+- ``"recompute_stages"``: only its input; backward runs the region again with each
+  unit cut into stages (see :mod:`trunksplit.recompute.stages`), then each stage once more as
+  its backward reaches it, so that a block's activations are never all held at once.
+"""
+import functools
+from typing import Any, Sequence
+
+from torch import nn
+
+from .stages import run_in_stages
+from .checkpoint import is_expensive, is_heavy, run_checkpointed
+
+# the region policies and what each keeps, as a plan table says it
+REGION_POLICIES = {
+    "save_expensive": "keep conv/matmul outputs, recompute the rest",
+    "save_heavy": "keep heavy conv/matmul outputs, recompute light convs and the rest",
+    "recompute": "keep only the input",
+    "recompute_stages": "keep only the input, rebuild one conv/matmul stage at a time",
+}
+_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}  # the selective ones: which ops' outputs they keep
+
+
+def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
+    """``layers`` run in order on ``x`` as one checkpoint that keeps, for backward, what
+    ``policy`` says (see the module docstring). Inside another checkpoint's function it
+    nests (give it ``nested_policy(policy)`` there): the outer recompute holds only the
+    region's input, the region's own backward the rest."""
+    if policy not in REGION_POLICIES:
+        raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
+    run = _run_in_stages if policy == "recompute_stages" else _run
+    return run_checkpointed(run, layers, (x, *layers), keep=_KEEPS.get(policy))
+
+
+def nested_policy(policy: str) -> str:
+    """The policy a region runs under inside a checkpointed segment: a selective one runs
+    as ``"recompute"`` there.
+
+    A segment's backward reruns each nested region as the segment's first forward ran
+    it (torch's nested checkpoints recompute with the function of the original forward).
+    In that first forward torch's selective checkpoint would keep the outputs it saves
+    outside the autograd graph, where the segment's checkpoint cannot drop them, from the
+    forward to the backward; run as ``"recompute"`` instead, its backward recomputes it
+    whole. ``"recompute_stages"`` nests as it is: its stages are plain checkpoints."""
+    return "recompute" if policy in _KEEPS else policy
+
+
+def _run(x: Any, *layers: nn.Module) -> Any:
+    return functools.reduce(lambda h, layer: layer(h), layers, x)
+
+
+def _run_in_stages(x: Any, *layers: nn.Module) -> Any:
+    return functools.reduce(lambda h, layer: run_in_stages(layer, h), layers, x)

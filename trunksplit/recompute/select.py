@@ -1,0 +1,177 @@
+"""Selective activation checkpointing: wrap the submodules a condition picks.
+
+One API, as torchtune's RFC asked: a condition is any ``(name, module) -> bool``
+callable; :func:`by_type`, :func:`by_name` and :func:`every_k` build the common
+ones, and :func:`condition_from_config` builds them from a YAML mapping.
+"""
+import importlib
+import re
+import warnings
+from typing import Callable, List, Mapping, Type
+
+from torch import nn
+
+from ..chains.blocks import layer_splittable_before
+from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped
+
+Condition = Callable[[str, nn.Module], bool]
+
+
+def by_type(*types: Type[nn.Module]) -> Condition:
+    """Select modules that are instances of any of ``types``."""
+    _check_types(types, "by_type")
+    return lambda name, module: isinstance(module, types)
+
+
+def by_name(pattern: str) -> Condition:
+    """Select modules whose full name (as in ``named_modules()``) matches ``pattern`` entirely."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"by_name needs a regular expression string, got {pattern!r}")
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"by_name: {pattern!r} is not a valid regular expression ({e})") from None
+    return lambda name, module: regex.fullmatch(name) is not None
+
+
+class every_k:
+    """Select the 0th, k-th, 2k-th ... module of the given types, in ``named_modules()`` order.
+
+    The count starts afresh in every :func:`apply_activation_checkpointing` call,
+    so applying the same condition to two models selects the same layers in each.
+    With no types, every module counts.
+    """
+
+    def __init__(self, k: int, *types: Type[nn.Module]):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"every_k needs k >= 1, got {k!r}")
+        if types:
+            _check_types(types, "every_k")
+        self.k, self.types, self.seen = k, types, 0
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        if self.types and not isinstance(module, self.types):
+            return False
+        self.seen += 1
+        return (self.seen - 1) % self.k == 0
+
+    def __repr__(self) -> str:
+        return f"every_k({self.k}, {', '.join(t.__name__ for t in self.types)})"
+
+
+def _check_types(types, who):
+    if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(f"{who} needs one or more nn.Module classes, got {types!r}")
+
+
+def apply_activation_checkpointing(model: nn.Module, condition: Condition, offload_to_cpu: bool = False) -> List[str]:
+    """Wrap, in place, every submodule of ``model`` that ``condition(name, module)`` selects.
+
+    Returns the selected names in ``named_modules()`` order. The root is never
+    wrapped; a module inside a selected or already wrapped one is left alone,
+    since its parent's checkpoint already covers it. The condition sees every
+    other submodule, in order, wrapped ones included, so counting conditions count
+    all matches and applying the same condition again selects the same modules
+    (wrapping twice changes nothing).
+
+    A module whose first operation is in-place (``ReLU(inplace=True)``, or a
+    ``Sequential`` starting with one) cannot be checkpointed: it would overwrite
+    the input the recompute needs. Such matches are skipped with a warning that
+    names them. Raises ``ValueError`` when nothing can be wrapped, naming the
+    module types present; the model is then unchanged.
+    """
+    if not callable(condition):
+        raise TypeError(f"condition must be a (name, module) -> bool callable, got {condition!r}")
+    if hasattr(condition, "reset"):
+        condition.reset()
+    selected, in_place, covered = [], [], []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(c + ".") for c in covered):
+            continue
+        if condition(name, module):
+            if layer_splittable_before(module):
+                selected.append((name, module))
+                covered.append(name)
+            else:
+                in_place.append(name)
+        elif is_checkpoint_wrapped(module):
+            covered.append(name)
+    if in_place:
+        shown = ", ".join(in_place[:5]) + (f" and {len(in_place) - 5} more" if len(in_place) > 5 else "")
+        message = f"not checkpointing {len(in_place)} selected module(s) whose first operation is in-place ({shown}): a checkpoint would overwrite its own input"
+        if not selected:
+            raise ValueError(message + "; nothing else was selected. Select the blocks that contain them instead (by_type of the block class)")
+        warnings.warn(message, UserWarning, stacklevel=2)
+    if not selected:
+        present = sorted({type(m).__name__ for n, m in model.named_modules() if n})
+        raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}")
+    for _, module in selected:
+        checkpoint_wrapper(module, offload_to_cpu=offload_to_cpu)
+    return [name for name, _ in selected]
+
+
+def _import_class(path: str) -> type:
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import module class {path!r}: {e}") from None
+
+
+def condition_from_config(select: Mapping) -> Condition:
+    """A condition from a config mapping, so a recipe can change the selection without code.
+
+    Keys: ``types`` (dotted class paths), ``every_k`` (int, counts matches of
+    ``types``), ``name_regex``. Given together, all must hold. Example YAML::
+
+        MODEL.ACTIVATION_CHECKPOINTING.SELECT:
+          every_k: 2
+          types: [torchvision.models.resnet.Bottleneck]
+    """
+    unknown = set(select) - {"types", "every_k", "name_regex"}
+    if unknown:
+        raise ValueError(f"unknown selection key(s) {sorted(unknown)}; use types, every_k, name_regex")
+    paths = select.get("types", ())
+    if isinstance(paths, str):  # one class written without brackets
+        paths = [paths]
+    if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) for p in paths):
+        raise ValueError(f"SELECT.types must be a list of dotted class paths (torchvision.models.resnet.Bottleneck), got {paths!r}")
+    types = tuple(_import_class(p) for p in paths)
+    for path, t in zip(paths, types):
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise ValueError(f"SELECT.types: {path!r} is not an nn.Module class")
+    parts = []
+    if "name_regex" in select:
+        if not isinstance(select["name_regex"], str) or not select["name_regex"]:
+            raise ValueError(f"SELECT.name_regex must be a non-empty regular expression, got {select['name_regex']!r}")
+        parts.append(by_name(select["name_regex"]))
+    if "every_k" in select:
+        k = select["every_k"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"SELECT.every_k must be an integer >= 1, got {k!r}")
+        parts.append(every_k(k, *types))
+    elif types:
+        parts.append(by_type(*types))
+    if not parts:
+        raise ValueError("an empty selection: give types, every_k or name_regex")
+    return _All(parts)
+
+
+class _All:
+    def __init__(self, parts):
+        self.parts = parts
+
+    def reset(self):
+        for p in self.parts:
+            if hasattr(p, "reset"):
+                p.reset()
+
+    def __call__(self, name, module):
+        # every part sees every module, so a counting part counts all its matches
+        return all([p(name, module) for p in self.parts])
+
+    def __repr__(self):
+        return " and ".join(map(repr, self.parts))

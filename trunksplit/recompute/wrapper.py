@@ -1,0 +1,132 @@
+"""``checkpoint_wrapper``: make one module run under activation checkpointing, fairscale's API
+done so that names, ``state_dict`` keys, ``deepcopy`` and ``pickle`` all keep working.
+
+Exactness (outputs, gradients, RNG, autocast, BatchNorm once) comes from
+:func:`trunksplit.recompute.checkpoint.run_checkpointed`, which the wrapper calls.
+"""
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..chains.blocks import layer_splittable_before
+from .checkpoint import map_tree, run_checkpointed
+
+
+class _Checkpointed:
+    """Mixed in front of a module's own class by :func:`checkpoint_wrapper`.
+
+    Swapping ``__class__`` (rather than patching ``forward`` on the instance as
+    fairscale and fairseq do) leaves parameter names and ``state_dict`` keys alone,
+    makes no reference cycle (a bound method stored on the instance is one),
+    and survives ``copy.deepcopy`` and ``pickle``: a copy runs its own forward,
+    not the original's.
+    """
+
+    _checkpoint_base: type  # the module's class before wrapping
+    # A class default, not only an instance attribute: containers build new instances of
+    # their own class (``wrapped_sequential[1:]``), and those must run too.
+    _checkpoint_offload_to_cpu = False
+
+    def forward(self, *args, **kwargs):
+        forward = super().forward
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if self._checkpoint_offload_to_cpu:
+            args, kwargs = _offload(args), _offload(kwargs)
+            forward = _loading_back(forward)
+        return run_checkpointed(forward, [self], args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # Rebuild through the plain class so pickle never looks the generated class up by name.
+        return (_rebuild_checkpointed, (self._checkpoint_base,), self.__dict__)
+
+
+_CHECKPOINTED_CLASSES: dict = {}
+
+
+def _checkpointed_class(base: type) -> type:
+    cls = _CHECKPOINTED_CLASSES.get(base)
+    if cls is None:
+        cls = type(f"Checkpointed{base.__name__}", (_Checkpointed, base), {"_checkpoint_base": base})
+        _CHECKPOINTED_CLASSES[base] = cls
+    return cls
+
+
+def _rebuild_checkpointed(base: type) -> nn.Module:
+    module = base.__new__(base)
+    module.__class__ = _checkpointed_class(base)
+    return module
+
+
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+    """Make every later call of ``module`` run under activation checkpointing.
+
+    Returns ``module`` itself (its class swapped for a checkpointed subclass), so
+    names, ``state_dict`` keys and parameters of the module and its parents stay as
+    they were. Handles keyword arguments, non-tensor and nested outputs, dropout
+    (RNG restored), autocast (restored in the recompute, CPU bf16 included),
+    BatchNorm (statistics updated once) and inputs that do not require grad. Under
+    ``no_grad`` it runs the module once, with no checkpoint. Wrapping a wrapped
+    module changes nothing. :func:`unwrap_checkpoint` undoes it. A module whose first
+    op is in place (``ReLU(inplace=True)``, see :func:`layer_splittable_before`) is
+    refused with a ``ValueError``: it would overwrite the input the recompute needs.
+
+    ``offload_to_cpu`` moves the tensors the checkpoint keeps (the module's inputs)
+    to CPU memory, pinned when CUDA is present, until backward needs them. On CPU
+    tensors it is a no-op.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError("checkpoint_wrapper cannot wrap a TorchScript module; wrap the eager module before scripting")
+    if isinstance(module, _Checkpointed):
+        return module
+    if not layer_splittable_before(module):
+        raise ValueError(
+            f"checkpoint_wrapper cannot wrap {type(module).__name__} with inplace=True: it overwrites its input, which "
+            "the checkpoint keeps for the recompute, and backward would fail. Build it with inplace=False, or wrap "
+            "the block that contains it (the module is left unwrapped)"
+        )
+    module.__class__ = _checkpointed_class(type(module))
+    module._checkpoint_offload_to_cpu = bool(offload_to_cpu)
+    return module
+
+
+def is_checkpoint_wrapped(module: nn.Module) -> bool:
+    return isinstance(module, _Checkpointed)
+
+
+def unwrap_checkpoint(module: nn.Module) -> nn.Module:
+    """Undo :func:`checkpoint_wrapper` in place; returns the module."""
+    if isinstance(module, _Checkpointed):
+        module.__class__ = module._checkpoint_base
+        module.__dict__.pop("_checkpoint_offload_to_cpu", None)
+    return module
+
+
+class _Offloaded:
+    """A CPU copy of an input tensor and the device it goes back to."""
+
+    __slots__ = ("tensor", "device")
+
+    def __init__(self, tensor: torch.Tensor):
+        pin = torch.cuda.is_available()
+        self.device = tensor.device
+        # copy_ is differentiable, so gradients still reach the original tensor.
+        self.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin).copy_(tensor, non_blocking=pin)
+
+
+def _offload(tree):
+    return map_tree(lambda t: _Offloaded(t) if isinstance(t, torch.Tensor) and t.device.type != "cpu" else t, tree)
+
+
+def _onload(tree):
+    return map_tree(lambda t: t.tensor.to(t.device, non_blocking=True) if isinstance(t, _Offloaded) else t, tree)
+
+
+def _loading_back(forward: Callable) -> Callable:
+    def run(*args, **kwargs):
+        return forward(*_onload(args), **_onload(kwargs))
+
+    return run

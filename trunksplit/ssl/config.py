@@ -1,0 +1,252 @@
+"""Config defaults (fvcore ``CfgNode``), in one place; YAML files only override them.
+
+Key names follow vissl where vissl had the concept (``MODEL.TRUNK.*``,
+``MODEL.ACTIVATION_CHECKPOINTING.*``, ``DISTRIBUTED.MANUAL_GRADIENT_REDUCTION``).
+"""
+import math
+import os
+import re
+import warnings
+from typing import Sequence
+
+import yaml
+from fvcore.common.config import CfgNode as CN
+
+from ..recompute.select import condition_from_config
+from .backbones import check_backbone_name, fixed_resolution
+
+_C = CN()
+_C.OUTPUT_DIR = "output/run"
+_C.SEED = 0
+
+_C.MODEL = CN()
+_C.MODEL.TRUNK = CN()
+_C.MODEL.TRUNK.NAME = "resnet50"  # any torchvision ResNet/ResNeXt/Wide-ResNet/RegNet
+_C.MODEL.TRUNK.OUT_FEAT_KEYS = ["flatten"]
+_C.MODEL.ACTIVATION_CHECKPOINTING = CN()
+_C.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = True
+_C.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS = 2
+_C.MODEL.ACTIVATION_CHECKPOINTING.STRATEGY = "vissl"  # vissl | balanced
+_C.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET = 0.0  # 0: off; a fraction in (0, 1] of the unsplit peak, or bytes as a float (2.0e+9)
+_C.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT = False
+# Selective wrapping instead of trunk splitting, e.g. {every_k: 2, types: [torchvision.models.resnet.Bottleneck]}
+# From the command line: SELECT "{every_k: 2, types: [torchvision.models.resnet.Bottleneck]}" or SELECT.every_k 2.
+_C.MODEL.ACTIVATION_CHECKPOINTING.SELECT = CN(new_allowed=True)
+_C.MODEL.HEAD = CN()
+_C.MODEL.HEAD.HIDDEN_DIM = 512
+_C.MODEL.HEAD.OUTPUT_DIM = 128
+
+_C.METHOD = CN()
+_C.METHOD.NAME = "simclr"  # simclr | swav
+_C.METHOD.TEMPERATURE = 0.1
+_C.METHOD.NUM_PROTOTYPES = 64  # swav
+_C.METHOD.SINKHORN_ITERATIONS = 3  # swav
+_C.METHOD.SINKHORN_EPSILON = 0.05  # swav
+
+_C.DATA = CN()
+_C.DATA.PATH = ""  # an ImageFolder root; empty: deterministic synthetic images
+_C.DATA.NUM_IMAGES = 256  # synthetic data set size
+_C.DATA.IMAGE_SIZE = 96  # synthetic images, and what ImageFolder images are resized to
+_C.DATA.CROP_SIZES = [64]  # one entry per resolution; the trunk runs once per resolution per step
+_C.DATA.CROP_COUNTS = [2]
+_C.DATA.CROP_SCALES = [[0.3, 1.0]]
+
+_C.TRAIN = CN()
+_C.TRAIN.BATCH_SIZE_PER_RANK = 8  # 0: the largest that fits TRAIN.MEMORY_LIMIT (trunksplit.fit)
+_C.TRAIN.MEMORY_LIMIT = 0.0  # bytes resident per rank during a step (parameters, optimizer state, gradients, peak), for batch 0
+_C.TRAIN.STEPS = 20
+_C.TRAIN.LOG_EVERY = 1
+_C.TRAIN.CHECKPOINT_EVERY = 10
+_C.TRAIN.AUTOCAST = ""  # "" | bf16 | fp16
+_C.TRAIN.DEVICE = ""  # "": cuda when available, else cpu
+# allocated: optimizer.zero_grad() sets gradients to None (torch's default), so each step allocates
+# them in backward; kept: zero_grad(set_to_none=False). Memory budgets are planned for this mode.
+_C.TRAIN.GRADIENTS = "allocated"
+
+_C.OPTIM = CN()
+_C.OPTIM.LR = 0.3
+_C.OPTIM.MOMENTUM = 0.9
+_C.OPTIM.WEIGHT_DECAY = 1e-6
+_C.OPTIM.WARMUP_STEPS = 2
+
+_C.DISTRIBUTED = CN()
+_C.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION = False
+_C.DISTRIBUTED.BACKEND = ""  # "": nccl on CUDA, gloo on CPU
+
+
+def default_config() -> CN:
+    return _C.clone()
+
+
+SELECT_KEY = "MODEL.ACTIVATION_CHECKPOINTING.SELECT"
+
+
+def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
+    """Defaults, then the YAML file, then ``KEY VALUE`` pairs, as detectron2 does.
+
+    Every mistake is a ``ValueError`` that names what to change (an unknown key, a
+    missing file or ``_BASE_``, bad YAML, a value out of range); the result is frozen.
+    """
+    cfg = default_config()
+    if path:
+        _merge_file(cfg, path)
+    if len(overrides) % 2:
+        raise ValueError(f"overrides come in KEY VALUE pairs; got an odd count: {list(overrides)}")
+    plain = []
+    for key, value in zip(overrides[0::2], overrides[1::2]):
+        if key == SELECT_KEY or key.startswith(SELECT_KEY + "."):
+            _set_select(cfg, key[len(SELECT_KEY) + 1 :], value)
+            continue
+        node = cfg
+        for part in key.split("."):
+            if not isinstance(node, CN) or part not in node:
+                raise ValueError(f"unknown config key: {key}")
+            node = node[part]
+        if isinstance(node, float) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            value = str(float(value))  # "MEMORY_BUDGET 0" means 0.0; yacs would refuse an int for a float key
+        plain += [key, value]
+    try:
+        cfg.merge_from_list(plain)
+    except (ValueError, KeyError, AssertionError) as e:  # yacs: a value of the wrong type
+        raise ValueError(f"bad command-line value: {e}") from None
+    _check(cfg)
+    cfg.freeze()
+    return cfg
+
+
+def _merge_file(cfg: CN, path: str) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"config file {path} is a directory; give a YAML file such as configs/quickstart.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"config file not found: {path}")
+    try:
+        cfg.merge_from_file(path)
+    except KeyError as e:  # fvcore: "Non-existent config key: A.B"
+        raise ValueError(f"unknown config key in {path}: {str(e.args[0]).split(': ')[-1]}") from None
+    except FileNotFoundError as e:  # the file exists, so its _BASE_ does not
+        raise ValueError(f"{path}: its _BASE_ file {e.filename or e} does not exist (a _BASE_ path is relative to the file that names it)") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {e}") from None
+    except (ValueError, AssertionError, TypeError) as e:  # yacs: a value of the wrong type
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _set_select(cfg: CN, sub: str, text: str) -> None:
+    """SELECT from the command line: a YAML mapping for the whole node, or one of its keys."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{SELECT_KEY}: {text!r} is not valid YAML ({e})") from None
+    node = cfg.MODEL.ACTIVATION_CHECKPOINTING
+    if not sub:
+        if value in (None, {}):
+            node.SELECT = CN(new_allowed=True)
+            return
+        if not isinstance(value, dict):
+            raise ValueError(f"{SELECT_KEY} takes a mapping such as \"{{every_k: 2, types: [torchvision.models.resnet.Bottleneck]}}\", got {text!r}")
+        node.SELECT = CN(value, new_allowed=True)
+    else:
+        node.SELECT[sub] = value
+
+
+def _check(cfg: CN) -> None:
+    check_backbone_name(cfg.MODEL.TRUNK.NAME)
+    if fixed_resolution(cfg.MODEL.TRUNK.NAME) and len(set(cfg.DATA.CROP_SIZES)) > 1:
+        raise ValueError(f"{cfg.MODEL.TRUNK.NAME} is built for one resolution; DATA.CROP_SIZES {list(cfg.DATA.CROP_SIZES)} asks for several")
+    ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
+    if ac.STRATEGY not in ("vissl", "balanced"):
+        raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.STRATEGY must be vissl or balanced, got {ac.STRATEGY!r}")
+    budget_bytes(ac.MEMORY_BUDGET)  # validates
+    if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS < 1:
+        raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS must be >= 1, got {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS}")
+    if len(ac.SELECT):
+        try:
+            condition_from_config(dict(ac.SELECT))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{SELECT_KEY}: {e}") from None
+        _say_which_wins(ac)
+    if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
+        if not cfg.TRAIN.MEMORY_LIMIT > 0 or not math.isfinite(cfg.TRAIN.MEMORY_LIMIT):
+            raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 picks the batch that fits TRAIN.MEMORY_LIMIT: give that limit in bytes (1.6e+10)")
+        if len(set(cfg.DATA.CROP_SIZES)) > 1:
+            raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits one crop resolution; DATA.CROP_SIZES has several: give the batch size")
+    for key in ("TRAIN.STEPS", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "DATA.NUM_IMAGES", "DATA.IMAGE_SIZE"):
+        section, name = key.split(".")
+        if cfg[section][name] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[section][name]}")
+    if cfg.TRAIN.BATCH_SIZE_PER_RANK < 0:
+        raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK must be >= 1 (or 0 with TRAIN.MEMORY_LIMIT), got {cfg.TRAIN.BATCH_SIZE_PER_RANK}")
+    if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
+        raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
+    if cfg.METHOD.NAME not in ("simclr", "swav"):
+        raise ValueError(f"METHOD.NAME must be simclr or swav, got {cfg.METHOD.NAME!r}")
+    if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
+        raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
+    _check_method_and_head(cfg)
+    if cfg.METHOD.NAME == "simclr" and list(cfg.DATA.CROP_COUNTS) != [2]:
+        raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
+    if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
+        raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
+    if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
+        raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def _check_method_and_head(cfg: CN) -> None:
+    """Values that would train nonsense (a NaN loss, an empty layer) rather than fail."""
+    for scale in cfg.DATA.CROP_SCALES:
+        if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
+            raise ValueError(f"DATA.CROP_SCALES: each entry is [smallest, largest] share of the image's area, with 0 < smallest <= largest <= 1; got {list(scale)}")
+    for key in ("MODEL.HEAD.HIDDEN_DIM", "MODEL.HEAD.OUTPUT_DIM"):
+        section, sub, name = key.split(".")
+        if cfg[section][sub][name] < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[section][sub][name]}")
+    if not (math.isfinite(cfg.METHOD.TEMPERATURE) and cfg.METHOD.TEMPERATURE > 0):
+        raise ValueError(f"METHOD.TEMPERATURE must be a positive number (0.1 is usual), got {cfg.METHOD.TEMPERATURE}")
+    if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0:
+        raise ValueError(f"OPTIM.LR must be >= 0 and OPTIM.WARMUP_STEPS >= 0, got {cfg.OPTIM.LR} and {cfg.OPTIM.WARMUP_STEPS}")
+    if cfg.METHOD.NAME == "swav":
+        if cfg.METHOD.NUM_PROTOTYPES < 1:
+            raise ValueError(f"METHOD.NUM_PROTOTYPES must be >= 1 for SwAV, got {cfg.METHOD.NUM_PROTOTYPES}")
+        if sum(cfg.DATA.CROP_COUNTS) < 2:
+            raise ValueError(f"SwAV predicts one crop's code from another: DATA.CROP_COUNTS {list(cfg.DATA.CROP_COUNTS)} gives {sum(cfg.DATA.CROP_COUNTS)} crop")
+        if cfg.METHOD.SINKHORN_ITERATIONS < 1 or not cfg.METHOD.SINKHORN_EPSILON > 0:
+            raise ValueError("METHOD.SINKHORN_ITERATIONS must be >= 1 and METHOD.SINKHORN_EPSILON > 0")
+
+
+def budget_bytes(value: float):
+    """MEMORY_BUDGET as ``CheckpointedTrunk`` takes it: None (0, off), a fraction in (0, 1], or whole bytes.
+
+    YAML has no separate integer type for a float key, so bytes are written as a
+    float (``2.0e+9``); a value above 1 that is not a whole number (``1.5``) is
+    most likely a fraction gone wrong and is refused, as are negative, infinite
+    and NaN values."""
+    if value is None or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"MEMORY_BUDGET must be 0 (off), a fraction in (0, 1] or a whole number of bytes, got {value!r}")
+    if value <= 1:
+        return float(value)
+    if value != int(value):
+        raise ValueError(f"MEMORY_BUDGET {value!r} is neither a fraction in (0, 1] nor a whole number of bytes (did you mean {value / 100:g}?)")
+    return int(value)
+
+
+def _say_which_wins(ac: CN) -> None:
+    """SELECT replaces trunk splitting; say so where the config also asks for splitting."""
+    if not ac.USE_ACTIVATION_CHECKPOINTING:
+        warnings.warn("USE_ACTIVATION_CHECKPOINTING is False, so SELECT is ignored: nothing is checkpointed", UserWarning, stacklevel=3)
+        return
+    ignored = []
+    if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS != 1:
+        ignored.append(f"NUM_ACTIVATION_CHECKPOINTING_SPLITS {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS}")
+    if ac.STRATEGY != "vissl":
+        ignored.append(f"STRATEGY {ac.STRATEGY}")
+    if ac.MEMORY_BUDGET:
+        ignored.append(f"MEMORY_BUDGET {ac.MEMORY_BUDGET:g}")
+    if ignored:
+        warnings.warn(
+            f"SELECT wins: the selected blocks are wrapped and the trunk runs as one segment, so {', '.join(ignored)} "
+            "is ignored (leave those at 1 segment, vissl and 0, or clear SELECT to split the trunk)",
+            UserWarning,
+            stacklevel=3,
+        )

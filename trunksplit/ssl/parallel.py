@@ -1,0 +1,42 @@
+"""Processes and devices: one process, or many under ``torchrun``."""
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def setup_distributed(cfg):
+    """(rank, world size, device); joins the process group that torchrun describes, if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.TRAIN.DEVICE:
+        try:
+            device = torch.device(cfg.TRAIN.DEVICE)
+        except RuntimeError:
+            raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE!r} is not a device; use cpu, cuda, cuda:1, or leave it empty") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("TRAIN.DEVICE asks for cuda but this machine has no usable GPU; use cpu, or leave it empty to pick")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE}: this machine has {torch.cuda.device_count()} GPU(s)")
+    else:
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(cfg.DISTRIBUTED.BACKEND or ("nccl" if device.type == "cuda" else "gloo"), init_method="env://")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    return 0, 1, device
+
+
+def wrap_for_processes(cfg, model: nn.Module, world: int) -> nn.Module:
+    """The model as the step calls it: in DDP when there are several processes."""
+    manual = cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION
+    if world > 1 and not manual and model.trunk.use_reentrant and len(set(cfg.DATA.CROP_SIZES)) > 1:
+        raise ValueError(
+            "reentrant checkpointing under native DDP with several trunk forwards per step fails "
+            "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
+        )
+    return DDP(model) if world > 1 else model

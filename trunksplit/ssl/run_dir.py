@@ -1,0 +1,154 @@
+"""A run's directory: its checkpoint, metrics and config, written so that a run resumes exactly
+and a crash or a mistake never destroys an earlier run."""
+import glob
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import yaml
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+
+
+def check_output_dir(path: str, resume: bool) -> None:
+    """Refuse, before anything is written, an OUTPUT_DIR that cannot be used or would destroy a run."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"OUTPUT_DIR {path!r} cannot be created: {parent} is a file")
+    ckpt = os.path.join(path, CHECKPOINT)
+    if not resume and os.path.exists(ckpt):
+        raise ValueError(
+            f"OUTPUT_DIR {path} holds a checkpoint of an earlier run ({ckpt}): pass --resume to continue it, "
+            f"or start afresh in another OUTPUT_DIR (or delete {ckpt} first); nothing was overwritten"
+        )
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
+        missing = {"model", "optimizer", "step"} - set(state)
+    except Exception as e:  # truncated or not a checkpoint: say so, touch nothing
+        raise ValueError(f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {e}); the file is left as it is") from None
+    if missing:
+        raise ValueError(f"--resume: {path} is not a trunksplit checkpoint (missing {sorted(missing)}); the file is left as it is")
+    return state
+
+
+def save_atomically(obj, path: str) -> None:
+    """Write to a temporary file beside ``path``, then rename: a crash never leaves half a checkpoint.
+
+    An exception during the save removes the temporary file; one a killed process left
+    behind is removed by :func:`remove_stale_temporaries` at the next start."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Delete ``path.tmp<pid>`` files of saves that never finished (rank 0, before training)."""
+    for tmp in glob.glob(glob.escape(path) + ".tmp*"):
+        os.remove(tmp)
+
+
+def _metrics_before(path: str, step: int) -> list:
+    """On resume: the logged rows up to the checkpoint (later ones are logged again).
+
+    A torn last line (a run killed while writing it) is dropped; a damaged line
+    before it is an error that names the file and the line."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.readlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step_of_row = row["step"]
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):
+                break  # torn by an interruption: it will be logged again
+            raise ValueError(f"--resume: {path} line {number} is not a metrics row ({line.strip()[:60]!r}); fix or remove that line") from None
+        if step_of_row <= step:
+            rows.append(line if line.endswith("\n") else line + "\n")
+    return rows
+
+
+def _check_same_model(state: dict, cfg, path: str) -> None:
+    """The checkpoint must be of the configured architecture (a clear error instead of a size mismatch)."""
+    try:
+        saved = yaml.safe_load(state.get("config") or "{}")["MODEL"]["TRUNK"]["NAME"]
+    except (yaml.YAMLError, KeyError, TypeError):
+        saved = None
+    if saved is not None and saved != cfg.MODEL.TRUNK.NAME:
+        raise ValueError(
+            f"--resume: {path} holds a {saved} run, but the config asks for {cfg.MODEL.TRUNK.NAME}; "
+            "resume with the same MODEL.TRUNK.NAME, or start afresh in another OUTPUT_DIR"
+        )
+
+
+def resume_from(cfg, model, optimizer, scaler, rank: int, world: int):
+    """Load the run's checkpoint into ``model``, ``optimizer``, ``scaler`` and this rank's random
+    number generators; returns (the step to continue from, the metrics rows logged up to it),
+    read and checked before anything is written."""
+    ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
+    state = load_checkpoint(ckpt_path)
+    _check_same_model(state, cfg, ckpt_path)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"--resume: {ckpt_path} does not fit the configured model: {str(e).splitlines()[0]} ...; resume with the config it was trained with") from None
+    optimizer.load_state_dict(state["optimizer"])
+    if "scaler" in state:
+        scaler.load_state_dict(state["scaler"])
+    _restore_rng(state.get("rng"), rank, world, ckpt_path)
+    start = state["step"]
+    return start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start)
+
+
+def start_run_dir(cfg, rows) -> None:
+    """Rank 0, once everything is checked: the directory, its config, and the metrics logged so far."""
+    os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+    remove_stale_temporaries(os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
+    with open(os.path.join(cfg.OUTPUT_DIR, "config.yaml"), "w") as f:
+        f.write(cfg.dump())
+    with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "w") as f:
+        f.writelines(rows)
+
+
+def rng_states(world: int) -> list:
+    """Every rank's random number generator states (CPU, and CUDA where used), gathered so that
+    rank 0 can save them: a resumed run draws the same stochastic-depth and dropout masks as an
+    uninterrupted one. A collective under several processes: every rank calls it."""
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    if world == 1:
+        return [mine]
+    states = [None] * world
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def _restore_rng(states, rank: int, world: int, path: str) -> None:
+    if not states:
+        return  # a checkpoint of an earlier release: the generators start from SEED, as they did
+    if len(states) != world:
+        warnings.warn(f"{path} was saved by {len(states)} processes and resumes on {world}: the random number generators "
+                      "start afresh, so stochastic depth and dropout draw other masks than an uninterrupted run", UserWarning)
+        return
+    torch.set_rng_state(states[rank]["cpu"])
+    if "cuda" in states[rank] and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states[rank]["cuda"])
