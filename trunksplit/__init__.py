@@ -18,7 +18,8 @@ from .planning.memory import PeakMemory
 from .planning.plan import Segment, SplitPlan
 from .planning.vissl import checkpoint_trunk
 from .recompute.checkpoint import is_recomputing
-from .recompute.select import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k
+from .planning.wrap import WrapPlan, apply_activation_checkpointing
+from .recompute.select import by_name, by_type, condition_from_config, every_k
 from .recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .trunk import CheckpointedTrunk
 
@@ -35,6 +36,7 @@ __all__ = [
     "condition_from_config",
     "every_k",
     "Segment",
+    "WrapPlan",
     "SplitPlan",
     "checkpoint_trunk",
     "checkpoint_wrapper",

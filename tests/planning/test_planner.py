@@ -4,6 +4,7 @@ import copy
 import itertools
 import random
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -272,3 +273,30 @@ def test_gradients_allocated_by_the_step_are_part_of_its_peak():
         assert abs(predicted / _measured_step_peak(trunk, x) - 1) <= 0.05
     with pytest.raises(ValueError, match="gradients must be one of"):
         CheckpointedTrunk(build("resnet18"), gradients="none")
+
+
+class _Counting(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("how", [dict(num_splits=3, strategy="balanced"), dict(memory_budget=1.0)], ids=["balanced", "budget_at_unsplit"])
+def test_a_plan_never_predicted_below_the_unsplit_step_runs_unsplit_and_says_so(how):
+    """Tiny early units and one big last one: any cut only adds a kept boundary and a recompute."""
+    torch.manual_seed(0)
+    first = _Counting(nn.Linear(64, 64))
+    blocks = OrderedDict(a=first, b=nn.Linear(64, 64), c=nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trunk = CheckpointedTrunk(blocks, **how)
+        x = torch.randn(16, 64)
+        plan = trunk.plan_for(x)
+        assert not any(s.checkpointed for s in plan.segments) and "runs unsplit" in str(plan)
+        first.calls = 0
+        trunk(x)[0].sum().backward()
+    assert first.calls == 1  # run once: nothing is recomputed

@@ -96,7 +96,7 @@ def _trace(model: nn.Module, optional: dict) -> fx.Graph:
                 f"{type(model).__qualname__}.forward writes its buffer(s) {written} in a way a traced chain cannot replay "
                 "(reassigned, or written while tracing): trunksplit cannot cut it by itself. Register the family with "
                 "trunksplit.register_trunk(ModelClass, fn), or checkpoint its blocks in place with "
-                "trunksplit.apply_activation_checkpointing(model, by_type(Block))."
+                "trunksplit.apply_activation_checkpointing(model, memory_budget=0.5, example_inputs=(x,))."
             )
         return graph
     e = errors[0]
@@ -104,7 +104,8 @@ def _trace(model: nn.Module, optional: dict) -> fx.Graph:
         f"trunksplit could not trace {type(model).__qualname__} with torch.fx, so it cannot find its blocks by itself. "
         f"torch.fx said: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. Register the family with "
         "trunksplit.register_trunk(ModelClass, fn), pass CheckpointedTrunk an OrderedDict of its blocks in execution "
-        "order, or checkpoint its blocks in place with trunksplit.apply_activation_checkpointing(model, by_type(Block))."
+        "order, or checkpoint its blocks in place for a memory budget with "
+        "trunksplit.apply_activation_checkpointing(model, memory_budget=0.5, example_inputs=(x,))."
     ) from None
 
 

@@ -27,7 +27,7 @@ from ..planning.memory import PeakMemory
 from ..planning.peak import PeakModel
 from ..planning.plan import policy_counts
 from ..planning.search import annotate, best_plan, budget_in_bytes, peak_model, plan_from_cuts, plan_trunk
-from ..recompute.select import apply_activation_checkpointing, every_k
+from ..recompute.select import every_k, wrap_selected
 from ..ssl.backbones import build_backbone
 from ..trunk import CheckpointedTrunk
 
@@ -89,7 +89,7 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
         block = _block_type(plain)
         for k, label in [(1, "every block"), (2, "every 2nd block")]:
             wrapped = trunk()
-            names = apply_activation_checkpointing(wrapped, every_k(k, block))
+            names = wrap_selected(wrapped, every_k(k, block))
             rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(wrapped), wrapped))
     return rows
 

@@ -38,6 +38,7 @@ class SplitPlan:
     segments: Tuple[Segment, ...]
     strategy: str = "vissl"
     predicted_peak_bytes: Optional[int] = None
+    note: str = ""  # why the plan is what it is, where that is not obvious ("runs unsplit: ...")
 
     @property
     def names(self) -> List[str]:
@@ -77,6 +78,8 @@ class SplitPlan:
         if self.predicted_peak_bytes is not None:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
+        if self.note:
+            text += f"\n{self.note}"
         for policy, meaning in REGION_POLICIES.items():
             chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:

@@ -179,9 +179,24 @@ def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
     model = model or peak_model(trunk, x, regions=budgeted and not trunk.use_reentrant)
     splittable = [layer_splittable_before(m) for _, m in units]
     forced = [stop for stop in trunk._ends.values() if stop < len(units)]
-    if budgeted:
-        return plan_from_cuts(names, _budget_cuts(trunk, x, model, splittable, forced), trunk._ends, "budget", model)
-    return plan_from_cuts(names, _balanced_cuts(trunk, model, splittable, forced), trunk._ends, "balanced", model)
+    strategy = "budget" if budgeted else "balanced"
+    unsplit = model.peak([0])
+    if budgeted and budget_in_bytes(trunk.memory_budget, unsplit) >= unsplit:
+        return unsplit_plan(names, trunk._ends, strategy, unsplit, "the budget is at or above the unsplit step")
+    cuts = _budget_cuts(trunk, x, model, splittable, forced) if budgeted else _balanced_cuts(trunk, model, splittable, forced)
+    plan = plan_from_cuts(names, cuts, trunk._ends, strategy, model)
+    if not budgeted and plan.predicted_peak_bytes >= unsplit:
+        return unsplit_plan(names, trunk._ends, strategy, unsplit, f"no cut is predicted below the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.3f} of it)")
+    return plan
+
+
+def unsplit_plan(units: Sequence[str], feature_stops: Dict[str, int], strategy: str, unsplit: int, why: str) -> SplitPlan:
+    """A plan that checkpoints nothing: segments end at the requested features only, none
+    checkpointed, and the plan says ``why``."""
+    bounds = [0] + list(feature_stops.values())
+    segments = tuple(Segment(name, a, b, checkpointed=False, recompute_flops=0, recompute_bytes=0)
+                     for name, a, b in zip(feature_stops, bounds, bounds[1:]))
+    return SplitPlan(tuple(units), segments, strategy, unsplit, note=f"runs unsplit: {why}")
 
 
 def _balanced_cuts(trunk, model: PeakModel, splittable: Sequence[bool], forced: Sequence[int]) -> Cuts:

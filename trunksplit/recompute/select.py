@@ -1,4 +1,5 @@
-"""Selective activation checkpointing: wrap the submodules a condition picks.
+"""Selective activation checkpointing: wrap the submodules a condition picks (:func:`wrap_selected`,
+which ``trunksplit.apply_activation_checkpointing`` calls when no memory budget is given).
 
 One API, as torchtune's RFC asked: a condition is any ``(name, module) -> bool``
 callable; :func:`by_type`, :func:`by_name` and :func:`every_k` build the common
@@ -37,7 +38,7 @@ def by_name(pattern: str) -> Condition:
 class every_k:
     """Select the 0th, k-th, 2k-th ... module of the given types, in ``named_modules()`` order.
 
-    The count starts afresh in every :func:`apply_activation_checkpointing` call,
+    The count starts afresh in every :func:`wrap_selected` call,
     so applying the same condition to two models selects the same layers in each.
     With no types, every module counts.
     """
@@ -67,7 +68,7 @@ def _check_types(types, who):
         raise TypeError(f"{who} needs one or more nn.Module classes, got {types!r}")
 
 
-def apply_activation_checkpointing(model: nn.Module, condition: Condition, offload_to_cpu: bool = False) -> List[str]:
+def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool = False) -> List[str]:
     """Wrap, in place, every submodule of ``model`` that ``condition(name, module)`` selects.
 
     Returns the selected names in ``named_modules()`` order. The root is never

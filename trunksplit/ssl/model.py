@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fit import fit
-from ..recompute.select import apply_activation_checkpointing, condition_from_config
+from ..recompute.select import condition_from_config, wrap_selected
 from ..trunk import CheckpointedTrunk
 from .backbones import build_backbone
 from .config import budget_bytes
@@ -22,7 +22,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         return CheckpointedTrunk(model, keys, gradients=cfg.TRAIN.GRADIENTS)
     if len(ac.SELECT):
         trunk = CheckpointedTrunk(model, keys, gradients=cfg.TRAIN.GRADIENTS)  # one unsplit segment; the selected blocks checkpoint themselves
-        apply_activation_checkpointing(trunk, condition_from_config(dict(ac.SELECT)))
+        wrap_selected(trunk, condition_from_config(dict(ac.SELECT)))
         return trunk
     return CheckpointedTrunk(
         model,

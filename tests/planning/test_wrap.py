@@ -1,0 +1,124 @@
+"""apply_activation_checkpointing with a memory budget: any nn.Module, traceable or not, wrapped in place."""
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from trunksplit import CheckpointedTrunk, PeakMemory, WrapPlan, apply_activation_checkpointing, is_checkpoint_wrapped
+
+
+@dataclass
+class Output:
+    features: torch.Tensor
+    logits: torch.Tensor
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(width, 2 * width, 3, padding=1), nn.BatchNorm2d(2 * width), nn.GELU(),
+                                  nn.Conv2d(2 * width, width, 3, padding=1), nn.Dropout(0.1))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class Untraceable(nn.Module):
+    """What torch.fx refuses: a branch on a tensor's value, a **kwargs forward, a dataclass output."""
+
+    def __init__(self, width=8, depth=6):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x, **kwargs):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+            if x.mean() > 10:  # data-dependent: fx cannot follow it
+                x = x / 2
+        features = x.mean((2, 3))
+        return Output(features, self.head(features) * kwargs.get("scale", 1.0))
+
+
+def _second_step_peak(model, x):
+    """An independent measurement: the second training step's peak, gradients kept (zeroed, not freed)."""
+    def step():
+        out = model(x)
+        (out.features.sum() + out.logits.sum()).backward()
+    torch.manual_seed(5)
+    step()
+    for p in model.parameters():
+        p.grad.zero_()
+    with PeakMemory() as mem:
+        step()
+    return mem.peak_bytes
+
+
+def test_untraceable_model_is_refused_by_the_trunk_with_a_pointer_to_the_budget_api():
+    with pytest.raises(TypeError, match=r"torch.fx said.*apply_activation_checkpointing\(model, memory_budget="):
+        CheckpointedTrunk(Untraceable(), num_splits=2)
+
+
+@pytest.mark.parametrize("budget", [0.6, 0.4])
+def test_a_budget_is_met_as_measured_and_training_is_exact(budget):
+    torch.manual_seed(0)
+    plain = Untraceable()
+    model = copy.deepcopy(plain)
+    x = torch.randn(4, 3, 32, 32)
+    unwrapped = _second_step_peak(copy.deepcopy(plain), x)
+    keys = list(model.state_dict())
+    plan = apply_activation_checkpointing(model, memory_budget=budget, example_inputs=(x,), gradients="kept")
+    assert isinstance(plan, WrapPlan) and plan.names and plan.policy == "recompute"
+    assert all(is_checkpoint_wrapped(model.get_submodule(n)) for n in plan.names)
+    assert list(model.state_dict()) == keys  # the model's own state_dict, unchanged
+    measured = _second_step_peak(copy.deepcopy(model), x)  # a copy: the model itself must stay as the plain one
+    assert measured <= budget * unwrapped * 1.03, (measured / unwrapped, plan)
+    assert abs(plan.peak_bytes - measured) <= 0.03 * measured  # what the plan reports is what a step measures
+    # exact: the wrapped model trains as the plain one (dropout included: the checkpoint restores the RNG)
+    for m in (plain, model):
+        for p in m.parameters():
+            p.grad = None
+        torch.manual_seed(7)
+        out = m(x, scale=2.0)
+        (out.features.pow(2).sum() + out.logits.sum()).backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(plain.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_an_impossible_budget_names_the_smallest_feasible_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = Untraceable()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"smallest feasible budget found is \d+ bytes \(0\.\d+ of unwrapped\)"):
+        apply_activation_checkpointing(model, memory_budget=0.01, example_inputs=torch.randn(4, 3, 32, 32))
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # measuring trained nothing
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bytes_a_lone_tensor_and_a_condition_are_taken():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    x = torch.randn(2, 3, 64, 64)
+    plan = apply_activation_checkpointing(model, lambda name, m: name.startswith("layer1."), memory_budget=10**12, example_inputs=x)
+    assert plan.names == ()  # the budget is above the unwrapped step: nothing needs wrapping
+    with pytest.raises(ValueError, match="smallest feasible"):
+        apply_activation_checkpointing(model, lambda name, m: name.startswith("layer1."), memory_budget=0.2, example_inputs=x)
+
+
+def test_bad_arguments_are_clear_errors():
+    model = Untraceable()
+    with pytest.raises(ValueError, match="example_inputs"):
+        apply_activation_checkpointing(model, memory_budget=0.5)
+    with pytest.raises(ValueError, match=r"fraction.*\(0, 1\]"):
+        apply_activation_checkpointing(model, memory_budget=1.5, example_inputs=torch.randn(2, 3, 16, 16))
+    with pytest.raises(TypeError, match="needs a condition"):
+        apply_activation_checkpointing(model)
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules())

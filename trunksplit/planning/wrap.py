@@ -1,0 +1,397 @@
+"""A memory budget for any ``nn.Module``: which of its blocks to wrap with ``checkpoint_wrapper``.
+
+A trunk is cut between units of a chain, which needs the model's feature blocks (a
+registered family, or a ``torch.fx`` trace). Many models have neither: a forward
+that branches on values, a ``**kwargs`` signature, a dict or dataclass output. Their
+blocks can still be checkpointed in place, each under its own checkpoint, with the
+model's forward, outputs and ``state_dict`` unchanged. :func:`wrap_for_budget` picks
+which ones:
+
+1. One training step on the example inputs measures each candidate block (a
+   submodule with parameters whose first op is not in place, see
+   :func:`trunksplit.layer_splittable_before`): the bytes its ops save for backward,
+   its inputs (what a checkpoint keeps instead), its FLOPs.
+2. For a price on recompute (FLOPs, plus bytes written again) and a cap on what one
+   block may rebuild at once in its backward, the best set of blocks that do not nest
+   (a block inside a chosen one is covered by it) maximises bytes freed less the price
+   of running them again: a dynamic programme over the module tree. Over all prices
+   and caps, the sets on the frontier of (recompute, estimated peak) form a ladder, from
+   the cheapest few blocks to every block of the finest useful size.
+3. The ladder is searched with *measured* steps: each wrapping is applied, one real
+   step is measured (the model's weights, gradients, buffers, modes and RNG are put
+   back), and the wrapping is undone. So the reported peak is a measurement, not a
+   model, and a budget is met as measured. The cheapest rung that meets the budget is
+   found by bisection below the rung that measures lowest.
+
+Sharp edges: the figure is the step's peak beyond what was live before it, for the
+example inputs (another shape needs another plan); a block that is called several
+times is wrapped for every call; blocks are recomputed whole (no selective policy).
+"""
+import math
+import warnings
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import flop_registry
+
+from ..chains.blocks import layer_splittable_before
+from ..recompute.select import Condition, wrap_selected
+from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
+from .memory import PeakMemory, TorchDispatchMode, tensors_in
+
+GRADIENT_MODES = ("allocated", "kept")
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    """What :func:`wrap_for_budget` wrapped, and the step it measured."""
+
+    names: Tuple[str, ...]  # the wrapped blocks, in named_modules() order
+    policy: str  # what each wrapped block keeps: "recompute" (its inputs only)
+    peak_bytes: int  # the measured step peak with them wrapped, beyond what was live before it
+    unwrapped_peak_bytes: int  # the same without any wrapping
+    recompute_flops: int  # FLOPs the wrapped blocks run again in backward
+    forward_flops: int  # FLOPs of the model's forward
+
+    def __str__(self) -> str:
+        return (f"WrapPlan: {len(self.names)} block(s) wrapped ({self.policy}), measured step peak {self.peak_bytes / 2**20:.1f} MiB = "
+                f"{self.peak_bytes / self.unwrapped_peak_bytes:.2f} of unwrapped ({self.unwrapped_peak_bytes / 2**20:.1f} MiB), "
+                f"recompute {self.recompute_flops / max(1, self.forward_flops):.2f} of a forward\n  " + " ".join(self.names))
+
+
+@dataclass
+class _Block:
+    name: str
+    module: nn.Module
+    saved: int = 0  # bytes its ops save for backward (parameters excluded), each storage once
+    inputs: int = 0  # bytes of its tensor inputs: what a checkpoint keeps instead
+    flops: int = 0
+
+    @property
+    def freed(self) -> int:
+        return self.saved - self.inputs
+
+    @property
+    def cost(self) -> int:
+        """What running it again costs: its FLOPs, and the bytes it writes again (a norm or an
+        activation does no FLOP a counter sees, yet is not free)."""
+        return max(1, self.flops + self.saved)
+
+
+def apply_activation_checkpointing(model: nn.Module, condition: Optional[Condition] = None, offload_to_cpu: bool = False, *,
+                                   memory_budget=None, example_inputs=None, gradients: str = "allocated"):
+    """Checkpoint submodules of ``model`` in place: those ``condition`` selects, or, with a
+    ``memory_budget``, those that meet it with the least recompute.
+
+    Without a budget: every submodule ``condition(name, module)`` selects is wrapped with
+    :func:`trunksplit.checkpoint_wrapper` (see :func:`trunksplit.recompute.select.wrap_selected`);
+    returns their names. ``condition`` is any ``(name, module) -> bool`` callable, or
+    :func:`by_type`, :func:`by_name`, :func:`every_k`.
+
+    With ``memory_budget`` (bytes, or a fraction in (0, 1] of the unwrapped step) and
+    ``example_inputs`` (a tuple of positional inputs, or a lone tensor): works on any
+    ``nn.Module``, traceable or not, and returns a :class:`WrapPlan` (see
+    :func:`wrap_for_budget`); ``condition``, if given, limits the candidates.
+    """
+    if memory_budget is None:
+        if condition is None:
+            raise TypeError("apply_activation_checkpointing needs a condition (by_type(Block), ...), or memory_budget= with example_inputs=")
+        return wrap_selected(model, condition, offload_to_cpu)
+    if offload_to_cpu:
+        raise ValueError("offload_to_cpu is not planned for: a memory budget is met on the device; drop one of the two")
+    return wrap_for_budget(model, memory_budget, example_inputs, gradients, condition)
+
+
+def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: str = "allocated",
+                    condition: Optional[Condition] = None) -> WrapPlan:
+    """Wrap, in place, the blocks of ``model`` whose checkpointing meets ``memory_budget`` with the
+    least recompute; returns the :class:`WrapPlan`.
+
+    ``memory_budget``: bytes (int) or a fraction in (0, 1] of the unwrapped step's peak.
+    ``example_inputs``: a tuple of positional inputs, as ``torch.export`` takes them (a lone
+    tensor is taken as one input). ``gradients``: how the loop clears gradients (see
+    :class:`trunksplit.CheckpointedTrunk`). ``condition``, where given, limits the candidates to
+    the blocks it selects. A budget no wrapping meets raises ``ValueError`` naming the smallest
+    measured peak; the model is then left as it was.
+    """
+    if gradients not in GRADIENT_MODES:
+        raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
+    if example_inputs is None:
+        raise ValueError("a memory budget is measured on example inputs: pass example_inputs=(batch,) shaped as in training")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    step = _Step(model, inputs, gradients)
+    unwrapped = step.peak()
+    budget = _budget_bytes(memory_budget, unwrapped)
+    blocks, forward_flops = _measure_blocks(model, inputs, condition)
+    ladder = [[]] + _ladder(blocks)
+    peaks: Dict[int, int] = {0: unwrapped}
+
+    def peak_with(k: int) -> int:
+        if k not in peaks:
+            peaks[k] = step.peak_wrapped([b.module for b in ladder[k]])
+        return peaks[k]
+
+    k = 0 if unwrapped <= budget else _cheapest_fit(peak_with, len(ladder), budget)
+    if k is None:
+        smallest = min(peaks.values())
+        raise ValueError(
+            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {budget} bytes ({budget / unwrapped:.2f} of the "
+            f"unwrapped {unwrapped} bytes): the smallest feasible budget found is {smallest} bytes ({smallest / unwrapped:.3f} of unwrapped), "
+            f"among {len(peaks)} measured wrappings of its {len(blocks)} candidate blocks"
+        )
+    chosen = ladder[k]
+    for b in chosen:
+        checkpoint_wrapper(b.module)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    names = tuple(sorted((b.name for b in chosen), key=order.get))
+    return WrapPlan(names, "recompute", peaks[k], unwrapped, sum(b.flops for b in chosen), forward_flops)
+
+
+def _budget_bytes(budget, unwrapped: int) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise ValueError(f"memory_budget must be bytes (int) or a fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, float):
+        if budget > 1:
+            raise ValueError(f"a fractional memory_budget must be in (0, 1], got {budget}")
+        return int(budget * unwrapped)
+    return budget
+
+
+LADDER_PROBES = 6  # rungs measured across the ladder to find where it measures lowest
+LADDER_CAPS = 12  # region sizes tried as caps on what one wrapped block may rebuild at once
+
+
+def _cheapest_fit(peak_with: Callable[[int], int], n: int, budget: int) -> Optional[int]:
+    """The first rung in ``range(1, n)`` whose measured peak fits ``budget``, or None.
+
+    Rungs free more as they go; a few probes find the one that measures lowest, then
+    bisection finds the first rung before it that fits."""
+    if n < 2:
+        return None
+    probes = sorted({1, n - 1} | {round(1 + i * (n - 2) / (LADDER_PROBES - 1)) for i in range(LADDER_PROBES)})
+    lowest = min(probes, key=lambda k: (peak_with(k), k))
+    if peak_with(lowest) > budget:
+        return None
+    lo, hi = 0, lowest  # peak_with(0) does not fit (the caller checked), peak_with(hi) does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if peak_with(mid) <= budget else (mid, hi)
+    return hi
+
+
+def _ladder(blocks: List["_Block"]) -> List[List["_Block"]]:
+    """Wrappings worth measuring, least recompute first, each estimated to peak lower than the last.
+
+    A wrapped block keeps its inputs instead of what it saved, but its backward rebuilds all
+    it saved at once: a wrapping's peak is estimated as the unwrapped one, less what its
+    blocks free, plus the largest block's rebuild. The candidates are the best non-nesting
+    sets (see :func:`_best_antichain`) for every price on recompute, under every cap on a
+    block's size; the ladder is their frontier of (recompute, estimated peak)."""
+    useful = [b for b in blocks if b.freed > 0]
+    if not useful:
+        return []
+    ancestors = {b.name: sorted((c for c in useful if b.name.startswith(c.name + ".")), key=lambda c: -len(c.name)) for b in useful}
+    sizes = sorted({b.saved for b in useful})
+    caps = sorted({sizes[round(i * (len(sizes) - 1) / (LADDER_CAPS - 1))] for i in range(LADDER_CAPS)})
+    options = {}
+    for cap in caps:
+        allowed = [b for b in useful if b.saved <= cap]
+        for price in sorted({b.freed / b.cost for b in allowed}, reverse=True) + [0.0]:
+            chosen = _best_antichain(allowed, price * 0.999, ancestors)  # just below a block's own ratio: it is worth taking
+            key = frozenset(b.name for b in chosen)
+            if chosen and key not in options:
+                estimate = max(b.saved for b in chosen) - sum(b.freed for b in chosen)
+                options[key] = (sum(b.cost for b in chosen), estimate, chosen)
+    ladder, lowest = [], None
+    for cost, estimate, chosen in sorted(options.values(), key=lambda o: (o[0], o[1])):
+        if lowest is None or estimate < lowest:
+            ladder += _steps_between(ladder[-1] if ladder else [], chosen)
+            lowest = estimate
+    return ladder
+
+
+def _steps_between(before: List["_Block"], after: List["_Block"]) -> List[List["_Block"]]:
+    """Rungs from ``before`` to ``after``: the blocks new in ``after`` join one at a time (those
+    that free most first), each replacing the blocks of ``before`` it covers. Identical layers (a
+    ViT's) join at one price, and a budget between none and all of them needs some of them."""
+    names = {b.name for b in before}
+    new = sorted((b for b in after if b.name not in names), key=lambda b: -b.freed)
+    steps = []
+    for j in range(1, len(new) + 1):
+        joined = new[:j]
+        kept = [b for b in before if not any(_nested(b.name, n.name) for n in joined)]
+        steps.append(kept + joined)
+    steps[-1] = after
+    return steps
+
+
+def _nested(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _best_antichain(allowed: List["_Block"], price: float, ancestors: Dict[str, List["_Block"]]) -> List["_Block"]:
+    """The blocks of ``allowed``, none inside another, that maximise sum(freed - price * cost): over
+    the module tree, a block is worth taking where its own value beats the best of those inside it."""
+    names = {b.name for b in allowed}
+    children: Dict[Optional[str], List[_Block]] = {}
+    for b in allowed:
+        parent = next((c.name for c in ancestors[b.name] if c.name in names), None)
+        children.setdefault(parent, []).append(b)
+
+    def best(b: Optional[_Block]) -> Tuple[float, List[_Block]]:
+        inner_value, inner = 0.0, []
+        for c in children.get(None if b is None else b.name, []):
+            value, chosen = best(c)
+            if value > 0:
+                inner_value, inner = inner_value + value, inner + chosen
+        own = -math.inf if b is None else b.freed - price * b.cost
+        return (own, [b]) if own > inner_value else (inner_value, inner)
+
+    return best(None)[1]
+
+
+def _candidates(model: nn.Module, condition) -> List[_Block]:
+    found = []
+    for name, m in model.named_modules():
+        if not name or isinstance(m, (nn.ModuleList, nn.ModuleDict)) or is_checkpoint_wrapped(m):
+            continue
+        if not any(p.requires_grad for p in m.parameters()) or not layer_splittable_before(m):
+            continue
+        if condition is None or condition(name, m):
+            found.append(_Block(name, m))
+    return found
+
+
+class _Attribution(TorchDispatchMode):
+    """Adds each op's FLOPs to every block on the call stack."""
+
+    def __init__(self, stack: List[_Block]):
+        super().__init__()
+        self.stack = stack
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(getattr(func, "overloadpacket", func))
+        if count is not None:
+            flops = count(*args, **kwargs, out_val=out)
+            self.total += flops
+            for b in self.stack:
+                b.flops += flops
+        return out
+
+
+def _measure_blocks(model: nn.Module, inputs: Tuple, condition) -> Tuple[List[_Block], int]:
+    """Every candidate block's saved bytes, input bytes and FLOPs, from one forward with autograd on."""
+    blocks = _candidates(model, condition)
+    stack: List[_Block] = []
+    seen: Dict[int, set] = {id(b): set() for b in blocks}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pre(block):
+        def hook(module, args, kwargs):
+            block.inputs += sum(t.untyped_storage().nbytes() for t in tensors_in((args, kwargs)))
+            stack.append(block)
+        return hook
+
+    def post(block):
+        def hook(module, args, kwargs, out):
+            stack.remove(block)
+        return hook
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            for b in stack:
+                if key not in seen[id(b)]:
+                    seen[id(b)].add(key)
+                    b.saved += t.untyped_storage().nbytes()
+        return t
+
+    handles = [h for b in blocks for h in (b.module.register_forward_pre_hook(pre(b), with_kwargs=True),
+                                            b.module.register_forward_hook(post(b), with_kwargs=True))]
+    attribution = _Attribution(stack)
+    try:
+        with _kept_as_it_was(model), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attribution:
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return blocks, attribution.total
+
+
+class _Step:
+    """One measured training step of the model on the inputs, leaving no trace (see :func:`_kept_as_it_was`)."""
+
+    def __init__(self, model: nn.Module, inputs: Tuple, gradients: str):
+        self.model, self.inputs, self.gradients = model, inputs, gradients
+        self.device = next((t.device for t in tensors_in(inputs)), torch.device("cpu"))
+
+    def peak(self) -> int:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with _kept_as_it_was(self.model):
+            for p in params:
+                p.grad = torch.zeros_like(p) if self.gradients == "kept" else None
+            self._step()  # the first step allocates what later steps reuse (lazy state); measure the second
+            for p in params:
+                p.grad = torch.zeros_like(p) if self.gradients == "kept" else None
+            with PeakMemory(self.device) as mem:
+                self._step()
+        return mem.peak_bytes
+
+    def peak_wrapped(self, modules: Sequence[nn.Module]) -> int:
+        for m in modules:
+            checkpoint_wrapper(m)
+        try:
+            return self.peak()
+        finally:
+            for m in modules:
+                unwrap_checkpoint(m)
+
+    def _step(self) -> None:
+        self.model.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = self.model(*self.inputs)
+        leaves = [t for t in tensors_in(_as_tree(out)) if t.requires_grad]
+        if not leaves:
+            raise ValueError(f"{type(self.model).__name__}'s output holds no tensor that requires grad: there is no training step to measure")
+        sum(t.float().sum() for t in leaves).backward()
+
+
+def _as_tree(out: Any) -> Any:
+    """A dataclass output (transformers' outputs are dicts already) as a dict of its fields."""
+    if is_dataclass(out) and not isinstance(out, type):
+        return {f.name: getattr(out, f.name) for f in fields(out)}
+    return out
+
+
+class _kept_as_it_was:
+    """Put the model's gradients, buffers, train/eval modes and the RNG back afterwards: measuring trains nothing."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self):
+        m = self.model
+        self.grads = [(p, p.grad) for p in m.parameters()]
+        self.buffers = [(b, b.detach().clone()) for b in m.buffers()]
+        self.modes = [(sub, sub.training) for sub in m.modules()]
+        devices = [b.device for b in m.buffers() if b.device.type == "cuda"][:1]
+        self.rng = torch.random.fork_rng(devices=devices)
+        self.rng.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.rng.__exit__(*exc)
+        with torch.no_grad():
+            for b, value in self.buffers:
+                b.copy_(value)
+        for p, g in self.grads:
+            p.grad = g
+        for sub, training in self.modes:
+            sub.training = training
+        return False
