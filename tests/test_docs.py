@@ -30,9 +30,26 @@ def _anchors(page: pathlib.Path) -> set:
     return {_slug(line.lstrip("#")) for line in page.read_text().splitlines() if re.match(r"#{1,6} ", line)}
 
 
+def _fences(text: str):
+    """(language, body) of each fenced block, and the text outside them, read line by line."""
+    blocks, outside, current = [], [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if current is None:
+                current = (line[3:].strip(), [])
+            else:
+                blocks.append((current[0], "\n".join(current[1])))
+                current = None
+        elif current is not None:
+            current[1].append(line)
+        else:
+            outside.append(line)
+    return blocks, "\n".join(outside)
+
+
 def _links():
     for page in PAGES:
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        text = _fences(page.read_text())[1]
         for target in LINK.findall(text):
             if not re.match(r"[a-z]+:", target):  # http:, mailto: ...: not ours to check here
                 yield page, target
@@ -42,8 +59,9 @@ def _commands():
     """(page, command) for each trunksplit, launcher or benchmark call in a code block or span."""
     for page in PAGES:
         text = page.read_text()
-        fenced = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S)
-        spans = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+        blocks, outside = _fences(text)
+        fenced = [body for language, body in blocks if language in ("", "bash", "sh", "console")]
+        spans = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", outside)]
         for block in fenced + spans:
             for line in block.replace("\\\n", " ").splitlines():
                 for part in line.split("&&"):
@@ -70,8 +88,8 @@ def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
 
 
-def _train_parser():
-    spec = importlib.util.spec_from_file_location("train_tool", ROOT / "tools" / "train.py")
+def _tool_parser(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build_parser()
@@ -86,11 +104,14 @@ def test_documented_command_parses(page, command, tmp_path, monkeypatch):
         return
     script = next(w for w in words if w.startswith("tools/"))
     args = words[words.index(script) + 1 :]
+    if script == "tools/wrap_budget.py":
+        _tool_parser("wrap_budget").parse_args(args)
+        return
     if script == "tools/benchmark.py":
         bench_ddp_parser().parse_args(args) if "--ddp" in args else cli_parser().parse_args(["bench"] + args)
         return
     assert script == "tools/train.py", command
-    parsed = _train_parser().parse_intermixed_args(args)
+    parsed = _tool_parser("train").parse_intermixed_args(args)
     load_config(str(ROOT / parsed.config_file), parsed.overrides)  # the file exists, every key and value is valid
 
 
