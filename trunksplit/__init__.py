@@ -12,7 +12,7 @@ Layers, each importing only those below it:
     chains/       what a trunk is: feature blocks of any model
 """
 from .chains import feature_blocks, layer_splittable_before, register_trunk
-from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
+from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk
 from .fit import Fit, fit
 from .planning.memory import PeakMemory
 from .planning.plan import Segment, SplitPlan
@@ -48,5 +48,6 @@ __all__ = [
     "manual_gradient_reduction",
     "manual_sync_params",
     "register_trunk",
+    "shard_trunk",
     "unwrap_checkpoint",
 ]

@@ -4,7 +4,9 @@ from collections import OrderedDict
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names
 from .planning.memory import tensors_in
@@ -148,7 +150,7 @@ class CheckpointedTrunk(nn.Module):
             return self._fixed_plan
         key = self._plan_key(x)
         if key not in self._plans:
-            self._plans[key] = plan_trunk(self, x)
+            self._plans[key] = _agreed(plan_trunk(self, x), sharded=isinstance(self, FSDPModule))
         return self._plans[key]
 
     @staticmethod
@@ -187,6 +189,17 @@ class CheckpointedTrunk(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
+
+
+def _agreed(plan: SplitPlan, sharded: bool) -> SplitPlan:
+    """Under FSDP every rank runs rank 0's plan: a unit's recompute all-gathers its weights, so
+    ranks whose plans differ would all-gather a different number of times and hang. (Profiling
+    a sharded trunk is exact tensor accounting on CPU, but a CUDA allocator's figures may differ.)"""
+    if not sharded or not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+    box = [plan]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device) -> Tuple:

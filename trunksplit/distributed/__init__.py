@@ -1,4 +1,6 @@
-"""Training a planned trunk on several processes: vissl's manual DDP helpers (``ddp.py``)."""
+"""Training a planned trunk on several processes: vissl's manual DDP helpers (``ddp.py``) and
+FSDP2 sharding (``fsdp.py``)."""
 from .ddp import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
+from .fsdp import shard_trunk
 
-__all__ = ["manual_gradient_all_reduce", "manual_gradient_reduction", "manual_sync_params"]
+__all__ = ["manual_gradient_all_reduce", "manual_gradient_reduction", "manual_sync_params", "shard_trunk"]

@@ -9,11 +9,13 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..recompute.checkpoint import map_tensors
 from ..recompute.regions import REGION_POLICIES, run_region
-from ..recompute.stages import hook_dicts, staged_graph
+from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts, staged_graph
 from .memory import StorageWeakRef, _TensorAccounting, tensors_in
 
 
@@ -178,18 +180,50 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
         return None
 
 
+def _is_sharded(unit: nn.Module) -> bool:
+    return isinstance(unit, FSDPModule) or any(isinstance(p, DTensor) for p in unit.parameters())
+
+
+def _unsharded_copy(module: nn.Module) -> nn.Module:
+    """A plain copy of a module that FSDP2 has sharded (which refuses ``deepcopy``): the module's
+    own class, its attributes, full weights and fresh hook dicts, so profiling it touches nothing.
+
+    ``full_tensor()`` all-gathers each sharded weight: every rank profiles the same units in the
+    same order, as every rank plans at the same first training forward. FSDP2 swaps a module's
+    class for a subclass of ``FSDPModule`` and the original class; the copy takes the original
+    back (an implementation detail of ``fully_shard``, relied on here and nowhere else)."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    clone = object.__new__(cls)  # not cls.__new__: fx's GraphModule.__new__ makes a new class, without the unit's forward
+    # FSDP2's own state lives in the module's __dict__ too (keys below); the copy leaves it behind
+    clone.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith(("__composable_api_state_key", "_fsdp", "_is_fsdp"))})
+    for name in HOOK_DICT_NAMES:  # the copy must not share (nor clear) the original's hooks
+        if name in module.__dict__:
+            clone.__dict__[name] = type(module.__dict__[name])()
+    clone._parameters = {n: None if p is None else nn.Parameter((p.full_tensor() if isinstance(p, DTensor) else p).detach().clone(), p.requires_grad)
+                         for n, p in module._parameters.items()}
+    clone._buffers = {n: None if b is None else b.detach().clone() for n, b in module._buffers.items()}
+    clone._modules = {n: None if m is None else _unsharded_copy(m) for n, m in module._modules.items()}
+    return clone
+
+
 def _param_bytes(units: Sequence[nn.Module]) -> Tuple[int, ...]:
     """Bytes of each unit's trainable parameters; a shared one counts at its last unit (first in backward)."""
     seen, out = set(), []
     for unit in reversed(units):
         fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in fresh)
-        out.append(sum(p.numel() * p.element_size() for p in fresh))
+        out.append(sum(_local(p).numel() * p.element_size() for p in fresh))  # a sharded weight's gradient is this rank's shard
     return tuple(reversed(out))
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def _private_copy(unit: nn.Module) -> nn.Module:
-    m = copy.deepcopy(unit)
+    m = _unsharded_copy(unit) if _is_sharded(unit) else copy.deepcopy(unit)
     for sub in m.modules():
         _drop_hooks(sub)
     for p in m.parameters():

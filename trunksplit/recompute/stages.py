@@ -279,9 +279,11 @@ def hook_dicts(module: nn.Module) -> List[dict]:
     torch has no public call that says whether a module has hooks, or that removes them
     without their handles: these are the dicts ``register_forward_hook`` and friends fill
     (private attributes of ``nn.Module``), read here and nowhere else."""
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-             "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
-    return [hooks for hooks in (getattr(module, name, None) for name in names) if hooks is not None]
+    return [hooks for hooks in (getattr(module, name, None) for name in HOOK_DICT_NAMES) if hooks is not None]
+
+
+HOOK_DICT_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -1,0 +1,126 @@
+"""FSDP2 (fully_shard) on real gloo processes: a sharded trunk's gradients are one process's.
+
+Each rank trains on its own micro-batch; the reference is one process, unsharded and
+unsplit, that runs every rank's micro-batch in turn and accumulates: each rank's full
+gradient (``full_tensor()``) times the world size must equal that sum. Dropout and
+stochastic depth draw from a seed per micro-batch on both sides.
+"""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trunksplit import CheckpointedTrunk, shard_trunk
+
+from distributed_harness import run_processes
+from reference import loss_of
+from zoo import small
+
+WORLD = 2
+
+# (model, how the trunk is planned, plan before sharding): vissl, balanced and budget plans with
+# regions, planned after sharding (the first training forward) or before it (plan_for)
+CASES = {
+    "resnet18_vissl": ("resnet18", dict(num_splits=3), False),
+    "resnet18_balanced_after": ("resnet18", dict(num_splits=3, strategy="balanced"), False),
+    "resnet18_balanced_before": ("resnet18", dict(num_splits=3, strategy="balanced"), True),
+    "resnet18_budget_regions": ("resnet18", dict(memory_budget=0.8, gradients="kept"), False),
+    "vit_balanced": ("vit", dict(num_splits=3, strategy="balanced"), False),
+    "traced_budget": ("traced", dict(memory_budget=0.6, gradients="kept"), False),
+}
+
+
+class Traced(nn.Module):
+    """A model no family knows: its chain is traced (units are fx GraphModules)."""
+
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.GELU()) for _ in range(depth))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.mean((2, 3))
+
+
+def _model(name):
+    if name == "traced":
+        torch.manual_seed(0)
+        return Traced()
+    return small(name)
+
+
+def _micro_batch(name, rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(2, 3, 64 if name == "resnet18" else 32, 64 if name == "resnet18" else 32, generator=g)
+
+
+def _sharded_steps(rank, world_size, out):
+    for case, (name, how, plan_first) in CASES.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trunk = CheckpointedTrunk(_model(name), **how)
+            x = _micro_batch(name, rank)
+            if plan_first:
+                trunk.plan_for(x)
+            shard_trunk(trunk)
+            torch.manual_seed(7 + rank)
+            loss_of(trunk(x)).backward()
+        plans = [None] * world_size
+        dist.all_gather_object(plans, trunk.plan)
+        grads = {n: p.grad.full_tensor() * world_size for n, p in trunk.named_parameters()}  # every rank all-gathers
+        if rank == 0:
+            assert plans[0] == plans[1], case  # every rank runs rank 0's plan
+            torch.save({"grads": grads, "plan": trunk.plan}, os.path.join(out, f"{case}.pt"))
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    run_processes(_sharded_steps, WORLD, (str(out),), timeout=400)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_gradients_equal_one_process_accumulating_every_micro_batch(sharded, case):
+    name, how, _ = CASES[case]
+    saved = torch.load(sharded / f"{case}.pt", weights_only=False)
+    plan = saved["plan"]
+    assert plan.predicted_peak_bytes is not None or how.get("num_splits") and plan.strategy == "vissl"
+    if how.get("memory_budget"):
+        assert plan.strategy == "budget" and plan.regions  # nested regions run under FSDP too
+    reference = CheckpointedTrunk(_model(name))  # one process: unsharded, one unsplit segment
+    for rank in range(WORLD):
+        torch.manual_seed(7 + rank)
+        loss_of(reference(_micro_batch(name, rank))).backward()
+    want = dict(reference.named_parameters())
+    assert set(want) == set(saved["grads"])
+    for n, got in saved["grads"].items():
+        ref = want[n].grad
+        assert torch.linalg.vector_norm(got - ref) <= 1e-6 * torch.linalg.vector_norm(ref) + 1e-12, (case, n)
+
+
+def test_sharding_without_a_process_group_twice_or_reentrant_is_a_clear_error():
+    trunk = CheckpointedTrunk(_model("resnet18"), num_splits=2)
+    with pytest.raises(ValueError, match="needs a process group"):
+        shard_trunk(trunk)
+    with pytest.raises(TypeError, match="takes a CheckpointedTrunk"):
+        shard_trunk(nn.Linear(2, 2))
+
+
+def _refusals(rank, world_size):
+    trunk = CheckpointedTrunk(_model("resnet18"), num_splits=2)
+    shard_trunk(trunk)
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_trunk(trunk)
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        shard_trunk(CheckpointedTrunk(_model("resnet18"), num_splits=2, use_reentrant=True))
+
+
+def test_sharding_twice_or_with_reentrant_checkpointing_is_refused():
+    run_processes(_refusals, WORLD)
