@@ -140,12 +140,14 @@ class CheckpointedTrunk(nn.Module):
         """The plan of the last training forward (a cost-aware trunk: only the feature cuts before one)."""
         return self._plan
 
+    @torch.compiler.disable  # planning runs eagerly: it measures tensors, which dynamo cannot trace
     def plan_for(self, x: torch.Tensor) -> SplitPlan:
         """The plan used for an input like ``x``.
 
         Cost-aware plans are measured once per input shape, dtype, device and autocast
         dtype, and cached. Call it with a sample batch to plan up front (before wrapping
-        in DDP, say); otherwise the first training forward does."""
+        in DDP, say); otherwise the first training forward does. Under ``torch.compile`` it
+        runs eagerly (a graph break), so a compiled trunk plans as an eager one does."""
         if not self._cost_aware:
             return self._fixed_plan
         key = self._plan_key(x)

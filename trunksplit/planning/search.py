@@ -185,8 +185,8 @@ def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
         return unsplit_plan(names, trunk._ends, strategy, unsplit, "the budget is at or above the unsplit step")
     cuts = _budget_cuts(trunk, x, model, splittable, forced) if budgeted else _balanced_cuts(trunk, model, splittable, forced)
     plan = plan_from_cuts(names, cuts, trunk._ends, strategy, model)
-    if not budgeted and plan.predicted_peak_bytes >= unsplit:
-        return unsplit_plan(names, trunk._ends, strategy, unsplit, f"no cut is predicted below the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.3f} of it)")
+    if not budgeted and plan.predicted_peak_bytes > unsplit:
+        return unsplit_plan(names, trunk._ends, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
     return plan
 
 

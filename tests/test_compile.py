@@ -1,0 +1,46 @@
+"""torch.compile composes with every plan: planning runs eagerly, outside dynamo, and a compiled
+trunk's step equals the plain model's eager step (BatchNorm statistics once, dropout masks the same).
+
+The backend is aot_eager (dynamo and AOT autograd, no code generation): fast enough for the suite.
+Inductor's code generation is what the benchmark measures; it changes float rounding, not what runs.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from trunksplit import CheckpointedTrunk
+
+from reference import loss_of
+from zoo import input_for, small
+
+PLANS = {"vissl": dict(num_splits=3), "balanced": dict(num_splits=3, strategy="balanced"), "budget_regions": dict(memory_budget=0.8, gradients="kept")}
+
+
+# Not claimed: a ViT region in the last (unsplit) segment fails in AOT autograd's compiled backward
+# ("view size is not compatible": MultiheadAttention's permute-then-view on a gradient of other
+# strides); the same region nested in a checkpointed segment runs. Issue 22 stays open for it.
+CASES = [("resnet18", plan) for plan in PLANS] + [("vit", "vissl"), ("vit", "balanced")]
+
+
+@pytest.mark.parametrize("name,plan", CASES)
+def test_a_compiled_trunk_trains_as_the_eager_model(name, plan):
+    torch._dynamo.reset()
+    plain = CheckpointedTrunk(small(name))  # one unsplit segment: the plain model's forward
+    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    compiled = torch.compile(trunk, backend="aot_eager")
+    x = input_for(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (plain, compiled):
+            torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
+            loss_of(model(x)).backward()
+    if plan == "budget_regions":
+        assert trunk.plan.regions and "selective regions run as recompute" in str(trunk.plan)
+    elif plan == "balanced":
+        assert len(trunk.plan.segments) == 3
+    for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
+    for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
+        assert torch.equal(a, b), n  # BatchNorm statistics and num_batches_tracked moved once
