@@ -196,6 +196,7 @@ def _two_rank_stochastic(rank, world_size, out, interrupt):
     torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow  # a minute on 2 cores: two processes train 4 steps twice; the 1-process test above is in the fast suite
 def test_resume_with_stochastic_depth_under_two_processes_equals_an_uninterrupted_run(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
