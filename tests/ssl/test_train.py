@@ -110,6 +110,10 @@ def _snapshot(folder):
         (["MODEL.HEAD.HIDDEN_DIM", "0"], "MODEL.HEAD.HIDDEN_DIM must be >= 1"),
         (["METHOD.TEMPERATURE", "0"], "METHOD.TEMPERATURE must be a positive number"),
         (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "the smallest feasible budget"),
+        (["DISTRIBUTED.STRATEGY", "fsdp"], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
+        (["DISTRIBUTED.STRATEGY", "fsdp", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"], "MANUAL_GRADIENT_REDUCTION is DDP-only"),
+        (["DISTRIBUTED.STRATEGY", "fsdp", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"], "cannot run under FSDP"),
+        (["DISTRIBUTED.STRATEGY", "zero3"], "DISTRIBUTED.STRATEGY must be ddp or fsdp"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
@@ -403,3 +407,57 @@ def test_batch_size_zero_trains_the_largest_batch_that_fits_the_memory_limit(tmp
 def test_batch_size_zero_needs_a_memory_limit():
     with pytest.raises(ValueError, match="TRAIN.MEMORY_LIMIT"):
         load_config(QUICK, ["TRAIN.BATCH_SIZE_PER_RANK", "0"])
+
+
+FSDP = ["DISTRIBUTED.STRATEGY", "fsdp", "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL]
+
+
+def _fsdp_run(rank, world_size, out, interrupt, resume_only=False):
+    """Under FSDP: train 4 steps straight, or until step 3 begins, then resume; rank 0 saves the full weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    cfg = load_config(QUICK, ["OUTPUT_DIR", out, *FSDP])
+    if resume_only:
+        model, _ = train(cfg, resume=True)
+    elif interrupt:
+        real = loop.step_views
+        loop.step_views = lambda d, c, step, r, w: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(d, c, step, r, w)
+        try:
+            train(cfg)
+        except KeyboardInterrupt:
+            pass
+        loop.step_views = real
+        dist.barrier()
+        model, _ = train(cfg, resume=True)
+    else:
+        model, _ = train(cfg)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # every rank all-gathers
+    if rank == 0:
+        torch.save(full, os.path.join(out, "full.pt"))
+
+
+def test_fsdp_runs_resume_from_sharded_checkpoints_to_the_uninterrupted_weights(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_processes(_fsdp_run, 2, (str(tmp_path / "a"), False))
+    run_processes(_fsdp_run, 2, (str(tmp_path / "b"), True))
+    assert (tmp_path / "b" / "sharded" / "step_4").is_dir() and not (tmp_path / "b" / "sharded" / "step_2").exists()
+    straight, resumed = torch.load(tmp_path / "a" / "full.pt"), torch.load(tmp_path / "b" / "full.pt")
+    fresh = _fresh_state(load_config(QUICK, FSDP))
+    assert straight.keys() == fresh.keys()
+    for name, value in straight.items():
+        assert torch.equal(value, resumed[name]), name
+    assert [r["step"] for r in _rows(tmp_path / "b")] == [1, 2, 3, 4]
+
+
+def _fsdp_two_steps(rank, world_size, out):
+    cfg = load_config(QUICK, ["OUTPUT_DIR", out, *FSDP, "TRAIN.STEPS", "2"])
+    train(cfg)
+
+
+@pytest.mark.slow  # four gloo processes on two cores
+def test_an_fsdp_run_saved_on_two_ranks_resumes_on_four(tmp_path):
+    run_processes(_fsdp_two_steps, 2, (str(tmp_path),))
+    run_processes(_fsdp_run, 4, (str(tmp_path), False, True), timeout=400)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)

@@ -70,6 +70,7 @@ _C.OPTIM.WEIGHT_DECAY = 1e-6
 _C.OPTIM.WARMUP_STEPS = 2
 
 _C.DISTRIBUTED = CN()
+_C.DISTRIBUTED.STRATEGY = "ddp"  # ddp: a replica per rank; fsdp: parameters, gradients and optimizer state sharded (FSDP2)
 _C.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION = False
 _C.DISTRIBUTED.BACKEND = ""  # "": nccl on CUDA, gloo on CPU
 
@@ -187,8 +188,19 @@ def _check(cfg: CN) -> None:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
     if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
         raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
+    _check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def _check_strategy(cfg: CN) -> None:
+    strategy = cfg.DISTRIBUTED.STRATEGY
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"DISTRIBUTED.STRATEGY must be ddp or fsdp, got {strategy!r}")
+    if strategy == "fsdp" and cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION:
+        raise ValueError("DISTRIBUTED.MANUAL_GRADIENT_REDUCTION is DDP-only (vissl's no_sync path); FSDP reduce-scatters its own gradients: set it False")
+    if strategy == "fsdp" and cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
+        raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
 
 
 def _check_method_and_head(cfg: CN) -> None:

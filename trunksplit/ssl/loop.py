@@ -23,8 +23,8 @@ from ..trunk import CheckpointedTrunk
 from .data import image_dataset, step_views
 from .losses import nt_xent, swav_loss
 from .model import SSLModel, build_model, with_fitted_batch
-from .parallel import setup_distributed, wrap_for_processes
-from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, save_atomically, start_run_dir
+from .parallel import broadcast_buffers, end_with_rank0_buffers, setup_distributed, wrap_for_processes
+from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, save_atomically, save_sharded, start_run_dir
 
 
 def learning_rate(cfg, step: int) -> float:
@@ -75,12 +75,12 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None)
         if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
             _save_checkpoint(cfg, model, optimizer, scaler, step + 1, rank, world)
-    if world > 1:  # BatchNorm statistics of the last step differ per rank; end with rank 0's, as saved
-        manual_sync_params(wrapped)
+    end_with_rank0_buffers(cfg, wrapped, model, world)
     if last is not None:
         plan = model.trunk.plan
         last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
-        last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept)
+        # a sharded model cannot be copied for the side-by-side step (FSDP refuses deepcopy)
+        last["memory_vs_plain"] = None if cfg.DISTRIBUTED.STRATEGY == "fsdp" else compare_with_plain(model, crops, autocast, kept)
     return model, last
 
 
@@ -122,10 +122,12 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
 
 def _save_checkpoint(cfg, model, optimizer, scaler, steps_done: int, rank: int, world: int) -> None:
     rng = rng_states(world)  # every rank's: stochastic depth and dropout draw from them
-    if rank == 0:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": steps_done,
-                 "config": cfg.dump(), "rng": rng}
-        save_atomically(state, os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
+    meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng}
+    if cfg.DISTRIBUTED.STRATEGY == "fsdp":
+        broadcast_buffers(model)
+        save_sharded(cfg, model, optimizer, meta, rank, world)
+    elif rank == 0:
+        save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}, os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
     if world > 1:
         dist.barrier()
 

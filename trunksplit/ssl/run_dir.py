@@ -3,11 +3,14 @@ and a crash or a mistake never destroys an earlier run."""
 import glob
 import json
 import os
+import shutil
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -33,7 +36,7 @@ def load_checkpoint(path: str) -> dict:
         raise ValueError(f"--resume: no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
-        missing = {"model", "optimizer", "step"} - set(state)
+        missing = ({"sharded", "step"} if "sharded" in state else {"model", "optimizer", "step"}) - set(state)
     except Exception as e:  # truncated or not a checkpoint: say so, touch nothing
         raise ValueError(f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {e}); the file is left as it is") from None
     if missing:
@@ -106,11 +109,18 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int):
     ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
     state = load_checkpoint(ckpt_path)
     _check_same_model(state, cfg, ckpt_path)
+    sharded = cfg.DISTRIBUTED.STRATEGY == "fsdp"
+    if sharded != ("sharded" in state):
+        saved = "sharded (fsdp)" if "sharded" in state else "whole (ddp)"
+        raise ValueError(f"--resume: {ckpt_path} is a {saved} checkpoint; resume with the DISTRIBUTED.STRATEGY it was trained with")
     try:
-        model.load_state_dict(state["model"])
+        if sharded:
+            _load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, optimizer)
+        else:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
     except RuntimeError as e:
         raise ValueError(f"--resume: {ckpt_path} does not fit the configured model: {str(e).splitlines()[0]} ...; resume with the config it was trained with") from None
-    optimizer.load_state_dict(state["optimizer"])
     if "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state.get("rng"), rank, world, ckpt_path)
@@ -152,3 +162,31 @@ def _restore_rng(states, rank: int, world: int, path: str) -> None:
     torch.set_rng_state(states[rank]["cpu"])
     if "cuda" in states[rank] and torch.cuda.is_available():
         torch.cuda.set_rng_state(states[rank]["cuda"])
+
+
+SHARDED = "sharded"  # under OUTPUT_DIR: one torch.distributed.checkpoint directory per save, step_<N>
+
+
+def save_sharded(cfg, model, optimizer, meta: dict, rank: int, world: int) -> None:
+    """FSDP: every rank writes its shards with ``torch.distributed.checkpoint`` into a new
+    directory; once all have, rank 0 writes ``checkpoint.pt`` (the step, config, RNG states and
+    where the shards are) atomically, then removes older shard directories. A crash at any point
+    leaves the last complete checkpoint in place. DCP reshards on load: a run saved on 2 ranks
+    resumes on 4."""
+    name = os.path.join(SHARDED, f"step_{meta['step']}")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(cfg.OUTPUT_DIR, name))
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        save_atomically({**meta, "sharded": name}, os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
+        for old in glob.glob(os.path.join(glob.escape(cfg.OUTPUT_DIR), SHARDED, "step_*")):
+            if os.path.basename(old) != os.path.basename(name):
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_sharded(path: str, model, optimizer) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
