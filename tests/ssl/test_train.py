@@ -65,17 +65,17 @@ def _fresh_state(cfg):
 
 def _interrupt_at_step_3(cfg, monkeypatch):
     """Train as ``cfg`` says until step 3 begins, then stop as a killed run would."""
-    real_views = loop.step_views
+    real_rate = loop.learning_rate  # called as each step begins
 
-    def interrupt(dataset, cfg, step, rank, world):
+    def interrupt(cfg, step):
         if step == 3:
             raise KeyboardInterrupt
-        return real_views(dataset, cfg, step, rank, world)
+        return real_rate(cfg, step)
 
-    monkeypatch.setattr(loop, "step_views", interrupt)
+    monkeypatch.setattr(loop, "learning_rate", interrupt)
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
-    monkeypatch.setattr(loop, "step_views", real_views)
+    monkeypatch.setattr(loop, "learning_rate", real_rate)
 
 
 def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch):
@@ -145,8 +145,8 @@ def test_image_folder_data(tmp_path):
         for i in range(3):
             Image.new("RGB", (50, 40), color=(40 * i, 100, 200 if cls == "a" else 20)).save(tmp_path / "images" / cls / f"{i}.png")
     (tmp_path / "images" / "b" / "broken.png").write_bytes(b"\x89PNG not really")
-    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), "DATA.PATH", str(tmp_path / "images"), "TRAIN.STEPS", "2", *SMALL])
-    with pytest.warns(UserWarning, match=r"skipping unreadable image .*broken.png"):
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), "DATA.PATH", str(tmp_path / "images"), "TRAIN.STEPS", "2", "DATA.NUM_WORKERS", "0", *SMALL])
+    with pytest.warns(UserWarning, match=r"skipping unreadable image .*broken.png"):  # no workers: warned in this process
         _, last = train(cfg)  # 2 steps of 4 images from 7 files: every file is read, the broken one too
     assert math.isfinite(last["loss"]) and last["step"] == 2
 
@@ -186,13 +186,13 @@ def test_resume_with_stochastic_depth_equals_an_uninterrupted_run(tmp_path, monk
 def _two_rank_stochastic(rank, world_size, out, interrupt):
     cfg = load_config(QUICK, ["OUTPUT_DIR", out, *STOCHASTIC])
     if interrupt:
-        real = loop.step_views
-        loop.step_views = lambda d, c, step, r, w: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(d, c, step, r, w)
+        real = loop.learning_rate  # called as each step begins
+        loop.learning_rate = lambda c, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, step)
         try:
             train(cfg)
         except KeyboardInterrupt:
             pass
-        loop.step_views = real
+        loop.learning_rate = real
         dist.barrier()
         model, _ = train(cfg, resume=True)
     else:
@@ -420,13 +420,13 @@ def _fsdp_run(rank, world_size, out, interrupt, resume_only=False):
     if resume_only:
         model, _ = train(cfg, resume=True)
     elif interrupt:
-        real = loop.step_views
-        loop.step_views = lambda d, c, step, r, w: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(d, c, step, r, w)
+        real = loop.learning_rate  # called as each step begins
+        loop.learning_rate = lambda c, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, step)
         try:
             train(cfg)
         except KeyboardInterrupt:
             pass
-        loop.step_views = real
+        loop.learning_rate = real
         dist.barrier()
         model, _ = train(cfg, resume=True)
     else:

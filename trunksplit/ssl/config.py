@@ -50,6 +50,7 @@ _C.DATA.IMAGE_SIZE = 96  # synthetic images, and what ImageFolder images are res
 _C.DATA.CROP_SIZES = [64]  # one entry per resolution; the trunk runs once per resolution per step
 _C.DATA.CROP_COUNTS = [2]
 _C.DATA.CROP_SCALES = [[0.3, 1.0]]
+_C.DATA.NUM_WORKERS = -1  # DataLoader worker processes; -1: the machine's spare cores per process, at most 4
 
 _C.TRAIN = CN()
 _C.TRAIN.BATCH_SIZE_PER_RANK = 8  # 0: the largest that fits TRAIN.MEMORY_LIMIT (trunksplit.fit)
@@ -177,6 +178,8 @@ def _check(cfg: CN) -> None:
             raise ValueError(f"{key} must be >= 1, got {cfg[section][name]}")
     if cfg.TRAIN.BATCH_SIZE_PER_RANK < 0:
         raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK must be >= 1 (or 0 with TRAIN.MEMORY_LIMIT), got {cfg.TRAIN.BATCH_SIZE_PER_RANK}")
+    if cfg.DATA.NUM_WORKERS < -1:
+        raise ValueError(f"DATA.NUM_WORKERS must be >= 0, or -1 for the machine's spare cores; got {cfg.DATA.NUM_WORKERS}")
     if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
         raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
     if cfg.METHOD.NAME not in ("simclr", "swav"):

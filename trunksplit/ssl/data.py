@@ -5,7 +5,6 @@ which flips. That is what makes a resumed run equal an uninterrupted one, and
 what shards the data across ranks without a sampler's state.
 """
 import os
-import warnings
 from typing import List
 
 import torch
@@ -46,9 +45,9 @@ def image_dataset(cfg) -> torch.utils.data.Dataset:
 
 
 class _ImagesOnly(torch.utils.data.Dataset):
-    """The folder's images without labels. A file that cannot be read is skipped, once, with a
-    warning that names it: the next readable image stands in for it, the same one every run, so
-    batches stay a function of (seed, step, rank)."""
+    """The folder's images without labels. A file that cannot be read is skipped: the next readable
+    image stands in for it, the same one every run, so batches stay a function of (seed, step,
+    rank); :class:`StepViews` reports it by name, and the training loop warns once and counts it."""
 
     def __init__(self, folder):
         self.folder = folder
@@ -63,10 +62,12 @@ class _ImagesOnly(torch.utils.data.Dataset):
                 continue
             try:
                 return self.folder[j][0]
-            except (OSError, SyntaxError, ValueError) as e:  # PIL: UnidentifiedImageError (an OSError), truncated files
+            except (OSError, SyntaxError, ValueError):  # PIL: UnidentifiedImageError (an OSError), truncated files
                 self.unreadable.add(j)
-                warnings.warn(f"skipping unreadable image {self.folder.samples[j][0]}: {type(e).__name__}: {e}", UserWarning, stacklevel=2)
         raise ValueError(f"DATA.PATH {self.folder.root!r}: none of its {len(self.folder)} images can be read")
+
+    def name(self, i: int) -> str:
+        return self.folder.samples[i][0]
 
 
 def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: int) -> List[int]:
@@ -106,7 +107,46 @@ def views(images: torch.Tensor, sizes, counts, scales, g: torch.Generator) -> Li
 
 def step_views(dataset, cfg, step: int, rank: int, world: int) -> List[torch.Tensor]:
     """The views this rank trains on at ``step``."""
-    idx = batch_indices(len(dataset), cfg.TRAIN.BATCH_SIZE_PER_RANK, step, rank, world, cfg.SEED)
-    images = torch.stack([dataset[i] for i in idx])
-    g = torch.Generator().manual_seed(cfg.SEED * 1_000_003 + step * 1009 + rank)
-    return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, g)
+    return StepViews(dataset, cfg, rank, world)[step][0]
+
+
+class StepViews(torch.utils.data.Dataset):
+    """Each step's views for one rank, indexed by step: ``(views, unreadable files skipped)``.
+
+    A ``DataLoader`` over it (see :func:`step_loader`) builds whole steps in its workers. Every
+    step is a function of (seed, step, rank) alone, so 0, 1 or 4 workers give the same batches,
+    and a resumed run starts its sampler at the checkpoint's step. The skipped files are those of
+    the step's images that could not be read (the next readable image stood in for each)."""
+
+    def __init__(self, dataset, cfg, rank: int, world: int):
+        self.dataset, self.cfg, self.rank, self.world = dataset, cfg, rank, world
+
+    def __len__(self) -> int:
+        return self.cfg.TRAIN.STEPS
+
+    def __getitem__(self, step: int):
+        cfg = self.cfg
+        idx = batch_indices(len(self.dataset), cfg.TRAIN.BATCH_SIZE_PER_RANK, step, self.rank, self.world, cfg.SEED)
+        images = torch.stack([self.dataset[i] for i in idx])
+        skipped = [self.dataset.name(i) for i in idx if i in getattr(self.dataset, "unreadable", ())]
+        g = torch.Generator().manual_seed(cfg.SEED * 1_000_003 + step * 1009 + self.rank)
+        return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, g), skipped
+
+
+def step_loader(dataset, cfg, rank: int, world: int, start: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """Steps ``start`` .. ``TRAIN.STEPS - 1`` of this rank, built by ``DATA.NUM_WORKERS`` worker
+    processes (see :func:`num_workers`) ahead of the step that needs them."""
+    workers = num_workers(cfg)
+    return torch.utils.data.DataLoader(
+        StepViews(dataset, cfg, rank, world), batch_size=None, sampler=range(start, cfg.TRAIN.STEPS), num_workers=workers,
+        pin_memory=pin_memory, persistent_workers=workers > 0, prefetch_factor=2 if workers else None,
+    )
+
+
+def num_workers(cfg) -> int:
+    """``DATA.NUM_WORKERS``, or for -1 (the default) the cores this process can have beyond its own,
+    shared with the other processes torchrun starts on the machine, at most 4."""
+    if cfg.DATA.NUM_WORKERS >= 0:
+        return cfg.DATA.NUM_WORKERS
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, (os.cpu_count() or 1) // local - 1))

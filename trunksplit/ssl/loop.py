@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -20,7 +21,7 @@ from ..distributed.ddp import manual_gradient_all_reduce, manual_gradient_reduct
 from ..planning.memory import PeakMemory
 from ..recompute.wrapper import unwrap_checkpoint
 from ..trunk import CheckpointedTrunk
-from .data import image_dataset, step_views
+from .data import image_dataset, step_loader, step_views
 from .losses import nt_xent, swav_loss
 from .model import SSLModel, build_model, with_fitted_batch
 from .parallel import broadcast_buffers, end_with_rank0_buffers, setup_distributed, wrap_for_processes
@@ -55,11 +56,16 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if rank == 0:
         start_run_dir(cfg, rows)
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0, desc="train")
-    last = None
+    batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
+    last, skipped = None, {}  # unreadable file -> times it was skipped
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        crops = [c.to(device, non_blocking=True) for c in step_views(dataset, cfg, step, rank, world)]
+        waited = time.perf_counter()
+        views, unreadable = next(batches)
+        crops = [c.to(device, non_blocking=True) for c in views]
+        _warn_once(unreadable, skipped)
+        data = {"data_seconds": time.perf_counter() - waited, "skipped_images": sum(skipped.values())}
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
         start_time = time.perf_counter()
         with PeakMemory(device) if logging else contextlib.nullcontext() as mem:
@@ -72,7 +78,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start_time
         if logging and rank == 0:
-            last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None)
+            last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
         if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
             _save_checkpoint(cfg, model, optimizer, scaler, step + 1, rank, world)
     end_with_rank0_buffers(cfg, wrapped, model, world)
@@ -100,8 +106,17 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
     return time.perf_counter() - setup_start
 
 
-def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: int, world: int, setup_seconds: Optional[float]) -> dict:
-    """Append one metrics row (rank 0) and print it; returns the row."""
+def _warn_once(unreadable, skipped: dict) -> None:
+    """Count the unreadable files a step skipped; warn, naming each, the first time."""
+    for name in unreadable:
+        if name not in skipped:
+            warnings.warn(f"skipping unreadable image {name}", UserWarning, stacklevel=3)
+        skipped[name] = skipped.get(name, 0) + 1
+
+
+def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: int, world: int, setup_seconds: Optional[float], data: dict) -> dict:
+    """Append one metrics row (rank 0) and print it; returns the row. ``data``: the seconds the step
+    waited on the loader, and the unreadable images skipped so far (this rank's)."""
     row = {
         "step": step + 1,
         **({"setup_seconds": setup_seconds} if setup_seconds is not None else {}),
@@ -110,12 +125,13 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
         "images_per_sec": cfg.TRAIN.BATCH_SIZE_PER_RANK * world / seconds,
         "peak_memory_bytes": peak_bytes,
         "step_seconds": seconds,
+        **data,
     }
     with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "a") as f:
         f.write(json.dumps(row) + "\n")
     bar.write(
         f"step {step + 1}/{cfg.TRAIN.STEPS}  loss {row['loss']:.4f}  lr {row['lr']:.4g}  "
-        f"{row['images_per_sec']:.1f} images/s  peak {peak_bytes / 2**20:.1f} MiB"
+        f"{row['images_per_sec']:.1f} images/s  peak {peak_bytes / 2**20:.1f} MiB  data wait {row['data_seconds']:.3f} s"
     )
     return row
 

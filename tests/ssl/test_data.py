@@ -1,0 +1,72 @@
+"""The launcher's loader: real image files decoded in worker processes, every batch a function of (seed, step, rank)."""
+import json
+import os
+
+import pytest
+import torch
+
+from trunksplit.ssl.config import load_config
+from trunksplit.ssl.data import image_dataset, step_loader
+from trunksplit.ssl.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4", "MODEL.HEAD.HIDDEN_DIM", "64"]
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    """An ImageFolder of real JPEG files, written here, and one file that is not an image."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("images")
+    g = torch.Generator().manual_seed(0)
+    for cls in ("cats", "dogs"):
+        (root / cls).mkdir()
+        for i in range(5):
+            pixels = (torch.rand(48, 56, 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(root / cls / f"{i}.jpg", quality=90)
+    (root / "dogs" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    return root
+
+
+def _batches(cfg, workers, start=0, rank=0, world=1):
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.DATA.NUM_WORKERS = workers
+    return list(step_loader(image_dataset(cfg), cfg, rank, world, start, pin_memory=False))
+
+
+def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpegs):
+    cfg = load_config(QUICK, ["DATA.PATH", str(jpegs), "TRAIN.STEPS", "6", *SMALL])
+    reference = _batches(cfg, 0)
+    assert len(reference) == 6 and all(len(views) == 2 and views[0].shape == (4, 3, 32, 32) for views, _ in reference)
+    skipped = [name for _, names in reference for name in names]
+    assert skipped and all(name.endswith("broken.jpg") for name in skipped)  # 6 steps of 4 from 11 files: it is drawn
+    for workers in (1, 2):
+        got = _batches(cfg, workers)
+        assert [s for _, s in got] == [s for _, s in reference]
+        for (a, _), (b, _) in zip(reference, got):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), workers
+    tail = _batches(cfg, 2, start=4)  # what a run resumed after step 4 is fed
+    assert all(torch.equal(x, y) for (a, _), (b, _) in zip(reference[4:], tail) for x, y in zip(a, b))
+    other_rank = _batches(cfg, 0, rank=1, world=2)
+    assert not torch.equal(other_rank[0][0][0], _batches(cfg, 0, rank=0, world=2)[0][0][0])  # ranks see other images
+
+
+def test_training_with_two_workers_skips_the_corrupt_file_names_it_and_counts_it(jpegs, tmp_path):
+    out = tmp_path / "run"
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(out), "DATA.PATH", str(jpegs), "DATA.NUM_WORKERS", "2", "TRAIN.STEPS", "6", *SMALL])
+    with pytest.warns(UserWarning, match=r"skipping unreadable image .*broken.jpg") as caught:
+        _, last = train(cfg)
+    assert sum("broken.jpg" in str(w.message) for w in caught) == 1  # once, however often it is drawn
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7)) and last["skipped_images"] >= 1
+    assert all(r["data_seconds"] >= 0 and r["step_seconds"] > 0 for r in rows)
+
+
+def test_an_empty_folder_stays_a_clear_error(tmp_path):
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    cfg = load_config(QUICK, ["DATA.PATH", str(tmp_path / "empty"), *SMALL])
+    with pytest.raises(ValueError, match="holds no images"):
+        image_dataset(cfg)
