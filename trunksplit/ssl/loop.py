@@ -61,11 +61,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        waited = time.perf_counter()
-        views, unreadable = next(batches)
-        crops = [c.to(device, non_blocking=True) for c in views]
-        _warn_once(unreadable, skipped)
-        data = {"data_seconds": time.perf_counter() - waited, "skipped_images": sum(skipped.values())}
+        crops, data = _next_step_views(batches, device, skipped)
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
         start_time = time.perf_counter()
         with PeakMemory(device) if logging else contextlib.nullcontext() as mem:
@@ -106,12 +102,18 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
     return time.perf_counter() - setup_start
 
 
-def _warn_once(unreadable, skipped: dict) -> None:
-    """Count the unreadable files a step skipped; warn, naming each, the first time."""
+def _next_step_views(batches, device, skipped: dict):
+    """The next step's crops on ``device``, and what the metrics row says of the data: the seconds
+    the step waited on the loader, and the unreadable files skipped so far (``skipped`` counts
+    them; each is named in a warning the first time)."""
+    waited = time.perf_counter()
+    views, unreadable = next(batches)
+    crops = [c.to(device, non_blocking=True) for c in views]
     for name in unreadable:
         if name not in skipped:
             warnings.warn(f"skipping unreadable image {name}", UserWarning, stacklevel=3)
         skipped[name] = skipped.get(name, 0) + 1
+    return crops, {"data_seconds": time.perf_counter() - waited, "skipped_images": sum(skipped.values())}
 
 
 def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: int, world: int, setup_seconds: Optional[float], data: dict) -> dict:
