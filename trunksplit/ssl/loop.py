@@ -67,11 +67,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         with PeakMemory(device) if logging else contextlib.nullcontext() as mem:
             loss = _forward_backward(cfg, wrapped, model, crops, cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION, autocast, scaler)
         _stop_unless_finite(cfg, loss, step, world, scaler)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=not kept)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _optimizer_step(optimizer, scaler, kept, device)
         seconds = time.perf_counter() - start_time
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
@@ -79,11 +75,24 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             _save_checkpoint(cfg, model, optimizer, scaler, step + 1, rank, world)
     end_with_rank0_buffers(cfg, wrapped, model, world)
     if last is not None:
-        plan = model.trunk.plan
-        last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
-        # a sharded model cannot be copied for the side-by-side step (FSDP refuses deepcopy)
-        last["memory_vs_plain"] = None if cfg.DISTRIBUTED.STRATEGY == "fsdp" else compare_with_plain(model, crops, autocast, kept)
+        _summarise(cfg, last, model, crops, autocast, kept)
     return model, last
+
+
+def _optimizer_step(optimizer, scaler, kept: bool, device) -> None:
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=not kept)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _summarise(cfg, last: dict, model, crops, autocast, kept: bool) -> None:
+    """Add the plan and, one step side by side, the memory with and without checkpointing to the last row."""
+    plan = model.trunk.plan
+    last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
+    # a sharded model cannot be copied for the side-by-side step (FSDP refuses deepcopy)
+    last["memory_vs_plain"] = None if cfg.DISTRIBUTED.STRATEGY == "fsdp" else compare_with_plain(model, crops, autocast, kept)
 
 
 def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast) -> float:
