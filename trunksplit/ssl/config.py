@@ -50,6 +50,14 @@ _C.DATA.IMAGE_SIZE = 96  # synthetic images, and what ImageFolder images are res
 _C.DATA.CROP_SIZES = [64]  # one entry per resolution; the trunk runs once per resolution per step
 _C.DATA.CROP_COUNTS = [2]
 _C.DATA.CROP_SCALES = [[0.3, 1.0]]
+# SimCLR's colour distortions (SwAV's multi-crop uses them too), see trunksplit/ssl/augment.py
+_C.DATA.AUG = CN()
+_C.DATA.AUG.COLOR_JITTER = [0.8, 0.8, 0.8, 0.2]  # brightness, contrast, saturation, hue
+_C.DATA.AUG.COLOR_JITTER_PROB = 0.8
+_C.DATA.AUG.GRAYSCALE_PROB = 0.2
+_C.DATA.AUG.BLUR_PROB = 0.5
+_C.DATA.AUG.MEAN = [0.485, 0.456, 0.406]  # ImageNet's
+_C.DATA.AUG.STD = [0.229, 0.224, 0.225]
 _C.DATA.NUM_WORKERS = -1  # DataLoader worker processes; -1: the machine's spare cores per process, at most 4
 
 _C.TRAIN = CN()
@@ -208,6 +216,13 @@ def _check_strategy(cfg: CN) -> None:
 
 def _check_method_and_head(cfg: CN) -> None:
     """Values that would train nonsense (a NaN loss, an empty layer) rather than fail."""
+    aug = cfg.DATA.AUG
+    if len(aug.COLOR_JITTER) != 4 or any(v < 0 for v in aug.COLOR_JITTER) or aug.COLOR_JITTER[3] > 0.5:
+        raise ValueError(f"DATA.AUG.COLOR_JITTER is [brightness, contrast, saturation, hue], each >= 0 and hue <= 0.5; got {list(aug.COLOR_JITTER)}")
+    if not all(0 <= p <= 1 for p in (aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, aug.BLUR_PROB)):
+        raise ValueError("DATA.AUG.COLOR_JITTER_PROB, GRAYSCALE_PROB and BLUR_PROB are probabilities in [0, 1]")
+    if len(aug.MEAN) != 3 or len(aug.STD) != 3 or not all(s > 0 for s in aug.STD):
+        raise ValueError("DATA.AUG.MEAN and DATA.AUG.STD take one value per colour channel, STD above 0")
     for scale in cfg.DATA.CROP_SCALES:
         if len(scale) != 2 or not 0 < scale[0] <= scale[1] <= 1:
             raise ValueError(f"DATA.CROP_SCALES: each entry is [smallest, largest] share of the image's area, with 0 < smallest <= largest <= 1; got {list(scale)}")

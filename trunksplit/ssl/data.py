@@ -10,7 +10,8 @@ from typing import List
 import torch
 import torch.nn.functional as F
 import torchvision
-from torchvision.transforms.v2 import functional as TF
+
+from .augment import Distortion, augment, distortion
 
 
 class SyntheticImages(torch.utils.data.Dataset):
@@ -82,27 +83,13 @@ def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: in
     return indices
 
 
-def views(images: torch.Tensor, sizes, counts, scales, g: torch.Generator) -> List[torch.Tensor]:
-    """Multi-crop: for each resolution, ``count`` random-resized, randomly flipped crops of every image.
+def views(images: torch.Tensor, sizes, counts, scales, d: Distortion, g: torch.Generator) -> List[torch.Tensor]:
+    """Multi-crop: for each resolution, ``count`` augmented views of every image (see
+    :func:`trunksplit.ssl.augment.augment`), every random choice drawn from ``g``.
 
     Returns one tensor per crop, ``[B, 3, size, size]``, grouped by resolution."""
-    out = []
-    for size, count, (lo, hi) in zip(sizes, counts, scales):
-        for _ in range(count):
-            crops = []
-            for img in images:
-                _, h, w = img.shape
-                area = float(torch.empty(()).uniform_(lo, hi, generator=g)) * h * w
-                side = max(1, min(h, w, int(round(area**0.5))))
-                top = int(torch.randint(0, h - side + 1, (), generator=g))
-                left = int(torch.randint(0, w - side + 1, (), generator=g))
-                crop = TF.resized_crop(img, top, left, side, side, [size, size], antialias=True)
-                if torch.rand((), generator=g) < 0.5:
-                    crop = crop.flip(-1)
-                crop = crop * float(torch.empty(()).uniform_(0.6, 1.4, generator=g))  # brightness
-                crops.append(crop)
-            out.append(torch.stack(crops))
-    return out
+    return [torch.stack([augment(img, size, scale, d, g) for img in images])
+            for size, count, scale in zip(sizes, counts, scales) for _ in range(count)]
 
 
 def step_views(dataset, cfg, step: int, rank: int, world: int) -> List[torch.Tensor]:
@@ -130,7 +117,7 @@ class StepViews(torch.utils.data.Dataset):
         images = torch.stack([self.dataset[i] for i in idx])
         skipped = [self.dataset.name(i) for i in idx if i in getattr(self.dataset, "unreadable", ())]
         g = torch.Generator().manual_seed(cfg.SEED * 1_000_003 + step * 1009 + self.rank)
-        return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, g), skipped
+        return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, distortion(cfg), g), skipped
 
 
 def step_loader(dataset, cfg, rank: int, world: int, start: int, pin_memory: bool) -> torch.utils.data.DataLoader:
