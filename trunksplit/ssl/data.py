@@ -127,6 +127,10 @@ def step_loader(dataset, cfg, rank: int, world: int, start: int, pin_memory: boo
     return torch.utils.data.DataLoader(
         StepViews(dataset, cfg, rank, world), batch_size=None, sampler=range(start, cfg.TRAIN.STEPS), num_workers=workers,
         pin_memory=pin_memory, persistent_workers=workers > 0, prefetch_factor=2 if workers else None,
+        # its own generator: the loader draws its workers' base seed when its iterator starts, and from
+        # torch's global generator that draw would shift the model's dropout and stochastic depth
+        # after a resume (the views themselves never use it)
+        generator=torch.Generator().manual_seed(cfg.SEED),
     )
 
 
