@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -105,17 +106,8 @@ def _snapshot(folder):
         (["TRAIN.STEPZ", "3"], "unknown config key: TRAIN.STEPZ"),
         (["DATA.PATH", "/nonexistent/images"], "DATA.PATH '/nonexistent/images' is not a directory"),
         (["MODEL.TRUNK.NAME", "resnet9000"], "torchvision has no model 'resnet9000'"),
-        (["DATA.CROP_SCALES", "[[1.0, 0.3]]"], "DATA.CROP_SCALES: each entry is [smallest, largest]"),
-        (["DATA.CROP_SCALES", "[[0.0, 5.0]]"], "DATA.CROP_SCALES: each entry is [smallest, largest]"),
-        (["METHOD.NAME", "swav", "DATA.CROP_COUNTS", "[1]"], "SwAV predicts one crop's code from another"),
-        (["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "0"], "METHOD.NUM_PROTOTYPES must be >= 1"),
-        (["MODEL.HEAD.HIDDEN_DIM", "0"], "MODEL.HEAD.HIDDEN_DIM must be >= 1"),
-        (["METHOD.TEMPERATURE", "0"], "METHOD.TEMPERATURE must be a positive number"),
-        (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "the smallest feasible budget"),
-        (["DISTRIBUTED.STRATEGY", "fsdp"], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
-        (["DISTRIBUTED.STRATEGY", "fsdp", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"], "MANUAL_GRADIENT_REDUCTION is DDP-only"),
-        (["DISTRIBUTED.STRATEGY", "fsdp", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"], "cannot run under FSDP"),
-        (["DISTRIBUTED.STRATEGY", "zero3"], "DISTRIBUTED.STRATEGY must be ddp or fsdp"),
+        (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "the smallest feasible budget"),  # found by planning
+        (["DISTRIBUTED.STRATEGY", "fsdp", *SMALL], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
@@ -124,6 +116,27 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["DATA.CROP_SCALES", "[[1.0, 0.3]]"], "DATA.CROP_SCALES: each entry is [smallest, largest]"),
+        (["DATA.CROP_SCALES", "[[0.0, 5.0]]"], "DATA.CROP_SCALES: each entry is [smallest, largest]"),
+        (["METHOD.NAME", "swav", "DATA.CROP_COUNTS", "[1]"], "SwAV predicts one crop's code from another"),
+        (["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "0"], "METHOD.NUM_PROTOTYPES must be >= 1"),
+        (["MODEL.HEAD.HIDDEN_DIM", "0"], "MODEL.HEAD.HIDDEN_DIM must be >= 1"),
+        (["METHOD.TEMPERATURE", "0"], "METHOD.TEMPERATURE must be a positive number"),
+        (["DISTRIBUTED.STRATEGY", "fsdp", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"], "MANUAL_GRADIENT_REDUCTION is DDP-only"),
+        (["DISTRIBUTED.STRATEGY", "fsdp", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"], "cannot run under FSDP"),
+        (["DISTRIBUTED.STRATEGY", "zero3"], "DISTRIBUTED.STRATEGY must be ddp or fsdp"),
+        (["DATA.NUM_WORKERS", "-2"], "DATA.NUM_WORKERS must be >= 0"),
+    ],
+)
+def test_values_that_would_train_nonsense_are_refused_when_the_config_loads(args, message):
+    """Checked as the config loads, before train() starts, so nothing is written (the CLI cases above show the path)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(QUICK, args)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -438,6 +451,7 @@ def _fsdp_run(rank, world_size, out, interrupt, resume_only=False):
         torch.save(full, os.path.join(out, "full.pt"))
 
 
+@pytest.mark.slow  # two 2-process runs: about 20 s on 2 cores
 def test_fsdp_runs_resume_from_sharded_checkpoints_to_the_uninterrupted_weights(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
