@@ -230,6 +230,7 @@ def _rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # fp16 autocast runs slowly on CPU (25 s here); it matters on a GPU
 def test_fp16_resume_keeps_the_grad_scaler(tmp_path, monkeypatch):
     overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", "TRAIN.AUTOCAST", "fp16", *SMALL]
     train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
