@@ -198,20 +198,24 @@ def test_resume_with_stochastic_depth_equals_an_uninterrupted_run(tmp_path, monk
         assert torch.equal(a, b), name
 
 
+def _trained(cfg, interrupt: bool):
+    """In a rank of several processes: the model trained as ``cfg`` says, straight, or stopped as
+    step 3 begins (as a killed run would be) and resumed."""
+    if not interrupt:
+        return train(cfg)[0]
+    real = loop.learning_rate  # called as each step begins
+    loop.learning_rate = lambda c, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, step)
+    try:
+        train(cfg)
+    except KeyboardInterrupt:
+        pass
+    loop.learning_rate = real
+    dist.barrier()
+    return train(cfg, resume=True)[0]
+
+
 def _two_rank_stochastic(rank, world_size, out, interrupt):
-    cfg = load_config(QUICK, ["OUTPUT_DIR", out, *STOCHASTIC])
-    if interrupt:
-        real = loop.learning_rate  # called as each step begins
-        loop.learning_rate = lambda c, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, step)
-        try:
-            train(cfg)
-        except KeyboardInterrupt:
-            pass
-        loop.learning_rate = real
-        dist.barrier()
-        model, _ = train(cfg, resume=True)
-    else:
-        model, _ = train(cfg)
+    model = _trained(load_config(QUICK, ["OUTPUT_DIR", out, *STOCHASTIC]), interrupt)
     torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -433,20 +437,7 @@ def _fsdp_run(rank, world_size, out, interrupt, resume_only=False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     cfg = load_config(QUICK, ["OUTPUT_DIR", out, *FSDP])
-    if resume_only:
-        model, _ = train(cfg, resume=True)
-    elif interrupt:
-        real = loop.learning_rate  # called as each step begins
-        loop.learning_rate = lambda c, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, step)
-        try:
-            train(cfg)
-        except KeyboardInterrupt:
-            pass
-        loop.learning_rate = real
-        dist.barrier()
-        model, _ = train(cfg, resume=True)
-    else:
-        model, _ = train(cfg)
+    model = train(cfg, resume=True)[0] if resume_only else _trained(cfg, interrupt)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # every rank all-gathers
     if rank == 0:
         torch.save(full, os.path.join(out, "full.pt"))
