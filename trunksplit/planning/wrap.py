@@ -40,8 +40,7 @@ from ..chains.blocks import layer_splittable_before
 from ..recompute.select import Condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .memory import PeakMemory, TorchDispatchMode, tensors_in
-
-GRADIENT_MODES = ("allocated", "kept")
+from .peak import GRADIENT_MODES
 
 
 @dataclass(frozen=True)
