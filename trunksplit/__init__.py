@@ -5,6 +5,7 @@ Layers, each importing only those below it:
     cli/          the trunksplit command (plan, bench, fit)
     ssl/          the launcher: config, data, models, losses, the loop
     fit.py        the largest batch that fits a memory size
+    lars.py       the LARS optimizer (vissl's LARC)
     distributed/  several processes: vissl's manual DDP helpers
     trunk.py      CheckpointedTrunk: runs a plan
     planning/     where to cut: vissl's bucketing, profiling, the peak model, the search
@@ -14,6 +15,7 @@ Layers, each importing only those below it:
 from .chains import feature_blocks, layer_splittable_before, register_trunk
 from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk
 from .fit import Fit, fit
+from .lars import LARS
 from .planning.memory import PeakMemory
 from .planning.plan import Segment, SplitPlan
 from .planning.vissl import checkpoint_trunk
@@ -28,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointedTrunk",
     "Fit",
+    "LARS",
     "fit",
     "PeakMemory",
     "apply_activation_checkpointing",

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .chains import expand_units, feature_blocks, layer_splittable_before
+from .lars import LARS
 from .planning.memory import PeakMemory
 from .planning.peak import PeakModel
 from .planning.profile import UnitCosts, profile_units
@@ -32,7 +33,7 @@ from .planning.search import best_plan, plan_from_cuts
 from .planning.plan import SplitPlan
 from .trunk import CheckpointedTrunk, plan_key
 
-OPTIMIZERS = ("sgd", "adamw", None)
+OPTIMIZERS = ("sgd", "lars", "adamw", None)
 PROFILE_BATCHES = (2, 4)  # two small batches give each cost's slope and intercept; 2, not 1: BatchNorm needs two values
 
 
@@ -96,7 +97,7 @@ def fit(
     ``memory`` (bytes, or ``"16GiB"``) is everything resident during a step: all of
     ``model``'s parameters and buffers, the gradients of the parameters the trunk
     trains, ``optimizer``'s state (``"sgd"`` with momentum: one buffer per
-    parameter; ``"adamw"``: two; ``None``: none) and the step's peak. ``gradients``
+    parameter, as ``"lars"``; ``"adamw"``: two; ``None``: none) and the step's peak. ``gradients``
     is how the loop clears them (see :class:`CheckpointedTrunk`). ``out_feat_keys``
     defaults to the model's last feature block, as the trunk's does. ``num_splits``
     bounds the segment count. Returns a :class:`Fit` whose ``trunk`` is planned for
@@ -230,6 +231,8 @@ def _trainable(trunk: nn.Module):
 def _make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "lars":
+        return LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-6)
     return torch.optim.AdamW(params, lr=1e-3)
 
 

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 import torchvision
+from torchvision.models import vision_transformer
 
 from trunksplit import CheckpointedTrunk, PeakMemory, feature_blocks
 from trunksplit.chains.blocks import expand_units
@@ -107,3 +108,23 @@ def test_balanced_plans_cut_the_measured_peak_well_below_the_plain_one(name):
     balanced = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients="kept")
     ratio = _peak(lambda x: balanced(x)[0].sum(), x) / _peak(lambda x: plain(x)[0].sum(), x)
     assert ratio < limit, ratio
+
+
+def test_vit_at_another_resolution_resizes_its_position_embedding_as_dino_does():
+    # Reference: torchvision's own ViT built for 48px, its position embedding set to DINO's
+    # interpolate_pos_encoding of the 32px model's (bicubic over the patch grid, class token kept).
+    model = small("vit").eval()
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(3))
+    big = vision_transformer.VisionTransformer(48, 8, 3, 2, 32, 64).eval()
+    big.load_state_dict({k: v for k, v in model.state_dict().items() if k != "encoder.pos_embedding"}, strict=False)
+    pos = model.encoder.pos_embedding.detach()
+    grid = pos[:, 1:].reshape(1, 4, 4, 32).permute(0, 3, 1, 2)
+    grid = torch.nn.functional.interpolate(grid, size=(6, 6), mode="bicubic", align_corners=False).permute(0, 2, 3, 1).reshape(1, 36, 32)
+    with torch.no_grad():
+        big.encoder.pos_embedding.copy_(torch.cat([pos[:, :1], grid], dim=1))
+        want = without_head(big)(x)
+        got = CheckpointedTrunk(model, ["flatten"], num_splits=2).eval()(x)[0]
+        assert torch.equal(CheckpointedTrunk(small("vit"), ["flatten"]).eval()(input_for("vit"))[0], without_head(small("vit")).eval()(input_for("vit")))
+    assert torch.allclose(got, want, atol=1e-6)
+    with pytest.raises(ValueError, match="8x8 patches; a 36x40 image"):
+        CheckpointedTrunk(model, ["flatten"])(torch.randn(1, 3, 36, 40))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from trunksplit.ssl.augment import IMAGENET_MEAN, IMAGENET_STD, augment, crop_box, distortion
+from trunksplit.ssl.augment import IMAGENET_MEAN, IMAGENET_STD, augment, crop_box, crop_distortions
 from trunksplit.ssl.config import load_config
 
 QUICK = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "quickstart.yaml")
@@ -33,8 +33,8 @@ def test_crop_areas_stay_within_the_scale_and_aspect_ratios_within_three_to_four
 
 def test_grayscale_and_blur_happen_at_their_configured_rates(monkeypatch):
     cfg = load_config(QUICK, [])
-    d = distortion(cfg)
-    assert (d.jitter, d.jitter_p, d.grayscale_p, d.blur_p) == ((0.8, 0.8, 0.8, 0.2), 0.8, 0.2, 0.5)  # SimCLR's published values
+    d = crop_distortions(cfg)[0]
+    assert (d.jitter, d.jitter_p, d.grayscale_p, d.blur_p, d.solarize_p) == ((0.8, 0.8, 0.8, 0.2), 0.8, 0.2, 0.5, 0.0)  # SimCLR's published values
     g = torch.Generator().manual_seed(1)
     colourful = torch.stack([torch.linspace(0, 1, 32).expand(32, 32), torch.rand(32, 32, generator=g), torch.linspace(1, 0, 32).expand(32, 32)])
     blurs = []
@@ -51,7 +51,7 @@ def test_grayscale_and_blur_happen_at_their_configured_rates(monkeypatch):
 
 def test_views_are_normalised_tensors_of_the_configured_size_and_reproducible():
     cfg = load_config(QUICK, ["DATA.AUG.GRAYSCALE_PROB", "0.0", "DATA.AUG.BLUR_PROB", "1.0"])
-    d = distortion(cfg)
+    d = crop_distortions(cfg)[0]
     img = torch.rand(3, 40, 50, generator=torch.Generator().manual_seed(2))
     a = augment(img, 24, [0.3, 1.0], d, torch.Generator().manual_seed(9))
     b = augment(img, 24, [0.3, 1.0], d, torch.Generator().manual_seed(9))
@@ -61,7 +61,7 @@ def test_views_are_normalised_tensors_of_the_configured_size_and_reproducible():
     assert all(a[c].min() >= low[c] - 1e-5 and a[c].max() <= high[c] + 1e-5 for c in range(3))
 
 
-@pytest.mark.parametrize("key,value", [("DATA.AUG.COLOR_JITTER", "[0.8, 0.8, 0.8]"), ("DATA.AUG.BLUR_PROB", "1.5"), ("DATA.AUG.STD", "[0.2, 0.0, 0.2]")])
+@pytest.mark.parametrize("key,value", [("DATA.AUG.COLOR_JITTER", "[0.8, 0.8, 0.8]"), ("DATA.AUG.BLUR_PROB", "1.5"), ("DATA.AUG.SOLARIZE_PROB", "[0.0, -0.2]"), ("DATA.AUG.STD", "[0.2, 0.0, 0.2]")])
 def test_bad_augmentation_values_are_refused(key, value):
-    with pytest.raises(ValueError, match=key.split(".")[-1].split("_PROB")[0]):
+    with pytest.raises(ValueError, match=key.split(".")[-1]):
         load_config(QUICK, [key, value])

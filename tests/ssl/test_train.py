@@ -68,17 +68,17 @@ def _fresh_state(cfg):
 
 def _interrupt_at_step_3(cfg, monkeypatch):
     """Train as ``cfg`` says until step 3 begins, then stop as a killed run would."""
-    real_rate = loop.learning_rate  # called as each step begins
+    real = loop.set_schedules  # called as each step begins
 
-    def interrupt(cfg, step):
+    def interrupt(cfg, optimizer, step):
         if step == 3:
             raise KeyboardInterrupt
-        return real_rate(cfg, step)
+        return real(cfg, optimizer, step)
 
-    monkeypatch.setattr(loop, "learning_rate", interrupt)
+    monkeypatch.setattr(loop, "set_schedules", interrupt)
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
-    monkeypatch.setattr(loop, "learning_rate", real_rate)
+    monkeypatch.setattr(loop, "set_schedules", real)
 
 
 def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch):
@@ -203,13 +203,13 @@ def _trained(cfg, interrupt: bool):
     step 3 begins (as a killed run would be) and resumed."""
     if not interrupt:
         return train(cfg)[0]
-    real = loop.learning_rate  # called as each step begins
-    loop.learning_rate = lambda c, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, step)
+    real = loop.set_schedules  # called as each step begins
+    loop.set_schedules = lambda c, o, step: (_ for _ in ()).throw(KeyboardInterrupt) if step == 3 else real(c, o, step)
     try:
         train(cfg)
     except KeyboardInterrupt:
         pass
-    loop.learning_rate = real
+    loop.set_schedules = real
     dist.barrier()
     return train(cfg, resume=True)[0]
 
@@ -401,9 +401,9 @@ def test_shipped_configs_train_vit_and_convnext(tmp_path, config, name):
     assert last["memory_vs_plain"]["checkpointed"] < last["memory_vs_plain"]["plain"]
 
 
-def test_vit_with_several_resolutions_is_refused():
-    with pytest.raises(ValueError, match="vit_b_16 is built for one resolution"):
-        load_config(os.path.join(ROOT, "configs", "simclr_vit_b_16.yaml"), ["DATA.CROP_SIZES", "[224, 96]", "DATA.CROP_COUNTS", "[2, 6]",
+def test_maxvit_with_several_resolutions_is_refused():
+    with pytest.raises(ValueError, match="maxvit_t is built for one resolution"):
+        load_config(os.path.join(ROOT, "configs", "simclr_vit_b_16.yaml"), ["MODEL.TRUNK.NAME", "maxvit_t", "DATA.CROP_SIZES", "[224, 96]", "DATA.CROP_COUNTS", "[2, 6]",
                                                                              "DATA.CROP_SCALES", "[[0.1, 1.0], [0.05, 0.1]]", "METHOD.NAME", "swav"])
 
 

@@ -23,6 +23,7 @@ import math
 from typing import List, Sequence
 
 import torch
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torchvision.models import convnext, densenet, efficientnet, maxvit, mnasnet, mobilenetv2, mobilenetv3
@@ -42,24 +43,40 @@ class GlobalAvgPool(nn.Module):
 class VitEmbedding(nn.Module):
     """ViT's forward before the encoder layers: patchify, prepend the class token, add the
     position embedding, dropout. Holds the model's own ``conv_proj``, ``class_token``,
-    ``encoder.pos_embedding`` and ``encoder.dropout``."""
+    ``encoder.pos_embedding`` and ``encoder.dropout``.
+
+    At the size the ViT was built for this is torchvision's forward, exactly. At other sizes
+    (DINO's local crops) the patch position embeddings are resized bicubically to the input's
+    patch grid, as DINO's ``interpolate_pos_encoding`` and timm's ``dynamic_img_size`` do; the
+    plain torchvision model refuses such inputs."""
 
     def __init__(self, model: vision_transformer.VisionTransformer):
         super().__init__()
-        self.image_size, self.hidden_dim = model.image_size, model.hidden_dim
+        self.image_size, self.hidden_dim, self.patch_size = model.image_size, model.hidden_dim, model.patch_size
         self.conv_proj = model.conv_proj
         self.class_token = model.class_token
         self.pos_embedding = model.encoder.pos_embedding
         self.dropout = model.encoder.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2:] != (self.image_size, self.image_size):
-            raise ValueError(f"this ViT was built for {self.image_size}x{self.image_size} images, got {tuple(x.shape[-2:])}")
+        h, w = x.shape[-2:]
+        if h % self.patch_size or w % self.patch_size:
+            raise ValueError(f"this ViT cuts {self.patch_size}x{self.patch_size} patches; a {h}x{w} image is not a whole number of them")
         x = self.conv_proj(x)
         n = x.shape[0]
         x = x.reshape(n, self.hidden_dim, -1).permute(0, 2, 1)
         x = torch.cat([self.class_token.expand(n, -1, -1), x], dim=1)
-        return self.dropout(x + self.pos_embedding)
+        return self.dropout(x + self.position_embedding(h // self.patch_size, w // self.patch_size))
+
+    def position_embedding(self, rows: int, cols: int) -> torch.Tensor:
+        """The position embedding for a ``rows`` x ``cols`` patch grid (the class token's unchanged)."""
+        side = self.image_size // self.patch_size
+        if (rows, cols) == (side, side):
+            return self.pos_embedding
+        cls, grid = self.pos_embedding[:, :1], self.pos_embedding[:, 1:]
+        grid = grid.reshape(1, side, side, self.hidden_dim).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(rows, cols), mode="bicubic", align_corners=False)
+        return torch.cat([cls, grid.permute(0, 2, 3, 1).reshape(1, rows * cols, self.hidden_dim)], dim=1)
 
 
 class ClassToken(nn.Module):

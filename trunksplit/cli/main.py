@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--arch", default="resnet50")
     f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
     f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
-    f.add_argument("--optimizer", choices=["sgd", "adamw", "none"], default="sgd")
+    f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd")
     f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
     f.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
     f.add_argument("--device", default="cuda" if _cuda() else "cpu")

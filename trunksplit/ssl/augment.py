@@ -4,8 +4,11 @@ SimCLR's recipe (Chen et al. 2020), which SwAV's multi-crop reuses for its colou
 a random resized crop (scale from ``DATA.CROP_SCALES``, aspect ratio 3/4 to 4/3), a horizontal
 flip (p 0.5), colour jitter of brightness, contrast and saturation 0.8 and hue 0.2 in a random
 order (p 0.8), grayscale (p 0.2), Gaussian blur with sigma in [0.1, 2.0] and a kernel a tenth of
-the crop (p 0.5), then normalisation with ImageNet's mean and std. Each probability and strength
-is a ``DATA.AUG`` key.
+the crop (p 0.5), then normalisation with ImageNet's mean and std. DINO's recipe (Caron et al.
+2021) adds solarisation (pixels above 0.5 inverted) and gives each crop its own blur and
+solarisation rates: blur p 1.0 on the first global crop, p 0.1 and solarisation p 0.2 on the
+second, blur p 0.5 on the local crops. Each probability and strength is a ``DATA.AUG`` key; the
+blur and solarisation rates are lists with one entry per crop, the last holding for the rest.
 
 The ops are torchvision's (``transforms.v2.functional``, on tensors), but every random choice
 comes from the generator passed in, not torch's global one: a view is a function of (seed,
@@ -13,7 +16,7 @@ step, rank, position), whichever loader worker builds it.
 """
 import math
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 from torchvision.transforms.v2 import functional as TF
@@ -24,19 +27,29 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class Distortion:
-    """Colour and blur, as ``DATA.AUG`` sets them."""
+    """One crop's colour, blur and solarisation, as ``DATA.AUG`` sets them."""
 
     jitter: Tuple[float, float, float, float]  # brightness, contrast, saturation, hue
     jitter_p: float
     grayscale_p: float
     blur_p: float
+    solarize_p: float
     mean: Tuple[float, float, float]
     std: Tuple[float, float, float]
 
 
-def distortion(cfg) -> Distortion:
+def crop_distortions(cfg) -> List[Distortion]:
+    """One :class:`Distortion` per crop of a step, in crop order (``sum(DATA.CROP_COUNTS)``)."""
     aug = cfg.DATA.AUG
-    return Distortion(tuple(aug.COLOR_JITTER), aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, aug.BLUR_PROB, tuple(aug.MEAN), tuple(aug.STD))
+    return [
+        Distortion(tuple(aug.COLOR_JITTER), aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, _entry(aug.BLUR_PROB, k), _entry(aug.SOLARIZE_PROB, k), tuple(aug.MEAN), tuple(aug.STD))
+        for k in range(sum(cfg.DATA.CROP_COUNTS))
+    ]
+
+
+def _entry(per_crop: Sequence[float], k: int) -> float:
+    """Crop ``k``'s value of a per-crop list whose last entry holds for the crops after it."""
+    return float(per_crop[min(k, len(per_crop) - 1)])
 
 
 def crop_box(h: int, w: int, scale: Sequence[float], g: torch.Generator, ratio=(3 / 4, 4 / 3)) -> Tuple[int, int, int, int]:
@@ -70,6 +83,8 @@ def augment(img: torch.Tensor, size: int, scale: Sequence[float], d: Distortion,
         kernel = max(3, int(0.1 * size) // 2 * 2 + 1)  # a tenth of the crop, odd
         sigma = _uniform(g, 0.1, 2.0)
         view = TF.gaussian_blur(view, [kernel, kernel], [sigma, sigma])
+    if _happens(g, d.solarize_p):
+        view = TF.solarize(view.clamp(0, 1), 0.5)
     return TF.normalize(view.clamp(0, 1), list(d.mean), list(d.std))
 
 

@@ -14,6 +14,7 @@ from fvcore.common.config import CfgNode as CN
 
 from ..recompute.select import condition_from_config
 from .backbones import check_backbone_name, fixed_resolution
+from .optim import OPTIMIZERS
 
 _C = CN()
 _C.OUTPUT_DIR = "output/run"
@@ -37,11 +38,17 @@ _C.MODEL.HEAD.HIDDEN_DIM = 512
 _C.MODEL.HEAD.OUTPUT_DIM = 128
 
 _C.METHOD = CN()
-_C.METHOD.NAME = "simclr"  # simclr | swav
-_C.METHOD.TEMPERATURE = 0.1
-_C.METHOD.NUM_PROTOTYPES = 64  # swav
+_C.METHOD.NAME = "simclr"  # simclr | swav | dino
+_C.METHOD.TEMPERATURE = 0.1  # dino: the student's
+_C.METHOD.NUM_PROTOTYPES = 64  # swav: prototypes; dino: outputs of the weight-normalised last layer (65536 in the paper)
 _C.METHOD.SINKHORN_ITERATIONS = 3  # swav
 _C.METHOD.SINKHORN_EPSILON = 0.05  # swav
+_C.METHOD.DINO = CN()  # see trunksplit/ssl/dino.py; the paper's values
+_C.METHOD.DINO.TEACHER_TEMPERATURE = 0.04
+_C.METHOD.DINO.WARMUP_TEACHER_TEMPERATURE = 0.04  # linear from this to TEACHER_TEMPERATURE ...
+_C.METHOD.DINO.TEACHER_TEMPERATURE_WARMUP_STEPS = 0  # ... over these steps
+_C.METHOD.DINO.TEACHER_MOMENTUM = 0.996  # EMA momentum at step 0; a cosine to 1 at the last step
+_C.METHOD.DINO.CENTER_MOMENTUM = 0.9
 
 _C.DATA = CN()
 _C.DATA.PATH = ""  # an ImageFolder root; empty: deterministic synthetic images
@@ -55,7 +62,9 @@ _C.DATA.AUG = CN()
 _C.DATA.AUG.COLOR_JITTER = [0.8, 0.8, 0.8, 0.2]  # brightness, contrast, saturation, hue
 _C.DATA.AUG.COLOR_JITTER_PROB = 0.8
 _C.DATA.AUG.GRAYSCALE_PROB = 0.2
-_C.DATA.AUG.BLUR_PROB = 0.5
+# one entry per crop in crop order, the last holding for the crops after it (DINO: [1.0, 0.1, 0.5])
+_C.DATA.AUG.BLUR_PROB = [0.5]
+_C.DATA.AUG.SOLARIZE_PROB = [0.0]  # DINO: [0.0, 0.2, 0.0]
 _C.DATA.AUG.MEAN = [0.485, 0.456, 0.406]  # ImageNet's
 _C.DATA.AUG.STD = [0.229, 0.224, 0.225]
 _C.DATA.NUM_WORKERS = -1  # DataLoader worker processes; -1: the machine's spare cores per process, at most 4
@@ -73,9 +82,14 @@ _C.TRAIN.DEVICE = ""  # "": cuda when available, else cpu
 _C.TRAIN.GRADIENTS = "allocated"
 
 _C.OPTIM = CN()
+_C.OPTIM.NAME = "sgd"  # sgd | lars | adamw, see trunksplit/ssl/optim.py
 _C.OPTIM.LR = 0.3
-_C.OPTIM.MOMENTUM = 0.9
+_C.OPTIM.MOMENTUM = 0.9  # sgd, lars
+_C.OPTIM.BETAS = [0.9, 0.999]  # adamw
+_C.OPTIM.LARS_TRUST_COEFFICIENT = 0.001  # lars (vissl's LARC trust_coefficient)
 _C.OPTIM.WEIGHT_DECAY = 1e-6
+_C.OPTIM.WEIGHT_DECAY_END = None  # None: constant; a value: cosine from WEIGHT_DECAY to it (DINO: 0.04 to 0.4)
+_C.OPTIM.EXCLUDE_BIAS_AND_NORM = False  # True: biases and norm weights get no weight decay and no LARS trust ratio
 _C.OPTIM.WARMUP_STEPS = 2
 
 _C.DISTRIBUTED = CN()
@@ -114,6 +128,8 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
             node = node[part]
         if isinstance(node, float) and re.fullmatch(r"[+-]?\d+", value.strip()):
             value = str(float(value))  # "MEMORY_BUDGET 0" means 0.0; yacs would refuse an int for a float key
+        if isinstance(node, list) and re.fullmatch(r"[+-]?[\d.]+(e[+-]?\d+)?", value.strip()):
+            value = f"[{value}]"  # "BLUR_PROB 0.5": one value for every crop
         plain += [key, value]
     try:
         cfg.merge_from_list(plain)
@@ -190,8 +206,10 @@ def _check(cfg: CN) -> None:
         raise ValueError(f"DATA.NUM_WORKERS must be >= 0, or -1 for the machine's spare cores; got {cfg.DATA.NUM_WORKERS}")
     if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
         raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
-    if cfg.METHOD.NAME not in ("simclr", "swav"):
-        raise ValueError(f"METHOD.NAME must be simclr or swav, got {cfg.METHOD.NAME!r}")
+    if cfg.METHOD.NAME not in ("simclr", "swav", "dino"):
+        raise ValueError(f"METHOD.NAME must be simclr, swav or dino, got {cfg.METHOD.NAME!r}")
+    if cfg.OPTIM.NAME not in OPTIMIZERS:
+        raise ValueError(f"OPTIM.NAME must be one of {', '.join(OPTIMIZERS)}, got {cfg.OPTIM.NAME!r}")
     if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
         raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
     _check_method_and_head(cfg)
@@ -210,6 +228,8 @@ def _check_strategy(cfg: CN) -> None:
         raise ValueError(f"DISTRIBUTED.STRATEGY must be ddp or fsdp, got {strategy!r}")
     if strategy == "fsdp" and cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION:
         raise ValueError("DISTRIBUTED.MANUAL_GRADIENT_REDUCTION is DDP-only (vissl's no_sync path); FSDP reduce-scatters its own gradients: set it False")
+    if strategy == "fsdp" and cfg.METHOD.NAME == "dino":
+        raise ValueError("METHOD.NAME dino runs under DISTRIBUTED.STRATEGY ddp: its EMA teacher is not sharded yet")
     if strategy == "fsdp" and cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
         raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
 
@@ -219,8 +239,11 @@ def _check_method_and_head(cfg: CN) -> None:
     aug = cfg.DATA.AUG
     if len(aug.COLOR_JITTER) != 4 or any(v < 0 for v in aug.COLOR_JITTER) or aug.COLOR_JITTER[3] > 0.5:
         raise ValueError(f"DATA.AUG.COLOR_JITTER is [brightness, contrast, saturation, hue], each >= 0 and hue <= 0.5; got {list(aug.COLOR_JITTER)}")
-    if not all(0 <= p <= 1 for p in (aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, aug.BLUR_PROB)):
-        raise ValueError("DATA.AUG.COLOR_JITTER_PROB, GRAYSCALE_PROB and BLUR_PROB are probabilities in [0, 1]")
+    if not all(0 <= p <= 1 for p in (aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB)):
+        raise ValueError("DATA.AUG.COLOR_JITTER_PROB and GRAYSCALE_PROB are probabilities in [0, 1]")
+    for key in ("BLUR_PROB", "SOLARIZE_PROB"):
+        if not aug[key] or not all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in aug[key]):
+            raise ValueError(f"DATA.AUG.{key} is a list of probabilities in [0, 1], one per crop (the last holds for the rest); got {aug[key]!r}")
     if len(aug.MEAN) != 3 or len(aug.STD) != 3 or not all(s > 0 for s in aug.STD):
         raise ValueError("DATA.AUG.MEAN and DATA.AUG.STD take one value per colour channel, STD above 0")
     for scale in cfg.DATA.CROP_SCALES:
@@ -234,6 +257,8 @@ def _check_method_and_head(cfg: CN) -> None:
         raise ValueError(f"METHOD.TEMPERATURE must be a positive number (0.1 is usual), got {cfg.METHOD.TEMPERATURE}")
     if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0:
         raise ValueError(f"OPTIM.LR must be >= 0 and OPTIM.WARMUP_STEPS >= 0, got {cfg.OPTIM.LR} and {cfg.OPTIM.WARMUP_STEPS}")
+    if cfg.OPTIM.WEIGHT_DECAY < 0 or (cfg.OPTIM.WEIGHT_DECAY_END is not None and not cfg.OPTIM.WEIGHT_DECAY_END >= 0):
+        raise ValueError(f"OPTIM.WEIGHT_DECAY and WEIGHT_DECAY_END must be >= 0 (WEIGHT_DECAY_END None: constant), got {cfg.OPTIM.WEIGHT_DECAY} and {cfg.OPTIM.WEIGHT_DECAY_END}")
     if cfg.METHOD.NAME == "swav":
         if cfg.METHOD.NUM_PROTOTYPES < 1:
             raise ValueError(f"METHOD.NUM_PROTOTYPES must be >= 1 for SwAV, got {cfg.METHOD.NUM_PROTOTYPES}")
@@ -241,6 +266,20 @@ def _check_method_and_head(cfg: CN) -> None:
             raise ValueError(f"SwAV predicts one crop's code from another: DATA.CROP_COUNTS {list(cfg.DATA.CROP_COUNTS)} gives {sum(cfg.DATA.CROP_COUNTS)} crop")
         if cfg.METHOD.SINKHORN_ITERATIONS < 1 or not cfg.METHOD.SINKHORN_EPSILON > 0:
             raise ValueError("METHOD.SINKHORN_ITERATIONS must be >= 1 and METHOD.SINKHORN_EPSILON > 0")
+    if cfg.METHOD.NAME == "dino":
+        _check_dino(cfg)
+
+
+def _check_dino(cfg: CN) -> None:
+    d = cfg.METHOD.DINO
+    if sum(cfg.DATA.CROP_COUNTS) < 2:
+        raise ValueError(f"DINO predicts each global crop's teacher output from the other crops: DATA.CROP_COUNTS {list(cfg.DATA.CROP_COUNTS)} gives one crop")
+    if not (d.TEACHER_TEMPERATURE > 0 and d.WARMUP_TEACHER_TEMPERATURE > 0) or d.TEACHER_TEMPERATURE_WARMUP_STEPS < 0:
+        raise ValueError("METHOD.DINO.TEACHER_TEMPERATURE and WARMUP_TEACHER_TEMPERATURE must be > 0 (0.04 is DINO's), TEACHER_TEMPERATURE_WARMUP_STEPS >= 0")
+    if not (0 <= d.TEACHER_MOMENTUM <= 1 and 0 <= d.CENTER_MOMENTUM <= 1):
+        raise ValueError(f"METHOD.DINO.TEACHER_MOMENTUM and CENTER_MOMENTUM are in [0, 1] (DINO: 0.996 and 0.9), got {d.TEACHER_MOMENTUM} and {d.CENTER_MOMENTUM}")
+    if cfg.METHOD.NUM_PROTOTYPES < 1:
+        raise ValueError(f"METHOD.NUM_PROTOTYPES (DINO's output dimension) must be >= 1, got {cfg.METHOD.NUM_PROTOTYPES}")
 
 
 def budget_bytes(value: float):

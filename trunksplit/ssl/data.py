@@ -4,14 +4,16 @@ Every batch is a pure function of (seed, step, rank): which images, which crops,
 which flips. That is what makes a resumed run equal an uninterrupted one, and
 what shards the data across ranks without a sampler's state.
 """
+import functools
 import os
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
 import torchvision
+from torchvision.transforms.v2 import functional as TF
 
-from .augment import Distortion, augment, distortion
+from .augment import Distortion, augment, crop_distortions
 
 
 class SyntheticImages(torch.utils.data.Dataset):
@@ -34,15 +36,24 @@ def image_dataset(cfg) -> torch.utils.data.Dataset:
         return SyntheticImages(cfg.DATA.NUM_IMAGES, cfg.DATA.IMAGE_SIZE, cfg.SEED)
     if not os.path.isdir(cfg.DATA.PATH):
         raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} is not a directory; give an ImageFolder root (class folders of images) or leave it empty for synthetic data")
-    size = cfg.DATA.IMAGE_SIZE
-    transform = torchvision.transforms.Compose(
-        [torchvision.transforms.Resize(size), torchvision.transforms.CenterCrop(size), torchvision.transforms.ToTensor()]
-    )
     try:
-        folder = torchvision.datasets.ImageFolder(cfg.DATA.PATH, transform=transform)
+        folder = torchvision.datasets.ImageFolder(cfg.DATA.PATH, loader=functools.partial(read_image, size=cfg.DATA.IMAGE_SIZE))
     except FileNotFoundError as e:  # no class folders, or class folders without images
         raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} holds no images in ImageFolder layout (root/class_name/image.jpg): {e}") from None
     return _ImagesOnly(folder)
+
+
+def read_image(path: str, size: int) -> torch.Tensor:
+    """``path`` as a ``[3, size, size]`` float tensor in [0, 1]: decoded, shorter side resized to
+    ``size``, centre-cropped. JPEG, PNG, GIF and WebP are decoded by ``torchvision.io.decode_image``
+    (libjpeg-turbo and libpng, in the loader's worker, no PIL image in between); other formats
+    ImageFolder lists (BMP, TIFF, ...) go through PIL. A file neither can read raises."""
+    try:
+        image = torchvision.io.decode_image(path, mode=torchvision.io.ImageReadMode.RGB)
+    except RuntimeError:  # a format decode_image does not know, or a corrupt file: PIL decides which
+        image = TF.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
+    image = TF.center_crop(TF.resize(image, size, antialias=True), [size, size])
+    return TF.to_dtype(image, torch.float32, scale=True)
 
 
 class _ImagesOnly(torch.utils.data.Dataset):
@@ -83,13 +94,14 @@ def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: in
     return indices
 
 
-def views(images: torch.Tensor, sizes, counts, scales, d: Distortion, g: torch.Generator) -> List[torch.Tensor]:
+def views(images: torch.Tensor, sizes, counts, scales, distortions: Sequence[Distortion], g: torch.Generator) -> List[torch.Tensor]:
     """Multi-crop: for each resolution, ``count`` augmented views of every image (see
-    :func:`trunksplit.ssl.augment.augment`), every random choice drawn from ``g``.
+    :func:`trunksplit.ssl.augment.augment`), crop ``k`` distorted as ``distortions[k]`` says,
+    every random choice drawn from ``g``.
 
     Returns one tensor per crop, ``[B, 3, size, size]``, grouped by resolution."""
-    return [torch.stack([augment(img, size, scale, d, g) for img in images])
-            for size, count, scale in zip(sizes, counts, scales) for _ in range(count)]
+    crops = [(size, scale) for size, count, scale in zip(sizes, counts, scales) for _ in range(count)]
+    return [torch.stack([augment(img, size, scale, d, g) for img in images]) for (size, scale), d in zip(crops, distortions)]
 
 
 def step_views(dataset, cfg, step: int, rank: int, world: int) -> List[torch.Tensor]:
@@ -117,7 +129,7 @@ class StepViews(torch.utils.data.Dataset):
         images = torch.stack([self.dataset[i] for i in idx])
         skipped = [self.dataset.name(i) for i in idx if i in getattr(self.dataset, "unreadable", ())]
         g = torch.Generator().manual_seed(cfg.SEED * 1_000_003 + step * 1009 + self.rank)
-        return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, distortion(cfg), g), skipped
+        return views(images, cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS, cfg.DATA.CROP_SCALES, crop_distortions(cfg), g), skipped
 
 
 def step_loader(dataset, cfg, rank: int, world: int, start: int, pin_memory: bool) -> torch.utils.data.DataLoader:

@@ -7,7 +7,6 @@ live beside it.
 import contextlib
 import copy
 import json
-import math
 import os
 import time
 import warnings
@@ -19,21 +18,13 @@ from tqdm import tqdm
 
 from ..distributed.ddp import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
 from ..planning.memory import PeakMemory
-from ..recompute.wrapper import unwrap_checkpoint
-from ..trunk import CheckpointedTrunk
 from .data import image_dataset, step_loader, step_views
+from .dino import add_teacher, dino_step_loss, teacher_momentum, update_teacher
 from .losses import nt_xent, swav_loss
-from .model import SSLModel, build_model, with_fitted_batch
+from .model import SSLModel, build_model, plain_copy, with_fitted_batch
+from .optim import build_optimizer, set_schedules
 from .parallel import broadcast_buffers, end_with_rank0_buffers, setup_distributed, wrap_for_processes
 from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, save_atomically, save_sharded, start_run_dir
-
-
-def learning_rate(cfg, step: int) -> float:
-    """Linear warmup, then cosine decay to zero over TRAIN.STEPS."""
-    base, warmup, total = cfg.OPTIM.LR, cfg.OPTIM.WARMUP_STEPS, cfg.TRAIN.STEPS
-    if step < warmup:
-        return base * (step + 1) / warmup
-    return 0.5 * base * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
 def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
@@ -45,8 +36,10 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     torch.manual_seed(cfg.SEED)
     model = build_model(cfg).to(device)
+    if cfg.METHOD.NAME == "dino":
+        add_teacher(model)
     wrapped = wrap_for_processes(cfg, model, world)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.OPTIM.LR, momentum=cfg.OPTIM.MOMENTUM, weight_decay=cfg.OPTIM.WEIGHT_DECAY)
+    optimizer = build_optimizer(cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
     start, rows = resume_from(cfg, model, optimizer, scaler, rank, world) if resume else (0, [])
     autocast = _autocast(cfg, device)
@@ -59,15 +52,16 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
     last, skipped = None, {}  # unreadable file -> times it was skipped
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step)
+        set_schedules(cfg, optimizer, step)
         crops, data = _next_step_views(batches, device, skipped)
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
         start_time = time.perf_counter()
         with PeakMemory(device) if logging else contextlib.nullcontext() as mem:
-            loss = _forward_backward(cfg, wrapped, model, crops, cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION, autocast, scaler)
+            loss = _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler)
         _stop_unless_finite(cfg, loss, step, world, scaler)
         _optimizer_step(optimizer, scaler, kept, device)
+        if model.teacher is not None:
+            update_teacher(model, teacher_momentum(cfg, step))
         seconds = time.perf_counter() - start_time
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
@@ -181,33 +175,35 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool) -> Optional
 
 
 def _copy_for_comparison(model, plain: bool, kept_gradients: bool):
-    m = copy.deepcopy(model)
-    if plain:
-        for sub in m.modules():
-            unwrap_checkpoint(sub)
-        m.trunk = CheckpointedTrunk(m.trunk._blocks(), m.trunk.out_feat_keys)
+    m = plain_copy(model) if plain else copy.deepcopy(model)
+    m.teacher = None  # the step compared is the student's
     for p in m.parameters():  # deepcopy drops .grad: put them back where the loop keeps them
-        p.grad = torch.zeros_like(p) if kept_gradients else None
+        p.grad = torch.zeros_like(p) if kept_gradients and p.requires_grad else None
     return m
 
 
-def _forward_backward(cfg, wrapped, model, crops, manual_flag, autocast, scaler):
+def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler):
     """One step's loss and gradients, on the DDP path the config picks."""
-    manual = manual_gradient_reduction(wrapped, manual_flag)
+    manual = manual_gradient_reduction(wrapped, cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION)
     with wrapped.no_sync() if manual else contextlib.nullcontext():
         if manual:
             manual_sync_params(wrapped)
         model.normalize_prototypes()
         with autocast:
-            outputs = wrapped(crops)
-            if cfg.METHOD.NAME == "simclr":
-                loss = nt_xent(outputs[0], outputs[1], cfg.METHOD.TEMPERATURE)
-            else:
-                loss = swav_loss(outputs, cfg.DATA.CROP_COUNTS[0], cfg.METHOD.TEMPERATURE, cfg.METHOD.SINKHORN_ITERATIONS, cfg.METHOD.SINKHORN_EPSILON)
+            loss = _loss(cfg, model, wrapped(crops), crops, step)
         scaler.scale(loss).backward()
     if manual:
         manual_gradient_all_reduce(wrapped)
     return loss.detach()
+
+
+def _loss(cfg, model, outputs, crops, step: int) -> torch.Tensor:
+    m = cfg.METHOD
+    if m.NAME == "simclr":
+        return nt_xent(outputs[0], outputs[1], m.TEMPERATURE)
+    if m.NAME == "swav":
+        return swav_loss(outputs, cfg.DATA.CROP_COUNTS[0], m.TEMPERATURE, m.SINKHORN_ITERATIONS, m.SINKHORN_EPSILON)
+    return dino_step_loss(cfg, model, outputs, crops[: cfg.DATA.CROP_COUNTS[0]], step)
 
 
 def _stop_unless_finite(cfg, loss: torch.Tensor, step: int, world: int, scaler) -> None:

@@ -1,4 +1,4 @@
-"""SimCLR's NT-Xent and SwAV's swapped prediction, both across ranks."""
+"""SimCLR's NT-Xent, SwAV's swapped prediction (both across ranks) and DINO's distillation loss."""
 from typing import List
 
 import torch
@@ -75,5 +75,21 @@ def swav_loss(scores: List[torch.Tensor], num_large: int, temperature: float, it
         for j, s in enumerate(scores):
             if j != i:
                 total = total - (q * F.log_softmax(s.float() / temperature, dim=1)).sum(dim=1).mean()
+                terms += 1
+    return total / terms
+
+
+def dino_loss(student_out: List[torch.Tensor], teacher_out: List[torch.Tensor], center: torch.Tensor, student_temperature: float, teacher_temperature: float) -> torch.Tensor:
+    """DINO's loss: for each global crop, the cross-entropy between the teacher's centred and
+    sharpened distribution (``softmax((t - center) / teacher_temperature)``, no gradient) and
+    the student's (``log_softmax(s / student_temperature)``) on every other crop, averaged over
+    those pairs. ``teacher_out`` holds the global crops, which lead ``student_out``."""
+    targets = [F.softmax((t.detach().float() - center) / teacher_temperature, dim=-1) for t in teacher_out]
+    log_probs = [F.log_softmax(s.float() / student_temperature, dim=-1) for s in student_out]
+    total, terms = 0.0, 0
+    for i, q in enumerate(targets):
+        for j, log_p in enumerate(log_probs):
+            if j != i:
+                total = total - (q * log_p).sum(dim=-1).mean()
                 terms += 1
     return total / terms

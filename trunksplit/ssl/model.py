@@ -1,6 +1,7 @@
-"""An SSL model: a checkpointed torchvision trunk, a projection head, SwAV's prototypes; and the
-batch per rank that fits a memory limit."""
-from typing import List, Tuple
+"""An SSL model: a checkpointed torchvision trunk, a projection head (SimCLR's, or DINO's with its
+weight-normalised last layer), SwAV's prototypes; and the batch per rank that fits a memory limit."""
+import copy
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -8,6 +9,7 @@ from torch import nn
 
 from ..fit import fit
 from ..recompute.select import condition_from_config, wrap_selected
+from ..recompute.wrapper import unwrap_checkpoint
 from ..trunk import CheckpointedTrunk
 from .backbones import build_backbone
 from .config import budget_bytes
@@ -35,14 +37,44 @@ def build_trunk(cfg) -> CheckpointedTrunk:
     )
 
 
-class SSLModel(nn.Module):
-    """Runs the trunk once per crop resolution (crops of one size are batched), then the head."""
+class DINOHead(nn.Module):
+    """DINO's projection head: a 3-layer MLP with GELU (``hidden_dim`` wide, ending at
+    ``bottleneck_dim``), L2-normalised, then a linear layer to ``out_dim`` whose weight rows are
+    normalised: DINO's ``weight_norm`` last layer with its gain frozen at 1 (``norm_last_layer``)."""
 
-    def __init__(self, trunk: CheckpointedTrunk, feature_dim: int, hidden_dim: int, output_dim: int, num_prototypes: int = 0):
+    def __init__(self, in_dim: int, hidden_dim: int, bottleneck_dim: int, out_dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, bottleneck_dim))
+        for m in self.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+        self.last_layer = nn.Parameter(torch.empty(out_dim, bottleneck_dim))
+        nn.init.kaiming_uniform_(self.last_layer, a=5**0.5)  # nn.Linear's initialisation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.normalize(self.mlp(x), dim=-1), F.normalize(self.last_layer, dim=1))
+
+
+def projection_head(feature_dim: int, hidden_dim: int, output_dim: int) -> nn.Module:
+    """SimCLR's (and SwAV's) projection head: Linear, BatchNorm, ReLU, Linear."""
+    return nn.Sequential(nn.Linear(feature_dim, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, output_dim))
+
+
+class SSLModel(nn.Module):
+    """Runs the trunk once per crop resolution (crops of one size are batched), then the head.
+
+    For DINO it also holds the EMA teacher (``teacher``, never checkpointed, no gradients) and the
+    centre of the teacher's outputs (the ``center`` buffer); see :mod:`trunksplit.ssl.dino`."""
+
+    teacher: Optional["SSLModel"]
+
+    def __init__(self, trunk: CheckpointedTrunk, head: nn.Module, num_prototypes: int = 0):
         super().__init__()
         self.trunk = trunk
-        self.head = nn.Sequential(nn.Linear(feature_dim, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, output_dim))
-        self.prototypes = nn.Linear(output_dim, num_prototypes, bias=False) if num_prototypes else None
+        self.head = head
+        self.prototypes = nn.Linear(head[-1].out_features, num_prototypes, bias=False) if num_prototypes else None
+        self.teacher = None
 
     def forward(self, crops: List[torch.Tensor]) -> List[torch.Tensor]:
         """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop."""
@@ -81,6 +113,7 @@ def _same_size_runs(crops: List[torch.Tensor]):
 
 
 def build_model(cfg) -> SSLModel:
+    """The student the config asks for (a DINO teacher is added by :func:`trunksplit.ssl.dino.add_teacher`)."""
     trunk = build_trunk(cfg)
     trunk_was_training = trunk.training
     with torch.no_grad():
@@ -88,16 +121,32 @@ def build_model(cfg) -> SSLModel:
         size = cfg.DATA.CROP_SIZES[0]
         feature = trunk(torch.zeros(1, 3, size, size))[-1]
         trunk.train(trunk_was_training)
-    dim = feature.shape[1]
+    dim, h = feature.shape[1], cfg.MODEL.HEAD
+    if cfg.METHOD.NAME == "dino":
+        return SSLModel(trunk, DINOHead(dim, h.HIDDEN_DIM, h.OUTPUT_DIM, cfg.METHOD.NUM_PROTOTYPES))
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
-    return SSLModel(trunk, dim, cfg.MODEL.HEAD.HIDDEN_DIM, cfg.MODEL.HEAD.OUTPUT_DIM, prototypes)
+    return SSLModel(trunk, projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM), prototypes)
+
+
+def plain_copy(model: SSLModel) -> SSLModel:
+    """A deep copy of ``model`` that checkpoints nothing: the trunk one unsplit segment, selective
+    wrappers removed. Same parameter names and values (a DINO teacher's is not copied)."""
+    teacher, model.teacher = model.teacher, None
+    try:
+        m = copy.deepcopy(model)
+    finally:
+        model.teacher = teacher
+    for sub in m.modules():
+        unwrap_checkpoint(sub)
+    m.trunk = CheckpointedTrunk(m.trunk._blocks(), m.trunk.out_feat_keys)
+    return m
 
 
 def fit_config_batch(cfg, device: torch.device) -> Tuple[int, int]:
     """For the launcher's ``TRAIN.BATCH_SIZE_PER_RANK: 0``: (images per rank, memory budget in bytes)."""
     size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
     model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
-    found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer="sgd", out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
+    found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer=cfg.OPTIM.NAME, out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
                 num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=cfg.TRAIN.GRADIENTS,
                 use_reentrant=cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT, verify=False)
     if found.batch_size < views:

@@ -1,0 +1,78 @@
+"""The recipes' optimizers and schedules: SGD, LARS (SimCLR and SwAV at large batch), AdamW with
+a weight-decay schedule (DINO), and the parameter groups that leave biases and norms alone.
+
+``OPTIM.NAME`` picks the optimizer. ``OPTIM.EXCLUDE_BIAS_AND_NORM`` puts biases and every
+one-dimensional parameter (BatchNorm, LayerNorm and GroupNorm weights) in a group with no weight
+decay and, for LARS, no trust ratio: what vissl's ``exclude_bias_and_norm`` and DINO's
+``get_params_groups`` do. The learning rate warms up linearly and then follows a cosine to zero;
+the weight decay follows a cosine from ``OPTIM.WEIGHT_DECAY`` to ``OPTIM.WEIGHT_DECAY_END``.
+"""
+import math
+from typing import Iterable, List
+
+import torch
+from torch import nn
+
+from ..lars import LARS
+
+OPTIMIZERS = ("sgd", "lars", "adamw")
+
+
+def is_bias_or_norm(name: str, p: torch.Tensor) -> bool:
+    """A bias, or a one-dimensional parameter (the weights of BatchNorm, LayerNorm, GroupNorm)."""
+    return name.endswith(".bias") or p.dim() <= 1
+
+
+def parameter_groups(model: nn.Module, exclude_bias_and_norm: bool) -> List[dict]:
+    """The trainable parameters in groups: ``{"params", "weight_decay_scheduled", "lars"}``; with
+    ``exclude_bias_and_norm`` the biases and norms form a second group with neither."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not exclude_bias_and_norm:
+        return [{"params": [p for _, p in named], "weight_decay_scheduled": True, "lars": True}]
+    plain = [p for n, p in named if not is_bias_or_norm(n, p)]
+    excluded = [p for n, p in named if is_bias_or_norm(n, p)]
+    return [
+        {"params": plain, "weight_decay_scheduled": True, "lars": True},
+        {"params": excluded, "weight_decay_scheduled": False, "lars": False, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+    """``OPTIM.NAME`` over the model's trainable parameters (a DINO teacher has none)."""
+    o = cfg.OPTIM
+    groups = parameter_groups(model, o.EXCLUDE_BIAS_AND_NORM)
+    if o.NAME == "sgd":
+        return torch.optim.SGD(_without_lars(groups), lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY)
+    if o.NAME == "lars":
+        return LARS(groups, lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY, trust_coefficient=o.LARS_TRUST_COEFFICIENT)
+    return torch.optim.AdamW(_without_lars(groups), lr=o.LR, betas=tuple(o.BETAS), weight_decay=o.WEIGHT_DECAY)
+
+
+def _without_lars(groups: Iterable[dict]) -> List[dict]:
+    return [{k: v for k, v in g.items() if k != "lars"} for g in groups]
+
+
+def learning_rate(cfg, step: int) -> float:
+    """Linear warmup over ``OPTIM.WARMUP_STEPS``, then cosine decay to zero over TRAIN.STEPS."""
+    base, warmup, total = cfg.OPTIM.LR, cfg.OPTIM.WARMUP_STEPS, cfg.TRAIN.STEPS
+    if step < warmup:
+        return base * (step + 1) / warmup
+    return 0.5 * base * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+def weight_decay(cfg, step: int) -> float:
+    """Cosine from ``OPTIM.WEIGHT_DECAY`` at step 0 to ``OPTIM.WEIGHT_DECAY_END`` at the last step
+    (DINO: 0.04 to 0.4); constant where the end is None (the default)."""
+    start, end = cfg.OPTIM.WEIGHT_DECAY, cfg.OPTIM.WEIGHT_DECAY_END
+    if end is None:
+        return start
+    return end + 0.5 * (start - end) * (1 + math.cos(math.pi * step / max(1, cfg.TRAIN.STEPS - 1)))
+
+
+def set_schedules(cfg, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """This step's learning rate, and weight decay on the groups that take it."""
+    lr, wd = learning_rate(cfg, step), weight_decay(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        if group["weight_decay_scheduled"]:
+            group["weight_decay"] = wd
