@@ -19,7 +19,7 @@ def _within_binomial(hits: int, n: int, p: float) -> bool:
 
 def test_crop_areas_stay_within_the_scale_and_aspect_ratios_within_three_to_four():
     g = torch.Generator().manual_seed(0)
-    for scale in ([0.08, 1.0], [0.14, 1.0], [0.05, 0.14]):
+    for scale in ([0.08, 1.0], [0.14, 1.0], [0.05, 0.14], [0.4, 1.0], [0.05, 0.4]):
         shares, ratios = [], []
         for _ in range(DRAWS):
             top, left, h, w = crop_box(96, 128, scale, g)
@@ -65,3 +65,38 @@ def test_views_are_normalised_tensors_of_the_configured_size_and_reproducible():
 def test_bad_augmentation_values_are_refused(key, value):
     with pytest.raises(ValueError, match=key.split(".")[-1]):
         load_config(QUICK, [key, value])
+
+
+def _recipe(name):
+    return load_config(os.path.join(os.path.dirname(QUICK), "recipes", f"{name}.yaml"), [])
+
+
+def test_recipe_configs_hold_the_published_parameters():
+    simclr, swav, dino = _recipe("simclr"), _recipe("swav"), _recipe("dino")
+    assert (simclr.DATA.CROP_SIZES, simclr.DATA.CROP_COUNTS, simclr.DATA.CROP_SCALES) == ([224], [2], [[0.08, 1.0]])
+    assert (swav.DATA.CROP_SIZES, swav.DATA.CROP_COUNTS, swav.DATA.CROP_SCALES) == ([224, 96], [2, 6], [[0.14, 1.0], [0.05, 0.14]])
+    assert (dino.DATA.CROP_SIZES, dino.DATA.CROP_SCALES) == ([224, 96], [[0.4, 1.0], [0.05, 0.4]]) and dino.DATA.CROP_COUNTS[0] == 2
+    for cfg in (simclr, swav):
+        assert (cfg.DATA.AUG.COLOR_JITTER, cfg.DATA.AUG.COLOR_JITTER_PROB, cfg.DATA.AUG.GRAYSCALE_PROB) == ([0.8, 0.8, 0.8, 0.2], 0.8, 0.2)
+        assert cfg.OPTIM.NAME == "lars" and cfg.OPTIM.EXCLUDE_BIAS_AND_NORM
+    assert (dino.DATA.AUG.COLOR_JITTER, dino.DATA.AUG.BLUR_PROB, dino.DATA.AUG.SOLARIZE_PROB) == ([0.4, 0.4, 0.2, 0.1], [1.0, 0.1, 0.5], [0.0, 0.2, 0.0])
+    assert (dino.OPTIM.NAME, dino.OPTIM.WEIGHT_DECAY, dino.OPTIM.WEIGHT_DECAY_END) == ("adamw", 0.04, 0.4)
+
+
+def test_dino_crops_blur_and_solarise_at_their_own_rates(monkeypatch):
+    cfg = load_config(os.path.join(os.path.dirname(QUICK), "recipes", "dino.yaml"), ["DATA.CROP_SIZES", "[16, 8]", "DATA.CROP_COUNTS", "[2, 3]"])
+    ds = crop_distortions(cfg)
+    assert [(d.blur_p, d.solarize_p) for d in ds] == [(1.0, 0.0), (0.1, 0.2), (0.5, 0.0), (0.5, 0.0), (0.5, 0.0)]
+    calls = []
+    for op in ("gaussian_blur", "solarize"):
+        real = getattr(TF, op)
+        monkeypatch.setattr(TF, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    img = torch.rand(3, 24, 24, generator=g)
+    n = 400
+    for k in (0, 1, 2):
+        calls.clear()
+        views = [augment(img, 16, [0.4, 1.0], ds[k], g) for _ in range(n)]
+        blurs, solarised = calls.count("gaussian_blur"), calls.count("solarize")
+        assert _within_binomial(blurs, n, ds[k].blur_p) and _within_binomial(solarised, n, ds[k].solarize_p), (k, blurs, solarised)
+        assert all(v.shape == (3, 16, 16) for v in views)

@@ -1,0 +1,123 @@
+"""DINO: the loss, the centre and the EMA teacher against hand-written references, and the loop's DINO step."""
+import math
+import os
+
+import pytest
+import torch
+
+from trunksplit.ssl.config import load_config
+from trunksplit.ssl.dino import teacher_momentum, teacher_temperature, update_center
+from trunksplit.ssl.losses import dino_loss
+from trunksplit.ssl.loop import train
+from trunksplit.ssl.model import DINOHead, SSLModel, build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+DINO = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.TRUNK.NAME", "resnet18", "MODEL.HEAD.HIDDEN_DIM", "32", "MODEL.HEAD.OUTPUT_DIM", "16",
+        "DATA.IMAGE_SIZE", "40", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]",
+        "TRAIN.BATCH_SIZE_PER_RANK", "4", "DATA.NUM_WORKERS", "0", "OPTIM.NAME", "adamw", "OPTIM.LR", "0.001"]
+
+
+def _reference_loss(student, teacher, center, student_temperature, teacher_temperature):
+    """DINO's loss written out element by element in float64: softmax, log-softmax, pairs, means."""
+    total, terms = 0.0, 0
+    for i, t in enumerate(teacher):
+        for j, s in enumerate(student):
+            if i == j:
+                continue
+            crop = 0.0
+            for b in range(t.shape[0]):
+                e = [math.exp((float(t[b, k]) - float(center[0, k])) / teacher_temperature) for k in range(t.shape[1])]
+                q = [v / sum(e) for v in e]
+                logits = [float(s[b, k]) / student_temperature for k in range(s.shape[1])]
+                top = max(logits)
+                log_z = top + math.log(sum(math.exp(v - top) for v in logits))
+                crop += -sum(q[k] * (logits[k] - log_z) for k in range(len(q)))
+            total += crop / t.shape[0]
+            terms += 1
+    return total / terms
+
+
+def test_loss_equals_a_hand_written_reference_with_centring_and_both_temperatures():
+    g = torch.Generator().manual_seed(0)
+    student = [torch.randn(3, 5, generator=g) for _ in range(4)]  # 2 global crops lead, then 2 local
+    teacher = [torch.randn(3, 5, generator=g) for _ in range(2)]
+    center = torch.randn(1, 5, generator=g)
+    got = dino_loss(student, teacher, center, 0.1, 0.04)
+    assert math.isclose(float(got), _reference_loss(student, teacher, center, 0.1, 0.04), rel_tol=1e-5)
+    # the teacher gives targets only: gradients reach the student alone
+    student = [s.requires_grad_() for s in student]
+    teacher = [t.requires_grad_() for t in teacher]
+    dino_loss(student, teacher, center, 0.1, 0.04).backward()
+    assert all(s.grad is not None for s in student) and all(t.grad is None for t in teacher)
+
+
+def test_centre_moves_towards_the_mean_of_every_teacher_output():
+    center = torch.tensor([[1.0, -2.0, 0.5]])
+    outs = [torch.tensor([[0.0, 1.0, 2.0], [2.0, 3.0, 4.0]]), torch.tensor([[4.0, 5.0, 0.0], [6.0, 7.0, 2.0]])]
+    update_center(center, outs, 0.9)
+    mean = [3.0, 4.0, 2.0]  # by hand
+    assert torch.allclose(center, torch.tensor([[0.9 * 1.0 + 0.1 * mean[0], 0.9 * -2.0 + 0.1 * mean[1], 0.9 * 0.5 + 0.1 * mean[2]]]))
+
+
+def test_schedules_match_dinos_formulas():
+    cfg = load_config(QUICK, ["TRAIN.STEPS", "11", "METHOD.DINO.WARMUP_TEACHER_TEMPERATURE", "0.04", "METHOD.DINO.TEACHER_TEMPERATURE", "0.07",
+                              "METHOD.DINO.TEACHER_TEMPERATURE_WARMUP_STEPS", "4"])
+    assert [round(teacher_temperature(cfg, s), 6) for s in (0, 2, 4, 10)] == [0.04, 0.055, 0.07, 0.07]
+    # momentum: 0.996 at the first step, 1 at the last, halfway between at the middle (cosine)
+    assert [round(teacher_momentum(cfg, s), 9) for s in (0, 5, 10)] == [0.996, 0.998, 1.0]
+
+
+def test_head_last_layer_is_weight_normalised_with_its_gain_fixed_at_one():
+    head = DINOHead(8, 16, 4, 6)
+    x = torch.randn(5, 8)
+    before = head(x)
+    with torch.no_grad():
+        head.last_layer.mul_(torch.tensor([[3.0], [0.5], [2.0], [1.0], [7.0], [0.1]]))  # rescale rows: weight_norm's v
+    assert torch.allclose(head(x), before, atol=1e-6)
+    assert before.abs().max() <= 1 + 1e-6  # unit rows times a unit bottleneck: cosines
+
+
+def _fresh_student(cfg):
+    torch.manual_seed(cfg.SEED)
+    return build_model(cfg).state_dict()
+
+
+def test_a_step_moves_the_teacher_by_ema_of_the_student_and_shows_it_the_global_crops_only(tmp_path, monkeypatch):
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), "TRAIN.STEPS", "1", *DINO, "METHOD.DINO.TEACHER_MOMENTUM", "0.9"])
+    initial = _fresh_student(cfg)
+    seen = []
+    real_forward = SSLModel.forward
+
+    def recording(self, crops):
+        if self.teacher is None and not torch.is_grad_enabled():  # the teacher: no teacher of its own, no gradients
+            seen.append([tuple(c.shape) for c in crops])
+        return real_forward(self, crops)
+
+    monkeypatch.setattr(SSLModel, "forward", recording)
+    model, last = train(cfg)
+    assert math.isfinite(last["loss"])
+    assert seen and all(shapes == [(4, 3, 32, 32)] * 2 for shapes in seen)  # the two global crops, never the local ones
+    teacher = model.teacher
+    assert len(teacher.trunk.plan.segments) == 1 and not teacher.trunk.plan.regions  # never checkpointed
+    assert len(model.trunk.plan.segments) > 1
+    assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
+    # the teacher started as the student and moved by the EMA after the step, momentum 0.9 at step 0
+    m = teacher_momentum(cfg, 0)
+    assert m == 0.9
+    student = dict(model.named_parameters())
+    assert all(not torch.equal(initial[n], p) for n, p in student.items() if not n.startswith("teacher.")), "the student moved"
+    for name, t in teacher.named_parameters():
+        assert torch.allclose(t, m * initial[name] + (1 - m) * student[name], rtol=0, atol=1e-6), name
+    assert model.center.abs().sum() > 0
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["DISTRIBUTED.STRATEGY", "fsdp"], "EMA teacher is not sharded"),
+    (["DATA.CROP_SIZES", "[32]", "DATA.CROP_COUNTS", "[1]", "DATA.CROP_SCALES", "[[0.4, 1.0]]"], "gives one crop"),
+    (["METHOD.DINO.TEACHER_TEMPERATURE", "0.0"], "TEACHER_TEMPERATURE"),
+    (["METHOD.DINO.TEACHER_MOMENTUM", "1.5"], "TEACHER_MOMENTUM"),
+])
+def test_bad_dino_settings_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(QUICK, [*DINO, *overrides])
