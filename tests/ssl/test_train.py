@@ -81,8 +81,14 @@ def _interrupt_at_step_3(cfg, monkeypatch):
     monkeypatch.setattr(loop, "set_schedules", real)
 
 
-def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL]
+DINO_SMALL = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]",
+              "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.NAME", "adamw", "OPTIM.LR", "0.001", "OPTIM.WEIGHT_DECAY_END", "0.4"]
+
+
+@pytest.mark.parametrize("method", ["simclr", "dino"])
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch, method):
+    # DINO: the EMA teacher, the centre and AdamW's state resume too
+    overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL, *(DINO_SMALL if method == "dino" else [])]
     straight, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
 
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
@@ -90,6 +96,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monk
     assert torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["step"] == 2
     resumed, last = train(cfg, resume=True)
 
+    assert method != "dino" or {"center", "teacher.head.last_layer"} <= set(straight.state_dict())
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
