@@ -90,3 +90,16 @@ def test_plan_takes_every_family(arch, shape, capsys):
     assert main(["plan", "--arch", arch, "--splits", "3", "--strategy", "balanced", "--input", shape]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SplitPlan (balanced, 3 segments") and "of unsplit" in out
+
+
+def test_bench_data_measures_each_recipe_on_synthetic_images_and_on_jpeg_files(tmp_path, capsys):
+    assert main(["bench-data", "--recipes", "simclr", "dino", "--workers", "0", "1", "--steps", "1", "--batch", "2", "--jpegs", "4"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "recipe" not in line]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert [(c[0], c[1]) for c in cells] == [("synthetic", "simclr"), ("synthetic", "dino"), ("jpeg folder", "simclr"), ("jpeg folder", "dino")]
+    assert all(float(v) > 0 for c in cells for v in c[2:]) and all(len(c) == 4 for c in cells)
+
+
+def test_bench_data_names_the_recipes_it_has(capsys):
+    assert main(["bench-data", "--recipes", "moco", "--workers", "0", "--steps", "1", "--batch", "2", "--jpegs", "2"]) == 2
+    assert "no recipe 'moco'" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.data import image_dataset, step_loader
+from trunksplit.ssl.data import image_dataset, read_image, step_loader
 from trunksplit.ssl.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +43,7 @@ def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpeg
     assert len(reference) == 6 and all(len(views) == 2 and views[0].shape == (4, 3, 32, 32) for views, _ in reference)
     skipped = [name for _, names in reference for name in names]
     assert skipped and all(name.endswith("broken.jpg") for name in skipped)  # 6 steps of 4 from 11 files: it is drawn
-    for workers in (1, 2):
+    for workers in (1, 4):
         got = _batches(cfg, workers)
         assert [s for _, s in got] == [s for _, s in reference]
         for (a, _), (b, _) in zip(reference, got):
@@ -70,3 +70,17 @@ def test_an_empty_folder_stays_a_clear_error(tmp_path):
     cfg = load_config(QUICK, ["DATA.PATH", str(tmp_path / "empty"), *SMALL])
     with pytest.raises(ValueError, match="holds no images"):
         image_dataset(cfg)
+
+
+def test_lossless_files_decode_to_their_exact_pixels_through_decode_image_or_pil(tmp_path):
+    from PIL import Image
+
+    pixels = (torch.rand(24, 24, 3, generator=torch.Generator().manual_seed(4)) * 255).to(torch.uint8)
+    want = pixels.permute(2, 0, 1).float() / 255
+    for name in ("a.png", "a.bmp"):  # PNG: decode_image; BMP: the PIL fallback
+        Image.fromarray(pixels.numpy()).save(tmp_path / name)
+        got = read_image(str(tmp_path / name), 24)
+        assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6), name
+    # larger images: shorter side resized to the size, then centre-cropped
+    Image.fromarray(torch.zeros(30, 60, 3, dtype=torch.uint8).numpy()).save(tmp_path / "wide.png")
+    assert read_image(str(tmp_path / "wide.png"), 20).shape == (3, 20, 20)

@@ -1,5 +1,6 @@
 """The ``trunksplit`` command: ``plan`` shows how a trunk would be cut, ``bench`` measures plans,
-``fit`` finds the largest batch whose training step fits a memory size."""
+``fit`` finds the largest batch whose training step fits a memory size, ``bench-data`` measures
+the recipes' input pipelines."""
 import argparse
 import os
 import sys
@@ -15,6 +16,7 @@ from ..ssl.backbones import build_backbone
 from ..ssl.config import budget_bytes
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
+from .bench_data import run_data_benchmark
 
 
 GRADIENTS_HELP = "allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False)"
@@ -50,12 +52,20 @@ def _budget(text: str):
 
 
 def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, 0)
+
+
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
     return value
 
 
@@ -184,7 +194,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--device", default="cuda" if _cuda() else "cpu")
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
     f.set_defaults(fn=_fit)
+    d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
+    d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
+    d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4])
+    d.add_argument("--steps", type=_positive, default=4, help="timed steps per run, after one untimed")
+    d.add_argument("--batch", type=_positive, default=16, help="images per step")
+    d.add_argument("--folder", default="", help="an ImageFolder root of JPEGs; default: synthetic images written as JPEGs")
+    d.add_argument("--jpegs", type=_positive, default=64, help="how many JPEGs to write when --folder is not given")
+    d.set_defaults(fn=_bench_data)
     return parser
+
+
+def _bench_data(args) -> int:
+    try:
+        run_data_benchmark(args.recipes, args.workers, args.steps, args.batch, args.folder, args.jpegs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _cuda() -> bool:

@@ -1,0 +1,58 @@
+"""``trunksplit bench-data``: images per second of each recipe's input pipeline, by worker count.
+
+    trunksplit bench-data [--recipes simclr swav dino] [--workers 0 1 2 4] [--steps 4] [--batch 16] [--folder DIR]
+
+For each recipe (``configs/recipes/<name>.yaml``: its crops and augmentations, at their
+published sizes) it runs the launcher's own loader (:func:`trunksplit.ssl.data.step_loader`)
+over the embedded synthetic images and over a folder of JPEG files (``--folder``, an
+ImageFolder root; without it, ``--jpegs`` synthetic images are written as JPEGs to a
+temporary folder first, so decoding is measured too). The first step of each run is not timed
+(the workers start and fill their prefetch queue); the figure is images per second over the
+next ``--steps`` steps, one image being all of its crops.
+"""
+import os
+import tempfile
+import time
+from typing import List, Sequence
+
+import torch
+import torchvision
+from tabulate import tabulate
+
+from ..ssl.config import load_config
+from ..ssl.data import SyntheticImages, image_dataset, step_loader
+
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "recipes")
+
+
+def images_per_second(recipe: str, workers: int, steps: int, batch: int, folder: str = "") -> float:
+    """The recipe's pipeline at ``workers`` loader processes: images (all their crops) per second."""
+    path = os.path.join(RECIPES, f"{recipe}.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"no recipe {recipe!r}: {path} does not exist (the recipes are {', '.join(sorted(f[:-5] for f in os.listdir(RECIPES)))})")
+    cfg = load_config(path, ["DATA.PATH", folder, "DATA.NUM_WORKERS", str(workers), "TRAIN.BATCH_SIZE_PER_RANK", str(batch), "TRAIN.STEPS", str(steps + 1)])
+    batches = iter(step_loader(image_dataset(cfg), cfg, rank=0, world=1, start=0, pin_memory=False))
+    next(batches)  # not timed: workers start, prefetching begins
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(batches)
+    return steps * batch / (time.perf_counter() - start)
+
+
+def write_jpegs(root: str, count: int, size: int) -> str:
+    """``count`` synthetic images as JPEG files (quality 90) in an ImageFolder layout under ``root``."""
+    os.makedirs(os.path.join(root, "images"), exist_ok=True)
+    images = SyntheticImages(count, size)
+    for i in range(count):
+        torchvision.io.write_jpeg((images[i] * 255).round().to(torch.uint8), os.path.join(root, "images", f"{i:05d}.jpg"), quality=90)
+    return root
+
+
+def run_data_benchmark(recipes: Sequence[str], workers: Sequence[int], steps: int, batch: int, folder: str, jpegs: int) -> List[list]:
+    """Rows of (source, recipe, images/s at each worker count); printed as a table."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sources = [("synthetic", ""), ("jpeg folder", folder or write_jpegs(scratch, jpegs, 256))]
+        rows = [[source, recipe, *(images_per_second(recipe, w, steps, batch, path) for w in workers)]
+                for source, path in sources for recipe in recipes]
+    print(tabulate(rows, headers=["images from", "recipe", *(f"{w} workers" for w in workers)], floatfmt=".1f", tablefmt="github"))
+    return rows
