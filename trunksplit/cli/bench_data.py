@@ -6,9 +6,12 @@ For each recipe (``configs/recipes/<name>.yaml``: its crops and augmentations, a
 published sizes) it runs the launcher's own loader (:func:`trunksplit.ssl.data.step_loader`)
 over the embedded synthetic images and over a folder of JPEG files (``--folder``, an
 ImageFolder root; without it, ``--jpegs`` synthetic images are written as JPEGs to a
-temporary folder first, so decoding is measured too). The first step of each run is not timed
-(the workers start and fill their prefetch queue); the figure is images per second over the
-next ``--steps`` steps, one image being all of its crops.
+temporary folder first, so decoding is measured too). The figure is images per second over
+``--steps`` steps, one image being all of its crops, after an untimed step per worker (at least
+one): the workers start together, so the first of them delivers while the others' first steps
+are nearly done, and timing those would credit the loader with work done before the clock
+started. Loader workers run torch single-threaded (``DataLoader`` sets one thread per worker),
+while zero workers build views in the main process with all its threads.
 """
 import os
 import tempfile
@@ -30,9 +33,11 @@ def images_per_second(recipe: str, workers: int, steps: int, batch: int, folder:
     path = os.path.join(RECIPES, f"{recipe}.yaml")
     if not os.path.isfile(path):
         raise ValueError(f"no recipe {recipe!r}: {path} does not exist (the recipes are {', '.join(sorted(f[:-5] for f in os.listdir(RECIPES)))})")
-    cfg = load_config(path, ["DATA.PATH", folder, "DATA.NUM_WORKERS", str(workers), "TRAIN.BATCH_SIZE_PER_RANK", str(batch), "TRAIN.STEPS", str(steps + 1)])
+    warmup = max(1, workers)
+    cfg = load_config(path, ["DATA.PATH", folder, "DATA.NUM_WORKERS", str(workers), "TRAIN.BATCH_SIZE_PER_RANK", str(batch), "TRAIN.STEPS", str(steps + warmup)])
     batches = iter(step_loader(image_dataset(cfg), cfg, rank=0, world=1, start=0, pin_memory=False))
-    next(batches)  # not timed: workers start, prefetching begins
+    for _ in range(warmup):  # not timed: the workers start and deliver their first steps
+        next(batches)
     start = time.perf_counter()
     for _ in range(steps):
         next(batches)

@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
     d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
     d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4])
-    d.add_argument("--steps", type=_positive, default=4, help="timed steps per run, after one untimed")
+    d.add_argument("--steps", type=_positive, default=8, help="timed steps per run, after one untimed step per worker")
     d.add_argument("--batch", type=_positive, default=16, help="images per step")
     d.add_argument("--folder", default="", help="an ImageFolder root of JPEGs; default: synthetic images written as JPEGs")
     d.add_argument("--jpegs", type=_positive, default=64, help="how many JPEGs to write when --folder is not given")
