@@ -1,4 +1,5 @@
 """Run a function in real processes on the gloo backend, with a timeout so a hang fails."""
+import contextlib
 import socket
 import traceback
 
@@ -13,11 +14,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_threads(world_size: int) -> int:
+    """Threads per worker: the test process's cores shared out. Each worker taking all of them
+    oversubscribes the machine, and OpenMP kernels then run several times slower."""
+    return max(1, torch.get_num_threads() // world_size)
+
+
+@contextlib.contextmanager
+def threads_of_workers(world_size: int):
+    """Run a single-process reference with the workers' thread count: the same CPU kernels, with
+    the same reduction order (a convolution's depends on it), so results compare bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(worker_threads(world_size))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _entry(fn, rank, world_size, port, args, errors, threads):
     try:
-        # The same thread count as the test process, whose single-process reference
-        # must run the same CPU kernels (a conv's reduction order depends on it).
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # see worker_threads
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
             fn(rank, world_size, *args)
@@ -33,7 +50,7 @@ def run_processes(fn, world_size=2, args=(), timeout=240):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, errors, torch.get_num_threads())) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, errors, worker_threads(world_size))) for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:

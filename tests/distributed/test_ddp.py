@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trunksplit import CheckpointedTrunk, manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
 
-from distributed_harness import run_processes
+from distributed_harness import run_processes, threads_of_workers
 from reference import build, loss_of, plain_features
 from plans import _with_plan
 
@@ -58,7 +58,8 @@ def _reference_average(arch, world_size):
 @pytest.mark.parametrize("manual", [False, True], ids=["native_ddp", "manual_reentrant"])
 def test_both_ddp_paths_average_per_rank_gradients(arch, manual, tmp_path):
     run_processes(_two_forward_step, 2, (arch, manual, str(tmp_path)))
-    want = _reference_average(arch, 2)
+    with threads_of_workers(2):
+        want = _reference_average(arch, 2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert set(got) == set(want)
@@ -73,7 +74,8 @@ def test_native_ddp_averages_gradients_through_regions(tmp_path):
     plan = ([0, 6, 10], [(4, 5, "recompute_stages"), (5, 6, "save_expensive"), (6, 8, "recompute"), (8, 9, "recompute_stages"),
                          (10, 11, "recompute_stages"), (11, 12, "save_heavy"), (12, 13, "save_expensive")])
     run_processes(_two_forward_step, 2, ("resnet18", False, str(tmp_path), plan))
-    want = _reference_average("resnet18", 2)
+    with threads_of_workers(2):
+        want = _reference_average("resnet18", 2)
     for rank in range(2):
         assert torch.load(tmp_path / f"regions{rank}.pt")  # the plan has regions
         got = torch.load(tmp_path / f"rank{rank}.pt")
@@ -217,7 +219,8 @@ def test_families_train_under_both_ddp_paths_like_one_process(name, manual, tmp_
     for rank in range(2):  # single process: each rank's plain-model gradients, averaged
         model = without_head(small(name))
         torch.manual_seed(1000 + rank)
-        (loss_of([model(input_for(name) + rank)]) + loss_of([model(input_for(name) - rank)], seed=7)).backward()
+        with threads_of_workers(2):
+            (loss_of([model(input_for(name) + rank)]) + loss_of([model(input_for(name) - rank)], seed=7)).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         total = grads if total is None else {n: total[n] + g for n, g in grads.items()}
     want = {n: g / 2 for n, g in total.items()}

@@ -149,7 +149,7 @@ def test_values_that_would_train_nonsense_are_refused_when_the_config_loads(args
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_unreadable_checkpoint_on_resume_is_refused_and_nothing_is_touched(tmp_path, damage):
     out = tmp_path / "run"
-    assert _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL).returncode == 0
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))  # in-process: the CLI's start-up is tested below
     ckpt = out / "checkpoint.pt"
     data = ckpt.read_bytes()
     ckpt.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not a checkpoint")
@@ -278,7 +278,7 @@ def test_a_damaged_metrics_line_before_the_last_names_the_file(tmp_path):
 
 def test_a_new_run_never_overwrites_an_earlier_runs_checkpoint(tmp_path):
     out = tmp_path / "run"
-    assert _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL).returncode == 0
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
     before = _snapshot(out)
     result = _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL)
     assert result.returncode == 2 and "--resume" in result.stderr and "another OUTPUT_DIR" in result.stderr
