@@ -351,3 +351,32 @@ def _unit_outputs(trunk, x):
             x = unit(x)
             outs.append(x)
     return outs
+
+
+class BuildsATensor(nn.Module):
+    """A forward that makes a tensor from Python values: fx computes it once and keeps a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        mask = torch.ones(8, 8).tril()
+        return (y * mask).relu().mean((2, 3))
+
+
+def test_tensors_the_forward_builds_are_neither_buffers_nor_state_dict_entries():
+    model = BuildsATensor()
+    own = dict(model.state_dict())
+    trunk = CheckpointedTrunk(model, num_splits=2)
+    assert [n for n, _ in trunk.named_buffers() if "_tensor_constant" in n] == []
+    assert set(trunk.model_state_dict(model)) == set(own) and not [k for k in trunk.state_dict() if "_tensor_constant" in k]
+    assert not [n for n in vars(model) if n.startswith("_tensor_constant")]  # tracing left nothing on the model
+    x = torch.randn(2, 3, 8, 8)
+    reference = copy.deepcopy(model)
+    want, got = reference(x), trunk(x)[-1]
+    want.sum().backward()
+    got.sum().backward()
+    assert torch.equal(want, got) and torch.equal(reference.conv.weight.grad, model.conv.weight.grad)

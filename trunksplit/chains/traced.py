@@ -70,6 +70,8 @@ def traced_blocks(model: nn.Module) -> FeatureBlocks:
         name = "output" if carried is None else _cut_name(span, nodes, taken)
         taken.add(_as_child(name))
         blocks.append((name, unit))
+    for name in [n for n in vars(model) if n.startswith("_tensor_constant")]:
+        delattr(model, name)  # fx's tracer left its constants on the model; the units hold them now
     # a unit that passes its input through (Identity) exposes it to the next unit's in-place op
     for (_, unit), (_, after) in reversed(list(zip(blocks, blocks[1:]))):
         unit.inplace = unit.inplace or (unit.passes_input_on and after.inplace)
@@ -220,11 +222,25 @@ def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried
     if carried is not None:
         g.output(env[carried])
     unit = fx.GraphModule(model, g, class_name="ChainUnit")  # holds the model's own modules and parameters
+    _constants_not_buffers(unit)
     # read by layer_splittable_before: a segment must not start with a unit that overwrites its input
     aliases = _input_aliases(model, span, source)
     unit.inplace = aliases is None
     unit.passes_input_on = aliases is not None and carried in aliases
     return unit
+
+
+def _constants_not_buffers(unit: fx.GraphModule) -> None:
+    """Hold fx's ``_tensor_constant*`` tensors as plain attributes, not buffers.
+
+    A tensor that the forward builds from Python values (``torch.ones(4, 4).tril()``) is
+    computed once while tracing and read as a constant. ``GraphModule`` registers such a copy
+    as a buffer, so it would appear among the trunk's buffers and in its ``state_dict`` though
+    the model has no such tensor. As a plain attribute it is what the forward's own tensor was:
+    not saved, not moved by ``.to()`` (the forward built it on the default device, too)."""
+    for name in [n for n in unit._buffers if n.startswith("_tensor_constant")]:
+        tensor = unit._buffers.pop(name)
+        setattr(unit, name, tensor)
 
 
 def _input_aliases(model: nn.Module, span: List[fx.Node], source: fx.Node) -> Optional[Set[fx.Node]]:

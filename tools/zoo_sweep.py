@@ -1,0 +1,257 @@
+#!/usr/bin/env python
+"""Sweep trunksplit over the model zoos a user brings: torchvision, timm, transformers.
+
+    python tools/zoo_sweep.py --libraries torchvision timm --size 64 --out output/zoo_sweep.jsonl
+    python tools/zoo_sweep.py --libraries timm --peaks --size 224 --limit 20
+
+Each model is built with random weights (nothing is downloaded). ``CheckpointedTrunk(model,
+num_splits=4, strategy="balanced")`` then trains two steps beside the same model unsplit, from
+the same weights and seeds; the model is *exact* when outputs, every gradient, every parameter
+after the SGD step and every buffer are bit-identical. Traced models (no torchvision family)
+are also checked against the model's own forward. A model the trunk refuses (torch.fx cannot
+trace it) is *refused*, any other exception a *crash*. With ``--peaks`` the balanced trunk's
+predicted step peak is compared with the measured one (gradients kept between steps, exact
+tensor bytes), and both with the plain step. timm models: the smallest two of each timm
+module; transformers models: the listed vision models, where the package is installed. The
+summary table per library is printed at the end; every model's row goes to ``--out``.
+"""
+import argparse
+import contextlib
+import copy
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import torchvision
+
+from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit.chains.families import TORCHVISION_FAMILIES
+
+TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model"]
+
+
+def torchvision_models(max_params: float = 200e6):
+    """Every torchvision classification builder with at most ``max_params`` parameters (the four
+    above it, ViT-L/16, ViT-L/32, ViT-H/14 and RegNetY-128GF, would need several copies of
+    1.2-2.6 GB each on a CPU)."""
+    for name in torchvision.models.list_models(module=torchvision.models):
+        n = torchvision.models.get_model_weights(name).DEFAULT.meta["num_params"]  # the published count, nothing built
+        if n <= max_params:
+            yield "torchvision", name, lambda size, name=name: torchvision.models.get_model(name, **_vit_size(name, size))
+
+
+def _vit_size(name, size):
+    if name.startswith("vit_"):
+        return {"image_size": size}
+    return {"input_size": (size, size)} if name.startswith("maxvit") else {}
+
+
+def timm_models(per_module: int = 2, max_params: float = 60e6):
+    """The ``per_module`` smallest models of every timm module (counted on the meta device; the
+    ``test_*`` models, timm's own fixtures, left out)."""
+    import timm
+
+    for module in timm.list_modules():
+        sized = []
+        for name in timm.list_models(module=module):
+            if name.startswith("test_"):
+                continue
+            n = _meta_params(lambda: timm.create_model(name, pretrained=False))
+            if n is not None and n <= max_params:
+                sized.append((n, name))
+        for _, name in sorted(sized)[:per_module]:
+            yield "timm", name, lambda size, name=name: _timm_model(timm, name, size)
+
+
+def _meta_params(build):
+    """A model's parameter count, built on the meta device (no memory); None where it cannot be built."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sum(p.numel() for p in build().parameters())
+    except Exception:  # noqa: BLE001 - a model that cannot even be built is left out of the sweep
+        return None
+
+
+def _timm_model(timm, name, size):
+    try:
+        return timm.create_model(name, pretrained=False, img_size=size)
+    except TypeError:  # a model without an img_size argument: built as it comes
+        return timm.create_model(name, pretrained=False)
+
+
+def input_size(model, size: int) -> int:
+    """``size`` if the plain model runs it, else the size the model was made for (timm's
+    ``pretrained_cfg``, or 224): some models only take multiples of a window or a fixed size."""
+    for candidate in (size, _native_size(model)):
+        try:
+            with torch.no_grad():
+                copy.deepcopy(model).eval()(torch.zeros(1, 3, candidate, candidate))
+            return candidate
+        except Exception:  # noqa: BLE001 - the model's own refusal of this size
+            continue
+    raise RuntimeError(f"the plain model runs neither {size}px nor {_native_size(model)}px inputs")
+
+
+def _native_size(model) -> int:
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return int(cfg.get("input_size", (3, 224, 224))[-1])
+
+
+def transformers_models():
+    try:
+        import transformers
+    except ImportError:
+        return
+    for cls in TRANSFORMERS:
+        config = getattr(transformers, cls.replace("Model", "Config"))()
+        yield "transformers", cls, lambda size, cls=cls, config=config: getattr(transformers, cls)(config)
+
+
+def _step(module, x, seed):
+    torch.manual_seed(seed)
+    out = module(x)
+    out = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if torch.is_tensor(o)]
+    sum(o.float().pow(2).mean() for o in out).backward()
+    return [o.detach() for o in out]
+
+
+def _two_steps(module, x):
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    _step(module, x, 1)
+    opt.step()
+    opt.zero_grad()
+    return _step(module, x, 2)
+
+
+def exact_row(model, x):
+    """Whether the balanced trunk trains exactly as the unsplit one (and as the model itself, when traced)."""
+    plain = CheckpointedTrunk(copy.deepcopy(model))
+    trunk = CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced")
+    want, got = _two_steps(plain, x), _two_steps(trunk, x)
+    same = len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
+        same = same and torch.equal(a, b) and (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
+    same = same and all(torch.equal(a, b) for a, b in zip(plain.buffers(), trunk.buffers()))
+    traced = type(model) not in TORCHVISION_FAMILIES
+    if traced:  # the traced chain is the model's own forward
+        torch.manual_seed(3)
+        own = model(x)
+        torch.manual_seed(3)
+        chain = CheckpointedTrunk(copy.deepcopy(model))(x)[-1]
+        own = own if torch.is_tensor(own) else None
+        same = same and own is not None and torch.equal(own, chain)
+    return {"result": "exact" if same else "differs", "segments": len(trunk.plan.segments), "traced": traced}
+
+
+def _peak(module, x):
+    _step(module, x, 0)  # gradients exist, as from the second step on
+    with PeakMemory() as mem:
+        _step(module, x, 0)
+    return mem.peak_bytes
+
+
+def peaks_row(model, x):
+    """The balanced trunk's predicted and measured peak, and the plain step's, gradients kept."""
+    plain = _peak(CheckpointedTrunk(copy.deepcopy(model), gradients="kept"), x)
+    trunk = CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced", gradients="kept")
+    plan = trunk.plan_for(x)
+    measured = _peak(trunk, x)
+    return {"plain": plain, "predicted": plan.predicted_peak_bytes, "measured": measured,
+            "measured_vs_plain": measured / plain, "predicted_vs_measured": plan.predicted_peak_bytes / measured}
+
+
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+    def alarm(*_):
+        raise _Timeout(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def sweep_one(library, name, build, size, batch, peaks, seconds):
+    row = {"library": library, "model": name}
+    start = time.perf_counter()
+    try:
+        with _time_limit(seconds), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            model = build(size)
+            row["size"] = input_size(model, size)
+            x = torch.randn(batch, 3, row["size"], row["size"], generator=torch.Generator().manual_seed(0))
+            row.update(peaks_row(model, x) if peaks else exact_row(model, x))
+    except TypeError as e:
+        row.update(result="refused" if "trace" in str(e) or "feature_blocks" in str(e) else "crash", error=str(e).splitlines()[0][:300])
+    except _Timeout as e:
+        row.update(result="timeout", error=str(e))
+    except Exception as e:  # noqa: BLE001 - the sweep reports every other failure as a crash
+        row.update(result="crash", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", where=traceback.format_exc().splitlines()[-3][:200])
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def summary(rows, peaks):
+    lines = ["| library | models | exact | differs | refused | crash | median measured / plain | worst predicted / measured |" if peaks else
+             "| library | models | exact | differs | refused | crash or timeout |", "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if peaks else "")]
+    for lib in dict.fromkeys(r["library"] for r in rows):
+        mine = [r for r in rows if r["library"] == lib]
+        count = {k: sum(r.get("result") == k for r in mine) for k in ("exact", "differs", "refused")}
+        bad = sum(r.get("result") in ("crash", "timeout") for r in mine)
+        if peaks:
+            ok = [r for r in mine if "measured" in r]
+            ratio = f"{statistics.median(r['measured_vs_plain'] for r in ok):.2f}" if ok else "-"
+            worst = max((abs(r["predicted_vs_measured"] - 1) for r in ok), default=0)
+            lines.append(f"| {lib} | {len(mine)} | {len(ok)} planned | - | {count['refused']} | {bad} | {ratio} | ±{worst:.1%} |")
+        else:
+            lines.append(f"| {lib} | {len(mine)} | {count['exact']} | {count['differs']} | {count['refused']} | {bad} |")
+    return "\n".join(lines)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--libraries", nargs="+", default=["torchvision", "timm", "transformers"], choices=["torchvision", "timm", "transformers"])
+    p.add_argument("--size", type=int, default=64, help="input resolution")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--peaks", action="store_true", help="compare predicted and measured peaks instead of checking exactness")
+    p.add_argument("--limit", type=int, default=0, help="at most this many models per library (0: all)")
+    p.add_argument("--only", nargs="*", default=[], help="just these model names")
+    p.add_argument("--seconds", type=int, default=300, help="per model; slower ones are reported as timeouts")
+    p.add_argument("--out", default="output/zoo_sweep.jsonl")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    sources = {"torchvision": torchvision_models, "timm": timm_models, "transformers": transformers_models}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = []
+    with open(args.out, "w") as f:
+        for lib in args.libraries:
+            models = [m for m in sources[lib]() if not args.only or m[1] in args.only]
+            for library, name, build in models[: args.limit or None]:
+                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds))
+                f.write(json.dumps(rows[-1]) + "\n")
+                f.flush()
+                print(json.dumps(rows[-1]), flush=True)
+    print(summary(rows, args.peaks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
