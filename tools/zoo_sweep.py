@@ -3,6 +3,7 @@
 
     python tools/zoo_sweep.py --libraries torchvision timm --size 64 --out output/zoo_sweep.jsonl
     python tools/zoo_sweep.py --libraries timm --peaks --size 224 --limit 20
+    python tools/zoo_sweep.py --libraries timm --wrap 0.6 --size 224 --limit 20
 
 Each model is built with random weights (nothing is downloaded). ``CheckpointedTrunk(model,
 num_splits=4, strategy="balanced")`` then trains two steps beside the same model unsplit, from
@@ -11,7 +12,9 @@ after the SGD step and every buffer are bit-identical. Traced models (no torchvi
 are also checked against the model's own forward. A model the trunk refuses (torch.fx cannot
 trace it) is *refused*, any other exception a *crash*. With ``--peaks`` the balanced trunk's
 predicted step peak is compared with the measured one (gradients kept between steps, exact
-tensor bytes), and both with the plain step. timm models: the smallest two of each timm
+tensor bytes), and both with the plain step. With ``--wrap B``, ``apply_activation_checkpointing(
+model, memory_budget=B)`` is checked instead: exact against the plain model, and its measured
+peak within 3% of the budget (or the smallest feasible budget it names). timm models: the smallest two of each timm
 module; transformers models: the listed vision models, where the package is installed. The
 summary table per library is printed at the end; every model's row goes to ``--out``.
 """
@@ -30,7 +33,7 @@ import warnings
 import torch
 import torchvision
 
-from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
 from trunksplit.chains.families import TORCHVISION_FAMILIES
 
 TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model"]
@@ -163,8 +166,25 @@ def peaks_row(model, x):
     trunk = CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced", gradients="kept")
     plan = trunk.plan_for(x)
     measured = _peak(trunk, x)
-    return {"plain": plain, "predicted": plan.predicted_peak_bytes, "measured": measured,
+    return {"result": "planned", "plain": plain, "predicted": plan.predicted_peak_bytes, "measured": measured,
             "measured_vs_plain": measured / plain, "predicted_vs_measured": plan.predicted_peak_bytes / measured}
+
+
+def wrap_row(model, x, budget):
+    """``apply_activation_checkpointing(model, memory_budget=budget)``: exact against the plain
+    model over two steps, and its step peak measured independently (gradients kept), or the
+    smallest feasible budget the refusal names."""
+    plain = copy.deepcopy(model)
+    wrapped = copy.deepcopy(model)
+    try:
+        plan = apply_activation_checkpointing(wrapped, memory_budget=budget, example_inputs=(x,), gradients="kept")
+    except ValueError as e:
+        return {"result": "infeasible", "smallest": str(e).split("smallest feasible budget")[-1][:80]}
+    want, got = _two_steps(plain, x), _two_steps(wrapped, x)
+    same = len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    same = same and all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), wrapped.parameters()) if a.grad is not None)
+    ratio = _peak(wrapped, x) / _peak(plain, x)
+    return {"result": "exact" if same else "differs", "wrapped": len(plan.names), "measured_vs_plain": ratio, "meets": ratio <= budget * 1.03}
 
 
 class _Timeout(Exception):
@@ -185,7 +205,7 @@ def _time_limit(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
-def sweep_one(library, name, build, size, batch, peaks, seconds):
+def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0):
     row = {"library": library, "model": name}
     start = time.perf_counter()
     try:
@@ -195,7 +215,7 @@ def sweep_one(library, name, build, size, batch, peaks, seconds):
             model = build(size)
             row["size"] = input_size(model, size)
             x = torch.randn(batch, 3, row["size"], row["size"], generator=torch.Generator().manual_seed(0))
-            row.update(peaks_row(model, x) if peaks else exact_row(model, x))
+            row.update(wrap_row(model, x, wrap) if wrap else peaks_row(model, x) if peaks else exact_row(model, x))
     except TypeError as e:
         row.update(result="refused" if "trace" in str(e) or "feature_blocks" in str(e) else "crash", error=str(e).splitlines()[0][:300])
     except _Timeout as e:
@@ -206,20 +226,22 @@ def sweep_one(library, name, build, size, batch, peaks, seconds):
     return row
 
 
-def summary(rows, peaks):
-    lines = ["| library | models | exact | differs | refused | crash | median measured / plain | worst predicted / measured |" if peaks else
-             "| library | models | exact | differs | refused | crash or timeout |", "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if peaks else "")]
+def summary(rows, mode: str) -> str:
+    """The per-library table: counts by result, and for ``peaks`` and ``wrap`` the peak ratios."""
+    extra = {"exact": [], "peaks": ["median measured / plain", "worst predicted / measured"], "wrap": ["infeasible", "meet the budget", "median measured / plain"]}[mode]
+    head = ["library", "models", "planned" if mode == "peaks" else "exact", "differs", "refused", "crash or timeout", *extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for lib in dict.fromkeys(r["library"] for r in rows):
         mine = [r for r in rows if r["library"] == lib]
-        count = {k: sum(r.get("result") == k for r in mine) for k in ("exact", "differs", "refused")}
-        bad = sum(r.get("result") in ("crash", "timeout") for r in mine)
-        if peaks:
-            ok = [r for r in mine if "measured" in r]
-            ratio = f"{statistics.median(r['measured_vs_plain'] for r in ok):.2f}" if ok else "-"
-            worst = max((abs(r["predicted_vs_measured"] - 1) for r in ok), default=0)
-            lines.append(f"| {lib} | {len(mine)} | {len(ok)} planned | - | {count['refused']} | {bad} | {ratio} | ±{worst:.1%} |")
-        else:
-            lines.append(f"| {lib} | {len(mine)} | {count['exact']} | {count['differs']} | {count['refused']} | {bad} |")
+        count = {k: sum(r.get("result") == k for r in mine) for k in ("exact", "planned", "differs", "refused", "crash", "timeout", "infeasible")}
+        cells = [lib, len(mine), count["planned" if mode == "peaks" else "exact"], count["differs"], count["refused"], count["crash"] + count["timeout"]]
+        ratios = [r["measured_vs_plain"] for r in mine if "measured_vs_plain" in r]
+        median = f"{statistics.median(ratios):.2f}" if ratios else "-"
+        if mode == "peaks":
+            cells += [median, f"±{max((abs(r['predicted_vs_measured'] - 1) for r in mine if 'predicted' in r), default=0):.1%}"]
+        elif mode == "wrap":
+            cells += [count["infeasible"], sum(bool(r.get("meets")) for r in mine), median]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -229,6 +251,7 @@ def build_parser():
     p.add_argument("--size", type=int, default=64, help="input resolution")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--peaks", action="store_true", help="compare predicted and measured peaks instead of checking exactness")
+    p.add_argument("--wrap", type=float, default=0.0, help="check apply_activation_checkpointing at this memory budget instead")
     p.add_argument("--limit", type=int, default=0, help="at most this many models per library (0: all)")
     p.add_argument("--only", nargs="*", default=[], help="just these model names")
     p.add_argument("--seconds", type=int, default=300, help="per model; slower ones are reported as timeouts")
@@ -245,11 +268,11 @@ def main(argv=None) -> int:
         for lib in args.libraries:
             models = [m for m in sources[lib]() if not args.only or m[1] in args.only]
             for library, name, build in models[: args.limit or None]:
-                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds))
+                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()
                 print(json.dumps(rows[-1]), flush=True)
-    print(summary(rows, args.peaks))
+    print(summary(rows, "wrap" if args.wrap else "peaks" if args.peaks else "exact"))
     return 0
 
 
