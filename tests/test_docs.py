@@ -66,7 +66,7 @@ def _commands():
             for line in block.replace("\\\n", " ").splitlines():
                 for part in line.split("&&"):
                     part = part.strip().removeprefix("$ ")
-                    if re.match(r"(trunksplit (plan|bench|fit)|python tools/|torchrun )", part):
+                    if re.match(r"(trunksplit (plan|bench|fit|bench-data)|python tools/|torchrun )", part):
                         yield page, part
 
 
@@ -104,8 +104,8 @@ def test_documented_command_parses(page, command, tmp_path, monkeypatch):
         return
     script = next(w for w in words if w.startswith("tools/"))
     args = words[words.index(script) + 1 :]
-    if script == "tools/wrap_budget.py":
-        _tool_parser("wrap_budget").parse_args(args)
+    if script in ("tools/wrap_budget.py", "tools/zoo_sweep.py"):
+        _tool_parser(script[len("tools/"):-len(".py")]).parse_args(args)
         return
     if script == "tools/benchmark.py":
         bench_ddp_parser().parse_args(args) if "--ddp" in args else cli_parser().parse_args(["bench"] + args)
