@@ -106,6 +106,16 @@ def input_size(model, size: int) -> int:
     raise RuntimeError(f"the plain model runs neither {size}px, {_native_size(model)}px nor 299px inputs")
 
 
+def _built_and_sized(build, size: int):
+    """The model built for ``size`` and that size; else built as it comes, at the size it runs."""
+    try:
+        model = build(size)
+        return model, input_size(model, size)
+    except Exception:  # noqa: BLE001 - a model that cannot be built for, or run at, this size
+        model = build(None)
+        return model, input_size(model, _native_size(model))
+
+
 def _native_size(model) -> int:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     return int(cfg.get("input_size", (3, 224, 224))[-1])
@@ -225,11 +235,7 @@ def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0):
         with _time_limit(seconds), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
-            try:
-                model = build(size)
-            except Exception:  # noqa: BLE001 - a model that cannot be built for this size: built as it comes
-                model = build(None)
-            row["size"] = input_size(model, size)
+            model, row["size"] = _built_and_sized(build, size)
             x = torch.randn(batch, 3, row["size"], row["size"], generator=torch.Generator().manual_seed(0))
             row.update(wrap_row(model, x, wrap) if wrap else peaks_row(model, x) if peaks else exact_row(model, x))
     except TypeError as e:
