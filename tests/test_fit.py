@@ -1,5 +1,6 @@
 """fit: the largest batch whose whole training step fits, checked by a real step with a real optimizer."""
 import copy
+import math
 
 import pytest
 import torch
@@ -146,3 +147,22 @@ class _Traced(torch.nn.Module):
 def test_fit_defaults_to_the_last_block_as_the_trunk_does():
     found = fit(_Traced(), (3, 16, 16), "20MiB", verify=False)
     assert found.trunk.out_feat_keys == ("output",) and found.batch_size >= 1
+
+
+def test_fit_for_one_of_many_fsdp_ranks_counts_shards_and_predicts_a_larger_batch(capsys):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    one = fit(copy.deepcopy(model), (3, 64, 64), "300MiB", optimizer="adamw", verify=False)
+    many = fit(copy.deepcopy(model), (3, 64, 64), "300MiB", optimizer="adamw", world_size=8)
+    # by hand: FSDP2 gives the first rank ceil(rows / 8) rows of each trunk parameter; the classifier (not trained) stays whole
+    trunk_params = [p for n, p in model.named_parameters() if not n.startswith("fc.")]
+    shards = sum(math.ceil(p.shape[0] / 8) * (p.numel() // p.shape[0]) * 4 for p in trunk_params)
+    fc = sum(p.numel() * 4 for p in model.fc.parameters())
+    assert many.rank.parameters == shards + fc and many.rank.gradients == shards
+    assert many.rank.optimizer == 2 * shards + 4 * len(trunk_params)  # AdamW: two moments and a step counter each
+    assert one.rank.parameters == sum(p.numel() * 4 for p in model.parameters()) and one.rank.in_flight == 0
+    assert many.rank.in_flight > 0 and many.measured_total_bytes is None  # a prediction: one process cannot run 8 ranks
+    assert many.batch_size > one.batch_size
+    assert main(["fit", "--arch", "resnet18", "--input", "3x64x64", "--memory", "300MiB", "--world-size", "8", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank at world size 8" in out and "one of 8 FSDP2 ranks" in out

@@ -18,7 +18,7 @@ cuDNN workspaces are not modelled; leave a margin.
 import math
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -30,6 +30,7 @@ from .planning.memory import PeakMemory
 from .planning.peak import PeakModel
 from .planning.profile import UnitCosts, profile_units
 from .planning.search import best_plan, plan_from_cuts
+from .planning.sharding import RankMemory, rank_memory, sharded_costs
 from .planning.plan import SplitPlan
 from .trunk import CheckpointedTrunk, plan_key
 
@@ -49,6 +50,7 @@ class Fit:
     predicted_total_bytes: int
     measured_total_bytes: Optional[int]  # the checking step's figure; None when not checked
     memory: int
+    rank: RankMemory  # the same by part, for one rank (world size 1: the whole model)
 
     def __str__(self) -> str:
         measured = "-" if self.measured_total_bytes is None else f"{_gib(self.measured_total_bytes)} ({self.measured_total_bytes / self.memory:.1%} of memory)"
@@ -91,6 +93,7 @@ def fit(
     gradients: str = "allocated",
     use_reentrant: bool = False,
     verify: bool = True,
+    world_size: int = 1,
 ) -> Fit:
     """The largest batch of ``input_shape`` images (C, H, W) whose training step fits ``memory``.
 
@@ -104,6 +107,12 @@ def fit(
     the batch found. With ``verify``, one step at that batch is measured (the model's
     weights, gradients, buffers and RNG are left as they were). A memory too small
     for a batch of one raises ``ValueError`` naming the smallest that fits.
+
+    ``world_size`` > 1 fits one rank of the trunk sharded with FSDP2 over that many ranks
+    (:func:`trunksplit.shard_trunk`): ``memory`` and the batch are per rank, parameters,
+    gradients and optimizer state count as this rank's shards, and the parameters gathered
+    for the unit in backward are added (see :mod:`trunksplit.planning.sharding`). That is a
+    prediction only: one process cannot run the sharded step to check it.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -116,14 +125,15 @@ def fit(
     def trunk(**kw) -> CheckpointedTrunk:
         return CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant, **kw)
 
-    chain = _ScaledChain(trunk(), input_shape, device)
-    state = _optimizer_state_bytes(chain.trunk, optimizer)
-    resident = _model_bytes(model) + state + (chain.grad_bytes if gradients == "kept" else 0)
-    # the optimizer's step: gradients (all allocated by then) + its temporaries
-    optimizer_peak = (chain.grad_bytes if gradients == "allocated" else 0) + _optimizer_step_transient(chain.trunk, optimizer)
+    chain = _ScaledChain(trunk(), input_shape, device, world_size)
+    rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
+    resident, flight = rank.resident, rank.in_flight
+    # the optimizer's step: gradients (all allocated by then) + its temporaries (measured whole, scaled to a shard)
+    transient = _optimizer_step_transient(chain.trunk, optimizer) * rank.gradients // max(1, chain.full_grad_bytes)
+    optimizer_peak = (rank.gradients if gradients == "allocated" else 0) + transient
 
     def total(batch: int) -> int:
-        return resident + max(chain.lowest_peak(batch), optimizer_peak)
+        return resident + max(chain.lowest_peak(batch) + flight, optimizer_peak)
 
     if total(1) > memory:
         raise ValueError(
@@ -131,35 +141,38 @@ def fit(
             f"{total(1)} bytes ({_gib(total(1))}: {_gib(resident)} resident and the step's peak)"
         )
     batch = _largest(lambda b: total(b) <= memory)
-    measured = None
+    measured, verify = None, verify and world_size == 1  # one process cannot run a sharded step
     for _ in range(4):  # the check may find the prediction optimistic: shrink and check again
-        plan = chain.plan(batch, budget=memory - resident)
-        fitted = trunk(memory_budget=memory - resident)
+        plan = chain.plan(batch, budget=memory - resident - flight)
+        fitted = trunk(memory_budget=memory - resident - flight)
         # planned from the scaled profile: no profiling, and no allocation, at this batch
         fitted._plans[plan_key([((batch, *input_shape), torch.get_default_dtype())], device)] = plan
-        predicted = max(plan.predicted_peak_bytes, optimizer_peak)
+        predicted = max(plan.predicted_peak_bytes + flight, optimizer_peak)
         if not verify:
             break
         measured = resident + max(_measured_step(fitted, _check_input(batch, input_shape, device)), optimizer_peak)
         if measured <= memory or batch == 1:
             break
         batch = max(1, min(batch - 1, int(batch * (memory - resident) / (measured - resident))))
-    return Fit(batch, fitted, plan, predicted, resident, resident + predicted, measured, memory)
+    rank = replace(rank, step_peak=plan.predicted_peak_bytes)
+    return Fit(batch, fitted, plan, predicted, resident, resident + predicted, measured, memory, rank)
 
 
 class _ScaledChain:
     """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
-    any batch from costs scaled linearly (see :func:`_scaled`)."""
+    any batch from costs scaled linearly (see :func:`_scaled`), for one of ``world_size`` ranks."""
 
-    def __init__(self, trunk: CheckpointedTrunk, input_shape: Sequence[int], device: torch.device):
+    def __init__(self, trunk: CheckpointedTrunk, input_shape: Sequence[int], device: torch.device, world_size: int = 1):
         units = expand_units(trunk._blocks())
         self.trunk = trunk
         self.names = [n for n, _ in units]
+        self.units = [m for _, m in units]
         self.splittable = [layer_splittable_before(m) for _, m in units]
         self.forced = [stop for stop in trunk._ends.values() if stop < len(units)]
         self.features = [stop - 1 for stop in trunk._ends.values()]
-        self.small = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
-        self.grad_bytes = sum(self.small[0].param_bytes)
+        small = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
+        self.full_grad_bytes = sum(small[0].param_bytes)
+        self.small = [sharded_costs(c, self.units, world_size) for c in small] if world_size > 1 else small
 
     def _cuts(self, batch: int, budget: Optional[int] = None):
         peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
@@ -219,11 +232,6 @@ def _scaled(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
     )
 
 
-def _model_bytes(model: nn.Module) -> int:
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def _trainable(trunk: nn.Module):
     return [p for p in trunk.parameters() if p.requires_grad]
 
@@ -234,21 +242,6 @@ def _make_optimizer(name: str, params):
     if name == "lars":
         return LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-6)
     return torch.optim.AdamW(params, lr=1e-3)
-
-
-def _optimizer_state_bytes(trunk: nn.Module, name: Optional[str]) -> int:
-    """Exact bytes of the state the optimizer keeps for the trunk's parameters, by building it on stand-ins."""
-    if name is None:
-        return 0
-    stand_ins = _stand_ins(trunk, lambda p: torch.empty(1, dtype=p.dtype, device=p.device))
-    opt = _make_optimizer(name, stand_ins)
-    opt.step()
-    total = 0
-    for real, p in zip(_trainable(trunk), stand_ins):
-        for t in opt.state[p].values():
-            if torch.is_tensor(t):
-                total += t.element_size() * (1 if t.dim() == 0 else real.numel())  # per-step scalars, or one per element
-    return total
 
 
 def _optimizer_step_transient(trunk: nn.Module, name: Optional[str]) -> int:

@@ -103,3 +103,18 @@ def test_bench_data_measures_each_recipe_on_synthetic_images_and_on_jpeg_files(t
 def test_bench_data_names_the_recipes_it_has(capsys):
     assert main(["bench-data", "--recipes", "moco", "--workers", "0", "--steps", "1", "--batch", "2", "--jpegs", "2"]) == 2
     assert "no recipe 'moco'" in capsys.readouterr().err
+
+
+def test_plan_for_one_of_several_fsdp_ranks_prints_the_breakdown(capsys):
+    assert main(["plan", "--arch", "resnet18", "--input", "2x3x64x64", "--strategy", "balanced", "--splits", "3"]) == 0
+    single = capsys.readouterr().out
+    assert main(["plan", "--arch", "resnet18", "--input", "2x3x64x64", "--strategy", "balanced", "--splits", "3", "--world-size", "4", "--optimizer", "adamw"]) == 0
+    sharded = capsys.readouterr().out
+    assert "per rank at world size 1" in single and "in flight 0.0 MiB" in single
+    assert "per rank at world size 4" in sharded and "in flight 0.0 MiB" not in sharded
+
+    def mib(text, part):
+        return float(text.split(f"{part} ")[1].split(" MiB")[0])
+
+    assert mib(sharded, "parameters") < mib(single, "parameters") / 2  # the trunk's weights in quarters, the classifier whole
+    assert mib(sharded, "optimizer") > 0 and mib(single, "optimizer") > 0

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, shard_trunk
+from trunksplit.chains import expand_units
+from trunksplit.planning.sharding import rank_memory
 
 from distributed_harness import run_processes, threads_of_workers
 from reference import loss_of
@@ -77,6 +79,19 @@ def _sharded_steps(rank, world_size, out):
         if rank == 0:
             assert plans[0] == plans[1], case  # every rank runs rank 0's plan
             torch.save({"grads": grads, "plan": trunk.plan}, os.path.join(out, f"{case}.pt"))
+    _held_bytes(trunk, rank, out)
+
+
+def _held_bytes(trunk, rank, out):
+    """What this rank really holds of the last case's trunk: parameter and gradient shards, AdamW's state."""
+    opt = torch.optim.AdamW(trunk.parameters())
+    opt.step()
+    local = [p.to_local() for p in trunk.parameters()]
+    state = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+                for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    held = {"parameters": sum(t.numel() * t.element_size() for t in local),
+            "gradients": sum(p.grad.to_local().numel() * p.grad.element_size() for p in trunk.parameters()), "optimizer": state}
+    torch.save(held, os.path.join(out, f"held{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +140,14 @@ def _refusals(rank, world_size):
 
 def test_sharding_twice_or_with_reentrant_checkpointing_is_refused():
     run_processes(_refusals, WORLD)
+
+
+def test_a_rank_holds_the_shards_the_per_rank_model_predicts(sharded):
+    # predicted from the unsharded model alone (no process group): FSDP2's dim-0 chunks, the first rank's the largest
+    name, how, _ = CASES[list(CASES)[-1]]
+    model = _model(name)
+    units = [m for _, m in expand_units(CheckpointedTrunk(model, **how)._blocks())]
+    predicted = rank_memory(model, units, WORLD, "adamw", 0, "kept")
+    first = torch.load(sharded / "held0.pt")
+    assert first == {"parameters": predicted.parameters, "gradients": predicted.gradients, "optimizer": predicted.optimizer}
+    assert torch.load(sharded / "held1.pt")["parameters"] <= first["parameters"]

@@ -11,7 +11,9 @@ from typing import List, Optional
 import torch
 
 from ..fit import fit, parse_bytes
+from ..chains import expand_units
 from ..planning.search import annotate, peak_model, plan_trunk
+from ..planning.sharding import per_rank, rank_memory
 from ..ssl.backbones import build_backbone
 from ..ssl.config import budget_bytes
 from ..trunk import CheckpointedTrunk
@@ -90,7 +92,9 @@ def _plan(args) -> int:
         try:
             model = build_backbone(args.arch, args.input[-1])
             trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients)
-            costs = peak_model(trunk, x, regions=args.budget is not None)  # measured once, for the plan and its figures
+            units = [m for _, m in expand_units(trunk._blocks())]
+            # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
+            costs = per_rank(peak_model(trunk, x, regions=args.budget is not None), units, args.world_size)
             plan = plan_trunk(trunk, x, costs) if trunk._cost_aware else annotate(trunk.plan_for(x), costs)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
@@ -103,6 +107,8 @@ def _plan(args) -> int:
     unsplit = costs.peak([0])
     print(plan)
     print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit ({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, args.input))}")
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    print(rank_memory(model, units, args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
     return 0
 
 
@@ -142,7 +148,7 @@ def _fit(args) -> int:
     try:
         model = build_backbone(args.arch, args.input[-1]).to(args.device)
         found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
-                    num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify)
+                    num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size)
     except ValueError as e:
         print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
         return 2
@@ -151,6 +157,9 @@ def _fit(args) -> int:
         return 2
     print(found.plan)
     print(found)
+    print(found.rank)
+    if args.world_size > 1:
+        print(f"a prediction for one of {args.world_size} FSDP2 ranks: --memory and the batch are per rank (one process cannot run the sharded step to check it)")
     return 0
 
 
@@ -171,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--features", nargs="+", default=["flatten"])
     p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
     p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
+    p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
     p.set_defaults(fn=_plan)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"])
@@ -193,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
     f.add_argument("--device", default="cuda" if _cuda() else "cpu")
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
+    f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
     f.set_defaults(fn=_fit)
     d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
     d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
