@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from .losses import dino_loss
-from .model import SSLModel, plain_copy
+from .model import SSLModel, student_copy
 
 
 def add_teacher(model: SSLModel) -> SSLModel:
     """Give ``model`` (the student) its teacher, equal to it, and a zero centre; returns ``model``."""
-    teacher = plain_copy(model)
+    teacher = student_copy(model, plain=True)
     teacher.requires_grad_(False)
     model.teacher = teacher
     out_dim = model.head.last_layer.shape[0]

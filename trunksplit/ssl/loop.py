@@ -5,7 +5,6 @@ processes (``parallel.py``), the data (``data.py``) and the run's directory (``r
 live beside it.
 """
 import contextlib
-import copy
 import json
 import os
 import time
@@ -21,7 +20,7 @@ from ..planning.memory import PeakMemory
 from .data import image_dataset, step_loader, step_views
 from .dino import add_teacher, dino_step_loss, teacher_momentum, update_teacher
 from .losses import nt_xent, swav_loss
-from .model import SSLModel, build_model, plain_copy, with_fitted_batch
+from .model import SSLModel, build_model, student_copy, with_fitted_batch
 from .optim import build_optimizer, set_schedules
 from .parallel import broadcast_buffers, end_with_rank0_buffers, setup_distributed, wrap_for_processes
 from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, save_atomically, save_sharded, start_run_dir
@@ -175,8 +174,7 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool) -> Optional
 
 
 def _copy_for_comparison(model, plain: bool, kept_gradients: bool):
-    m = plain_copy(model) if plain else copy.deepcopy(model)
-    m.teacher = None  # the step compared is the student's
+    m = student_copy(model, plain)  # the step compared is the student's
     for p in m.parameters():  # deepcopy drops .grad: put them back where the loop keeps them
         p.grad = torch.zeros_like(p) if kept_gradients and p.requires_grad else None
     return m

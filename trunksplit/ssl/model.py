@@ -128,17 +128,19 @@ def build_model(cfg) -> SSLModel:
     return SSLModel(trunk, projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM), prototypes)
 
 
-def plain_copy(model: SSLModel) -> SSLModel:
-    """A deep copy of ``model`` that checkpoints nothing: the trunk one unsplit segment, selective
-    wrappers removed. Same parameter names and values (a DINO teacher's is not copied)."""
+def student_copy(model: SSLModel, plain: bool) -> SSLModel:
+    """A deep copy of ``model`` without its DINO teacher (none is copied); with ``plain``, one that
+    checkpoints nothing: the trunk one unsplit segment, selective wrappers removed. The same
+    parameter names and values either way."""
     teacher, model.teacher = model.teacher, None
     try:
         m = copy.deepcopy(model)
     finally:
         model.teacher = teacher
-    for sub in m.modules():
-        unwrap_checkpoint(sub)
-    m.trunk = CheckpointedTrunk(m.trunk._blocks(), m.trunk.out_feat_keys)
+    if plain:
+        for sub in m.modules():
+            unwrap_checkpoint(sub)
+        m.trunk = CheckpointedTrunk(m.trunk._blocks(), m.trunk.out_feat_keys)
     return m
 
 
