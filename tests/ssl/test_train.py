@@ -13,6 +13,7 @@ import torch.distributed as dist
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop
 from trunksplit.ssl.loop import train
+from trunksplit.ssl.model import fit_config_batch
 
 from distributed_harness import run_processes
 
@@ -476,3 +477,13 @@ def test_an_fsdp_run_saved_on_two_ranks_resumes_on_four(tmp_path):
     run_processes(_fsdp_run, 4, (str(tmp_path), False, True), timeout=400)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_batch_size_zero_under_fsdp_fits_one_rank_of_the_world():
+    # fit_config_batch predicts per rank: sharded weights, gradients and momentum leave room for more images
+    overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20))]
+    one, _ = fit_config_batch(load_config(QUICK, overrides), torch.device("cpu"))
+    sharded, budget = fit_config_batch(load_config(QUICK, [*overrides, "DISTRIBUTED.STRATEGY", "fsdp"]), torch.device("cpu"), world=4)
+    ddp, _ = fit_config_batch(load_config(QUICK, overrides), torch.device("cpu"), world=4)
+    assert ddp == one  # a DDP rank holds the whole model, whatever the world size
+    assert sharded > one and 0 < budget < 220 * 2**20

@@ -31,7 +31,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     check_output_dir(cfg.OUTPUT_DIR, resume)
     rank, world, device = setup_distributed(cfg)
     if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
-        cfg = with_fitted_batch(cfg, device, rank)
+        cfg = with_fitted_batch(cfg, device, rank, world)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     torch.manual_seed(cfg.SEED)
     model = build_model(cfg).to(device)
