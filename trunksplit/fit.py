@@ -30,7 +30,7 @@ from .planning.memory import PeakMemory
 from .planning.peak import PeakModel
 from .planning.profile import UnitCosts, profile_units
 from .planning.search import best_plan, plan_from_cuts
-from .planning.sharding import RankMemory, rank_memory, sharded_costs
+from .planning.sharding import RankMemory, gib, rank_memory, sharded_costs
 from .planning.plan import SplitPlan
 from .trunk import CheckpointedTrunk, plan_key
 
@@ -53,15 +53,11 @@ class Fit:
     rank: RankMemory  # the same by part, for one rank (world size 1: the whole model)
 
     def __str__(self) -> str:
-        measured = "-" if self.measured_total_bytes is None else f"{_gib(self.measured_total_bytes)} ({self.measured_total_bytes / self.memory:.1%} of memory)"
+        measured = "-" if self.measured_total_bytes is None else f"{gib(self.measured_total_bytes)} ({self.measured_total_bytes / self.memory:.1%} of memory)"
         return (
-            f"batch {self.batch_size} fits {_gib(self.memory)}: resident {_gib(self.resident_bytes)} + step peak "
-            f"{_gib(self.predicted_peak_bytes)} = predicted {_gib(self.predicted_total_bytes)}, measured {measured}"
+            f"batch {self.batch_size} fits {gib(self.memory)}: resident {gib(self.resident_bytes)} + step peak "
+            f"{gib(self.predicted_peak_bytes)} = predicted {gib(self.predicted_total_bytes)}, measured {measured}"
         )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def parse_bytes(text: Union[str, int, float]) -> int:
@@ -137,8 +133,8 @@ def fit(
 
     if total(1) > memory:
         raise ValueError(
-            f"memory {memory} bytes ({_gib(memory)}) is too small for a batch of 1: the smallest that fits is "
-            f"{total(1)} bytes ({_gib(total(1))}: {_gib(resident)} resident and the step's peak)"
+            f"memory {memory} bytes ({gib(memory)}) is too small for a batch of 1: the smallest that fits is "
+            f"{total(1)} bytes ({gib(total(1))}: {gib(resident)} resident and the step's peak)"
         )
     batch = _largest(lambda b: total(b) <= memory)
     measured, verify = None, verify and world_size == 1  # one process cannot run a sharded step
@@ -195,7 +191,7 @@ def _check_input(batch: int, input_shape: Sequence[int], device: torch.device) -
         return torch.zeros(batch, *input_shape, device=device)
     except (RuntimeError, MemoryError) as e:  # the allocator's own error: too big for this machine
         raise ValueError(
-            f"the predicted batch {batch} cannot be checked here: its input alone ({_gib(batch * math.prod(input_shape) * 4)}) "
+            f"the predicted batch {batch} cannot be checked here: its input alone ({gib(batch * math.prod(input_shape) * 4)}) "
             f"cannot be allocated on {device} ({type(e).__name__}). Pass verify=False (trunksplit fit --no-verify) for the "
             "prediction alone, or fit on the machine that will train"
         ) from None

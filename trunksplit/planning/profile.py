@@ -5,7 +5,7 @@ counts the bytes is :class:`trunksplit.planning.memory.PeakMemory`'s.
 """
 import copy
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -135,7 +135,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
     plain = {k: tuple(v) for k, v in fields.items()}
-    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=_param_bytes([u for _, u in units]), **plain)
+    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), **plain)
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
@@ -208,13 +208,15 @@ def _unsharded_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
-def _param_bytes(units: Sequence[nn.Module]) -> Tuple[int, ...]:
-    """Bytes of each unit's trainable parameters; a shared one counts at its last unit (first in backward)."""
+def unit_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torch.Tensor], int]] = None) -> Tuple[int, ...]:
+    """Bytes of each unit's trainable parameters (``nbytes`` of each; default: this rank's part of
+    it, the whole of an unsharded one); a shared one counts at its last unit (first in backward)."""
+    nbytes = nbytes or (lambda p: _local(p).numel() * p.element_size())  # a sharded weight's gradient is this rank's shard
     seen, out = set(), []
     for unit in reversed(units):
         fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in fresh)
-        out.append(sum(_local(p).numel() * p.element_size() for p in fresh))  # a sharded weight's gradient is this rank's shard
+        out.append(sum(nbytes(p) for p in fresh))
     return tuple(reversed(out))
 
 

@@ -12,18 +12,18 @@ allocates counted as shards.
 Exact: parameter, gradient, optimizer and buffer bytes (tensor sizes). Estimated: the in-flight
 term. FSDP2's all-gather and reduce-scatter buffers, its prefetching and what a checkpointed
 segment's recompute gathers are not modelled one by one; measured on gloo ranks the total is
-within 13% (docs/distributed.md, ``python tools/fsdp_memory.py``), not the 5% of the rest of
+within -10% to +20% (docs/distributed.md, ``tools/fsdp_memory.py``), not the 5% of the rest of
 the planner.
 """
 import math
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .peak import PeakModel
-from .profile import UnitCosts
+from .profile import UnitCosts, unit_param_bytes
 
 # per-element optimizer state, in units of the parameter's own size; AdamW adds a step counter per parameter
 OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adamw": 2, None: 0}
@@ -37,19 +37,9 @@ def shard_bytes(p: torch.Tensor, world_size: int) -> int:
     return rows * (p.numel() // max(1, p.shape[0])) * p.element_size()
 
 
-def unit_shard_bytes(units: Sequence[nn.Module], world_size: int) -> Tuple[int, ...]:
-    """Each unit's trainable parameters as one rank's shards; a shared one counts at its last unit (first in backward)."""
-    seen, out = set(), []
-    for unit in reversed(units):
-        fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        out.append(sum(shard_bytes(p, world_size) for p in fresh))
-    return tuple(reversed(out))
-
-
 def sharded_costs(costs: UnitCosts, units: Sequence[nn.Module], world_size: int) -> UnitCosts:
     """``costs`` with each unit's gradients as one rank's shards (what a step allocates under FSDP2)."""
-    shards = unit_shard_bytes(units, world_size)
+    shards = unit_param_bytes(units, lambda p: shard_bytes(p, world_size))
     policies = None if costs.policies is None else {k: replace(c, param_bytes=shards) for k, c in costs.policies.items()}
     return replace(costs, param_bytes=shards, policies=policies)
 
@@ -78,7 +68,7 @@ class RankMemory:
     gradients: int  # the shards of the trunk's gradients (resident between steps only if kept)
     optimizer: int  # the optimizer's state for this rank's shards
     buffers: int  # replicated on every rank
-    in_flight: int  # all-gathered parameters and reduce-scatter output of the unit in backward
+    in_flight: int  # all-gathered parameters and unsharded gradients of the unit in backward
     step_peak: int  # the planner's step peak at this rank's batch: activations, and gradients as the step allocates them
     gradients_kept: bool
 
@@ -92,13 +82,14 @@ class RankMemory:
         return self.resident + self.step_peak + self.in_flight
 
     def __str__(self) -> str:
-        grads = f"gradients {_gib(self.gradients)} ({'kept' if self.gradients_kept else 'allocated by the step, within its peak'})"
-        return (f"per rank at world size {self.world_size}: parameters {_gib(self.parameters)}, {grads}, optimizer {_gib(self.optimizer)}, "
-                f"buffers {_gib(self.buffers)}, in flight {_gib(self.in_flight)}, step peak {_gib(self.step_peak)}; total {_gib(self.total)}")
+        grads = f"gradients {gib(self.gradients)} ({'kept' if self.gradients_kept else 'allocated by the step, within its peak'})"
+        return (f"per rank at world size {self.world_size}: parameters {gib(self.parameters)}, {grads}, optimizer {gib(self.optimizer)}, "
+                f"buffers {gib(self.buffers)}, in flight {gib(self.in_flight)}, step peak {gib(self.step_peak)}; total {gib(self.total)}")
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def gib(n: int) -> str:
+    """Bytes as people read them: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, optimizer: Optional[str], step_peak: int, gradients: str) -> RankMemory:
