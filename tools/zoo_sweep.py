@@ -23,6 +23,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -36,7 +37,7 @@ import torchvision
 from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
 from trunksplit.chains.families import TORCHVISION_FAMILIES
 
-TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model"]
+TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model", "ViTForImageClassification", "ResNetForImageClassification"]
 
 
 def torchvision_models(max_params: float = 200e6):
@@ -127,7 +128,7 @@ def transformers_models():
     except ImportError:
         return
     for cls in TRANSFORMERS:
-        config = getattr(transformers, cls.replace("Model", "Config"))()
+        config = getattr(transformers, re.split("Model|For", cls)[0] + "Config")()
         yield "transformers", cls, lambda size, cls=cls, config=config: getattr(transformers, cls)(config)
 
 

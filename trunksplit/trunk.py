@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names
 from .planning.memory import tensors_in
-from .planning.peak import GRADIENT_MODES
+from .planning.peak import GRADIENT_MODES, OBJECTIVES
 from .planning.plan import SplitPlan
 from .planning.search import plan_trunk
 from .planning.vissl import vissl_plan
@@ -51,6 +51,11 @@ class CheckpointedTrunk(nn.Module):
             (``zero_grad(set_to_none=False)``: they stay allocated between steps).
             Budgets and fractions are of what the step allocates beyond what was
             live before it, in that mode.
+        objective: what cost-aware plans minimise among those that fit: ``"time"``
+            prices recompute in seconds from the ops timed while profiling (one byte of
+            cheap ops such as BatchNorm is worth so many convolution FLOPs on this
+            device), ``"flops"`` counts FLOPs run again, then cheap bytes. Timings make a
+            ``"time"`` plan depend on the machine; ``"flops"`` plans are the same everywhere.
 
     Exact: a training step gives the plain model's outputs, every parameter's
     gradient and BatchNorm buffers. The last segment is never checkpointed, and in
@@ -70,6 +75,7 @@ class CheckpointedTrunk(nn.Module):
         memory_budget: Optional[Union[int, float]] = None,
         use_reentrant: bool = False,
         gradients: str = "allocated",
+        objective: str = "flops",
     ):
         super().__init__()
         source = None if isinstance(trunk, Mapping) else trunk
@@ -83,6 +89,8 @@ class CheckpointedTrunk(nn.Module):
         memory_budget = _check_budget(memory_budget)
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them), got {gradients!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         ends = feature_ends(blocks, out_feat_keys)  # validates the keys
         last = list(blocks).index(next(reversed(ends)))
         self._stages = stage_names(blocks)
@@ -100,6 +108,7 @@ class CheckpointedTrunk(nn.Module):
         self.memory_budget = memory_budget
         self.use_reentrant = bool(use_reentrant)
         self.gradients = gradients
+        self.objective = objective
         self._ends = ends
         self._plans: Dict[Tuple, SplitPlan] = {}
         # vissl's plan needs no measurement; cost-aware ones start from the cuts after the features

@@ -5,13 +5,14 @@ import itertools
 import random
 import warnings
 from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory
-from trunksplit.planning.peak import PeakModel
+from trunksplit.planning.peak import PeakModel, cheap_byte_price
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
 
@@ -53,6 +54,9 @@ def test_profiler_bytes_on_a_toy_chain_known_by_hand():
     assert c.backward_excess == tuple(a + o for a, o in zip(arriving, own))
     assert c.flops == (2 * batch * 8 * 16, 0, 2 * batch * 16 * 4, 0, 0)
     assert c.param_bytes == ((16 * 8 + 16) * F32, 0, (16 * 4 + 4) * F32, 0, 0)
+    # the time objective's timings: FLOP-counted ops (addmm) only where FLOPs are, cheap ops in the activations
+    assert [s > 0 for s in c.expensive_seconds] == [f > 0 for f in c.flops]
+    assert all(c.cheap_seconds[i] > 0 for i in (1, 3, 4))
     assert all(p.grad is None for _, m in units for p in m.parameters())  # the model is untouched
     for (_, m), sd in zip(units, before):
         assert all(torch.equal(v, m.state_dict()[k]) for k, v in sd.items())
@@ -123,6 +127,48 @@ def test_dp_matches_brute_force_on_random_chains(gradients):
             assert set(forced) <= set(got) and all(splittable[i] or i in forced for i in got[1:])
 
 
+@pytest.mark.parametrize("price", [2.0, 8.0, 64.0])
+def test_time_objective_finds_the_fastest_plan_under_a_budget_by_brute_force(price):
+    """With ops timed at one second per FLOP and ``price`` seconds per cheap byte, the budget
+    plan is the one that recomputes in the least time (FLOPs + price x bytes), ties broken
+    by FLOPs; with FLOPs as the objective, the least FLOPs whatever the bytes cost."""
+    rng = random.Random(1)
+    differs = 0
+    for _ in range(100):
+        n = rng.randint(2, 8)
+        costs = _random_costs(rng, n)
+        cheap = tuple(rng.randint(0, 40) for _ in range(n))
+        costs = replace(costs, recompute_bytes=cheap, expensive_seconds=tuple(map(float, costs.flops)), cheap_seconds=tuple(price * b for b in cheap))
+        timed, counted = (PeakModel(costs, [n - 1], "kept", objective=o) for o in ("time", "flops"))
+        splittable = [True] + [rng.random() < 0.8 for _ in range(n - 1)]
+        plans = list(_all_plans(n, splittable, []))
+        budget = rng.choice([timed.peak(p) for p in plans])
+
+        def recompute(p):  # (FLOPs, cheap bytes) run again by the whole plan
+            return tuple(map(sum, zip(*[cost for _, cost in timed.segments(p)])))
+
+        fits = [p for p in plans if timed.peak(p) <= budget]
+        seconds = lambda p: (recompute(p)[0] + price * recompute(p)[1], recompute(p)[0])  # noqa: E731
+        got = best_plan(timed, splittable, [], budget=budget).starts
+        assert seconds(got) == min(seconds(p) for p in fits)
+        fewest = best_plan(counted, splittable, [], budget=budget).starts
+        assert recompute(fewest) == min(recompute(p) for p in fits)
+        differs += seconds(fewest) > seconds(got)
+    assert differs  # the objectives disagree somewhere, or this test shows nothing
+
+
+def test_cheap_byte_price_is_the_timed_roofline_rounded_to_quarter_powers_of_two():
+    costs = replace(_random_costs(random.Random(0), 3), flops=(10, 0, 10), recompute_bytes=(0, 4, 0),
+                    expensive_seconds=(1.0, 0.0, 1.0), cheap_seconds=(0.0, 4.0, 0.0))
+    # 0.1 s per FLOP, 1 s per cheap byte: a byte costs 10 FLOPs, 2**3.32 rounds to 2**3.25
+    assert cheap_byte_price(costs) == 2 ** 3.25
+    assert cheap_byte_price(replace(costs, cheap_seconds=())) == 0.0  # not timed: FLOPs, then bytes
+    model = PeakModel(costs, [2], objective="time")
+    assert model.cost_key((100, 5)) < model.cost_key((0, 20)) < model.cost_key((0, 30))
+    with pytest.raises(ValueError, match="objective must be one of"):
+        PeakModel(costs, [2], objective="speed")
+
+
 def _measured_step_peak(trunk, x):
     """The second step's peak, its gradients cleared as the trunk's mode says a loop clears them."""
     loss_of(trunk(x)).backward()  # first step: parameters get their .grad
@@ -157,7 +203,8 @@ def test_model_predicts_measured_peaks_within_10_percent_and_ranks_them(arch, gr
 
 @pytest.mark.parametrize("arch", ["resnet18", "regnet_y_400mf"])
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("kw", [dict(strategy="balanced", splits=4), dict(strategy="balanced", splits=2), dict(memory_budget=0.8, splits=None, gradients="kept")], ids=["balanced4", "balanced2", "budget0.8"])
+@pytest.mark.parametrize("kw", [dict(strategy="balanced", splits=4), dict(strategy="balanced", splits=2), dict(memory_budget=0.8, splits=None, gradients="kept"),
+                                dict(memory_budget=0.8, splits=None, gradients="kept", objective="time")], ids=["balanced4", "balanced2", "budget0.8", "budget0.8-time"])
 def test_cost_aware_plans_train_exactly(arch, reentrant, kw):
     kw = dict(kw)
     splits = kw.pop("splits")
@@ -165,6 +212,7 @@ def test_cost_aware_plans_train_exactly(arch, reentrant, kw):
     _check_step(plain, model, trunk, want, got, reentrant)
     assert trunk.plan.strategy == ("budget" if "memory_budget" in kw else "balanced")
     assert "res3" in trunk.plan.names and len(trunk.plan.segments) >= 2
+    assert ("objective time: a byte written by cheap ops costs as much as" in trunk.plan.note) == ("objective" in kw)
 
 
 def test_balanced_plan_cuts_after_requested_features_and_never_before_inplace():
@@ -273,6 +321,8 @@ def test_gradients_allocated_by_the_step_are_part_of_its_peak():
         assert abs(predicted / _measured_step_peak(trunk, x) - 1) <= 0.05
     with pytest.raises(ValueError, match="gradients must be one of"):
         CheckpointedTrunk(build("resnet18"), gradients="none")
+    with pytest.raises(ValueError, match=r"objective must be one of \('time', 'flops'\), got 'speed'"):
+        CheckpointedTrunk(build("resnet18"), objective="speed")
 
 
 class _Counting(nn.Module):

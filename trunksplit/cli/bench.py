@@ -47,7 +47,8 @@ class Row:
     profile_seconds: Optional[float] = None  # plain row: the time a cost-aware plan spends measuring
 
 
-def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str) -> List[Row]:
+def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str,
+                objectives: Sequence[str] = ("flops",)) -> List[Row]:
     torch.manual_seed(0)
     base = build_backbone(arch, x.shape[-1]).to(x.device)
 
@@ -59,12 +60,13 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
     model = peak_model(plain, x, regions=True)  # what a budget plan measures, once per input shape
     profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
-
-    cuts_only = PeakModel(model.costs, model.features, gradients)  # the same measurements, no regions
+    # the same measurements, priced per objective, and without regions
+    priced = {o: PeakModel(model.costs, model.features, gradients, model.spans, o) for o in objectives}
+    cuts_only = PeakModel(model.costs, model.features, gradients, objective=objectives[0])
 
     def trunk_row(name, strategy, trunk):
         if trunk._cost_aware:  # planned from the measurement above, not measured again per row
-            plan = trunk._plans[trunk._plan_key(x)] = plan_trunk(trunk, x, model if trunk.memory_budget is not None else cuts_only)
+            plan = trunk._plans[trunk._plan_key(x)] = plan_trunk(trunk, x, priced[trunk.objective] if trunk.memory_budget is not None else cuts_only)
         else:
             plan = annotate(trunk.plan_for(x), model)
         return _plan_row(arch, name, strategy, trunk, plan, total_flops)
@@ -77,14 +79,16 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             rows.append(trunk_row(f"vissl k={k}", "vissl", trunk(num_splits=k)))
             rows.append(trunk_row(f"balanced k={k}", "balanced", trunk(num_splits=k, strategy="balanced")))
     for b in budgets:
-        try:
-            rows.append(trunk_row(f"budget {b:g}", "budget", trunk(memory_budget=b)))
-        except ValueError as e:
-            rows.append(Row(arch, f"budget {b:g}", "budget", None, note=str(e).split("; ")[-1]))
-        rows.append(_cuts_only_row(arch, trunk(memory_budget=b), x, cuts_only, model, total_flops))
+        for o in objectives:  # with several, each budget row is labelled with its objective
+            name, strategy = (f"budget {b:g}, {o}", f"budget ({o})") if len(objectives) > 1 else (f"budget {b:g}", "budget")
+            try:
+                rows.append(trunk_row(name, strategy, trunk(memory_budget=b, objective=o)))
+            except ValueError as e:
+                rows.append(Row(arch, name, strategy, None, note=str(e).split("; ")[-1]))
+        rows.append(_cuts_only_row(arch, trunk(memory_budget=b, objective=objectives[0]), x, cuts_only, model, total_flops))
     if budgets:  # the smallest feasible budget, asked for
         floor = model.peak(*best_plan(model, _splittable(plain), []))
-        rows.append(trunk_row("budget floor", "budget", trunk(memory_budget=floor)))
+        rows.append(trunk_row("budget floor", "budget", trunk(memory_budget=floor, objective=objectives[0])))
     if selective:
         block = _block_type(plain)
         for k, label in [(1, "every block"), (2, "every 2nd block")]:
@@ -192,13 +196,15 @@ def run_benchmark(
     selective: bool = True,
     progress: bool = True,
     gradients: str = "allocated",
+    objectives: Sequence[str] = ("flops",),
 ) -> str:
-    """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``)."""
+    """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``).
+    ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side."""
     dev = torch.device(device)
     x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
     tables, all_rows = [], []
     for arch in archs:
-        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients)
+        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients, objectives)
         _measure(rows, x, repeats, progress, gradients)
         for r in rows:  # keep the figures, not a model copy per row: five big models would not fit
             r.run = r.module = None
@@ -252,11 +258,11 @@ def _plot(rows: List[Row], path: str) -> None:
         mine = [r for r in rows if r.arch == arch and r.peak is not None and r.recompute is not None]
         plain = next(r for r in mine if r.strategy == "plain")
         t_plain = statistics.median(plain.times)
-        for strategy in ["checkpoint_sequential", "vissl", "balanced", "cuts only", "budget"]:
+        for strategy in ["checkpoint_sequential", "vissl", "balanced", "cuts only", "budget", "budget (flops)", "budget (time)"]:
             mine_here = [r for r in mine if r.strategy == strategy]
             if not mine_here:
                 continue
-            label = "budget, with regions" if strategy == "budget" else strategy
+            label = strategy.replace("budget", "budget, with regions")
             frontier = sorted((r.recompute, r.peak / plain.peak) for r in mine_here)
             axes[0][col].plot(*zip(*([(0.0, 1.0)] + frontier)), marker="o", label=label)
             # step time is noisy and not monotone in the recompute: points, not a line

@@ -12,6 +12,7 @@ import torch
 
 from ..fit import fit, parse_bytes
 from ..chains import expand_units
+from ..planning.peak import OBJECTIVES
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import per_rank, rank_memory
 from ..ssl.backbones import build_backbone
@@ -21,6 +22,7 @@ from .bench import run_benchmark
 from .bench_data import run_data_benchmark
 
 
+OBJECTIVE_HELP = "what cost-aware plans minimise: time (recompute priced from ops timed while profiling) or flops (FLOPs run again)"
 GRADIENTS_HELP = "allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False)"
 
 
@@ -83,15 +85,13 @@ def _writable_dir(path: str) -> str:
 
 
 def _plan(args) -> int:
-
-
-
     x = torch.randn(*args.input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             model = build_backbone(args.arch, args.input[-1])
-            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients)
+            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
+                                     objective=args.objective)
             units = [m for _, m in expand_units(trunk._blocks())]
             # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
             costs = per_rank(peak_model(trunk, x, regions=args.budget is not None), units, args.world_size)
@@ -113,7 +113,6 @@ def _plan(args) -> int:
 
 
 def _bench(args) -> int:
-
     for arch in args.arch:  # every name checked before an hour of measuring
         try:
             build_backbone(arch, args.resolution)
@@ -125,6 +124,7 @@ def _bench(args) -> int:
         table = run_benchmark(
             args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
             repeats=args.repeats, device=args.device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
+            objectives=args.objective,
         )
     except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
         print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
     p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
+    p.add_argument("--objective", choices=OBJECTIVES, default="flops", help=OBJECTIVE_HELP)
     p.set_defaults(fn=_plan)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"])
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=_writable_dir, default="output/bench")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
     b.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["flops"], help=OBJECTIVE_HELP + "; several: budget rows for each")
     b.set_defaults(fn=_bench)
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50")

@@ -28,12 +28,14 @@ their own inside a segment (see :class:`PeakModel`); which ones to try comes fro
 :mod:`trunksplit.planning.templates`.
 """
 import itertools
+import math
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from .profile import UnitCosts
 from .templates import Region, RegionTemplates, _as_run
 
 GRADIENT_MODES = ("allocated", "kept")
+OBJECTIVES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
 
 
 class PeakModel:
@@ -55,10 +57,15 @@ class PeakModel:
     which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
     """
 
-    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = ()):
+    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = (),
+                 objective: str = "flops"):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         self.costs = costs
+        self.objective = objective
+        self.flops_per_byte = cheap_byte_price(costs) if objective == "time" else 0.0
         self.n = len(costs)
         self.gradients = gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
@@ -80,6 +87,19 @@ class PeakModel:
         self._regions: Dict[Region, tuple] = {}  # see _region
         self._region_steps: Dict[Tuple[Region, bool], tuple] = {}  # see _step_region
         self._choices = RegionTemplates(self)
+
+    def cost_key(self, cost: Tuple[int, int]) -> tuple:
+        """What plans are compared by, for a recompute ``cost`` of (FLOPs, cheap bytes): under
+        ``"flops"`` FLOPs first, then bytes; under ``"time"`` the predicted seconds first,
+        in FLOPs with each cheap byte priced at :func:`cheap_byte_price`, then FLOPs."""
+        if self.objective == "flops":
+            return cost
+        return (cost[0] + self.flops_per_byte * cost[1], cost[0], cost[1])
+
+    def recompute_seconds(self, cost: Tuple[int, int]) -> float:
+        """Predicted wall time of a recompute ``cost`` (0 where the profile has no timings)."""
+        c = self.costs
+        return sum(c.expensive_seconds) / max(1, sum(c.flops)) * (cost[0] + cheap_byte_price(c) * cost[1])
 
     def boundary(self, a: int) -> int:
         """Bytes a segment starting at unit ``a`` keeps as its input (the chain's own input is not counted)."""
@@ -256,3 +276,19 @@ _EMPTY = _Scan(0, 0, 0, True, (0, 0), (0, 0))  # a segment's input is its bounda
 
 def _add(a: Tuple[int, int], b: Tuple[int, int]) -> Tuple[int, int]:
     return (a[0] + b[0], a[1] + b[1])
+
+
+def cheap_byte_price(costs: UnitCosts) -> float:
+    """How many FLOPs of expensive ops take as long as writing one byte in cheap ops, on the
+    device profiled: the roofline of this model, from the whole forward's timings (ops
+    timed one by one; see :attr:`UnitCosts.expensive_seconds`).
+
+    Rounded to a power of 2**(1/4): a measured rate varies a few percent from run to run,
+    and the rounding keeps a plan from flipping with it (except near a step). 0 where the
+    profile has no timings, which leaves "time" comparing FLOPs, then bytes, as "flops" does."""
+    flops, cheap = sum(costs.flops), sum(costs.recompute_bytes)
+    heavy_seconds, cheap_seconds = sum(costs.expensive_seconds), sum(costs.cheap_seconds)
+    if not (flops and cheap and heavy_seconds and cheap_seconds):
+        return 0.0
+    ratio = (cheap_seconds / cheap) / (heavy_seconds / flops)
+    return 2 ** (round(4 * math.log2(ratio)) / 4)

@@ -54,6 +54,9 @@ class UnitCosts:
       attention) write in a forward: what running them again costs, in traffic.
     - ``light_flops``: FLOPs of the unit's light expensive ops (see
       :func:`trunksplit.recompute.checkpoint.is_heavy`): what the ``"save_heavy"`` policy runs again.
+    - ``expensive_seconds`` / ``cheap_seconds``: wall time of the unit's expensive ops
+      (those whose FLOPs are counted) and of its cheap ops in a warm forward: what
+      prices recompute in time (see :meth:`trunksplit.planning.peak.PeakModel.cost_key`).
     - ``policies``: per region policy (see :func:`trunksplit.recompute.regions.run_region`),
       the chain with each measured span run as one region under it: only
       ``saved``, ``keeps_output``, ``forward_peak`` and ``backward_excess`` (the
@@ -75,6 +78,8 @@ class UnitCosts:
     param_bytes: Tuple[int, ...]
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
+    expensive_seconds: Tuple[float, ...] = ()
+    cheap_seconds: Tuple[float, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
 
@@ -101,7 +106,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     Measures with autograd on whatever the caller's mode: a plan made under
     ``no_grad`` or ``inference_mode`` is the training plan.
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops")
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops", "expensive_seconds", "cheap_seconds")
     fields = {k: [] for k in keys}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
@@ -239,9 +244,12 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     # the chain's input may be a list or dict of tensors (then it is the first unit's, which needs no gradient)
     leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
     inp = map_tensors(torch.clone, leaf) if input_needs_grad else leaf  # not a leaf, so an in-place first op is allowed
-    tracker = _TensorAccounting()
+    tracker = _TensorAccounting(timed=policy == "keep")  # warm: the unit ran once under the FLOP counter
     out, kept = _forward_keeping(m, inp, tracker, policy)
     forward_peak, after_forward = tracker.peak, tracker.current
+    if policy == "keep":
+        kept.update(expensive_seconds=tracker.expensive_seconds, cheap_seconds=tracker.cheap_seconds)
+        tracker.timed = False
     outs = [t for t in tensors_in(out) if t.requires_grad]
     if outs:
         # The gradient arriving at the unit must be allocated inside the measured window and

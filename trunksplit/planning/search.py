@@ -47,8 +47,8 @@ def best_plan(
     """The optimal plan under ``model``, or None if none qualifies.
 
     With ``budget``: the least recompute whose peak fits (ties: lower peak).
-    Without: the lowest peak (ties: less recompute). Recompute is compared as
-    (FLOPs run again, bytes of cheap ops run again), FLOPs first. ``num_segments``
+    Without: the lowest peak (ties: less recompute). Recompute is compared as the model's
+    objective ranks it (:meth:`PeakModel.cost_key`): time, or FLOPs first. ``num_segments``
     asks for an exact count, ``max_segments`` bounds it; ``max_recompute`` bounds
     the FLOPs run again. A cut may fall before unit i only where ``splittable[i]``,
     and must fall at every index in ``forced``. Regions come from the model's
@@ -75,7 +75,7 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
     states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, (0, 0), (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
-            entries = _pareto(entries, with_cost)
+            entries = _pareto(entries, model.cost_key, with_cost)
             if count >= limit:
                 continue
             next_forced = min([f for f in forced_set if f > p] + [n])
@@ -98,20 +98,21 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
     finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
     if not finals:
         return None
-    key = (lambda e: (e[2], e[1])) if budget is not None else (lambda e: (e[1], e[2]))
+    cost = model.cost_key
+    key = (lambda e: (cost(e[2]), e[1])) if budget is not None else (lambda e: (e[1], cost(e[2])))
     best = min(finals, key=key)
     return Cuts(list(best[3]), best[4])
 
 
-def _pareto(entries: list, with_cost: bool = True) -> list:
-    """Entries not dominated in (prefix, peak, recompute), or in (prefix, peak) without
-    ``with_cost``; the first of equals is kept."""
-    entries = sorted(set(entries), key=lambda e: (e[0], e[1], e[2], e[3], sorted(e[4])))
+def _pareto(entries: list, cost_key, with_cost: bool = True) -> list:
+    """Entries not dominated in (prefix, peak, recompute as ``cost_key`` ranks it), or in
+    (prefix, peak) without ``with_cost``; the first of equals is kept."""
+    ranked = sorted(((e[0], e[1], cost_key(e[2]), e) for e in set(entries)), key=lambda r: (*r[:3], r[3][3], sorted(r[3][4])))
     kept = []
-    for e in entries:
-        if not any(k[0] <= e[0] and k[1] <= e[1] and (k[2] <= e[2] or not with_cost) for k in kept):
-            kept.append(e)
-    return kept
+    for r in ranked:
+        if not any(k[0] <= r[0] and k[1] <= r[1] and (k[2] <= r[2] or not with_cost) for k in kept):
+            kept.append(r)
+    return [r[3] for r in kept]
 
 
 def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
@@ -121,7 +122,13 @@ def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
         replace(s, predicted_bytes=peak, recompute_flops=flops, recompute_bytes=cheap)
         for s, (peak, (flops, cheap)) in zip(plan.segments, predicted)
     )
-    return replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
+    plan = replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
+    if model.objective != "time":
+        return plan
+    cost = (sum(s.recompute_flops for s in segments), sum(s.recompute_bytes for s in segments))
+    priced = (f"objective time: a byte written by cheap ops costs as much as {model.flops_per_byte:.3g} FLOPs here; "
+              f"predicted recompute {model.recompute_seconds(cost) * 1e3:.0f} ms per step")
+    return replace(plan, note="\n".join(filter(None, [plan.note, priced])))
 
 
 def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, int], strategy: str, model: PeakModel) -> SplitPlan:
@@ -156,7 +163,7 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     plan regions (about three times the profiling)."""
     units = expand_units(trunk._blocks())
     spans = region_spans(units) if regions else []
-    return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans)
+    return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
 
 
 def budget_in_bytes(budget, unsplit: int) -> int:

@@ -43,7 +43,7 @@ class RegionTemplates:
                         found.setdefault(stop, {}).setdefault((local, cost), t)
             self._options[a] = {
                 stop: [(local, cost, frozenset(_as_run(g, stop == self.model.n) for g in templates[t] if a <= g[0] and g[1] <= stop))
-                       for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()])]
+                       for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()], self.model.cost_key)]
                 for stop, opts in found.items()
             }
         return self._options[a][b]
@@ -136,9 +136,10 @@ def _chunks(spans: Sequence[Tuple[int, int]], size: Optional[int], offset: int =
     return [(piece[0][0], piece[-1][1]) for piece in pieces]
 
 
-def _pareto_options(entries: list) -> list:
-    """(local peak, cost, ...) entries none of which another beats or equals in both."""
-    entries.sort(key=lambda e: (e[1], e[0]))
+def _pareto_options(entries: list, cost_key) -> list:
+    """(local peak, cost, ...) entries none of which another beats or equals in both
+    (costs ranked by ``cost_key``)."""
+    entries.sort(key=lambda e: (cost_key(e[1]), e[0]))
     kept = []
     for e in entries:
         if not kept or e[0] < kept[-1][0]:  # sorted by cost: keep only strictly lower peaks
