@@ -4,7 +4,6 @@ On CUDA the caching allocator's statistics; elsewhere :class:`_TensorAccounting`
 dispatch mode that counts every tensor storage created and when it dies. The
 profiler uses the same tracker to measure each unit.
 """
-import time
 from typing import Optional, Union
 
 import torch
@@ -26,11 +25,8 @@ class _TensorAccounting(TorchDispatchMode):
     see allocator rounding or caching, nor a kernel's internal scratch memory.
     """
 
-    def __init__(self, timed: bool = False):
+    def __init__(self):
         super().__init__()
-        self.timed = timed  # time each op (the planner's time objective); CUDA ops are synchronised
-        self.expensive_seconds = 0.0  # time spent in expensive ops (see is_expensive), when timed
-        self.cheap_seconds = 0.0  # and in all others
         self.live = {}  # storage id -> (weak ref, bytes)
         self.current = 0
         self.peak = 0
@@ -41,7 +37,7 @@ class _TensorAccounting(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = self._timed_call(func, args, kwargs) if self.timed else func(*args, **kwargs)
+        out = func(*args, **kwargs)
         self._sweep()
         # Outputs that share an input's storage (views, in-place ops, detach) allocate nothing.
         inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in((args, kwargs))}
@@ -61,22 +57,6 @@ class _TensorAccounting(TorchDispatchMode):
                 else:
                     self.cheap_bytes += storage.nbytes()
         self.peak = max(self.peak, self.current)
-        return out
-
-    def _timed_call(self, func, args, kwargs):
-        """``func(*args, **kwargs)``, its wall time added to the expensive or the cheap ops'."""
-        cuda = any(t.is_cuda for t in tensors_in((args, kwargs)))
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        if is_expensive(func):
-            self.expensive_seconds += seconds
-        else:
-            self.cheap_seconds += seconds
         return out
 
     def _sweep(self):

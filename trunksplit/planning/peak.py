@@ -28,7 +28,6 @@ their own inside a segment (see :class:`PeakModel`); which ones to try comes fro
 :mod:`trunksplit.planning.templates`.
 """
 import itertools
-import math
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from .profile import UnitCosts
@@ -65,7 +64,6 @@ class PeakModel:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         self.costs = costs
         self.objective = objective
-        self.flops_per_byte = cheap_byte_price(costs) if objective == "time" else 0.0
         self.n = len(costs)
         self.gradients = gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
@@ -78,6 +76,8 @@ class PeakModel:
         self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
         self._cheap = c.recompute_bytes or (0,) * self.n
         self._cheap_prefix = [0] + list(itertools.accumulate(self._cheap))
+        self._seconds = c.forward_seconds or (0.0,) * self.n  # what running each unit again takes, where timed
+        self._seconds_prefix = [0.0] + list(itertools.accumulate(self._seconds))
         self._light_prefix = [0] + list(itertools.accumulate(c.light_flops or (0,) * self.n))
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
@@ -88,18 +88,12 @@ class PeakModel:
         self._region_steps: Dict[Tuple[Region, bool], tuple] = {}  # see _step_region
         self._choices = RegionTemplates(self)
 
-    def cost_key(self, cost: Tuple[int, int]) -> tuple:
-        """What plans are compared by, for a recompute ``cost`` of (FLOPs, cheap bytes): under
-        ``"flops"`` FLOPs first, then bytes; under ``"time"`` the predicted seconds first,
-        in FLOPs with each cheap byte priced at :func:`cheap_byte_price`, then FLOPs."""
-        if self.objective == "flops":
-            return cost
-        return (cost[0] + self.flops_per_byte * cost[1], cost[0], cost[1])
-
-    def recompute_seconds(self, cost: Tuple[int, int]) -> float:
-        """Predicted wall time of a recompute ``cost`` (0 where the profile has no timings)."""
-        c = self.costs
-        return sum(c.expensive_seconds) / max(1, sum(c.flops)) * (cost[0] + cheap_byte_price(c) * cost[1])
+    def cost_key(self, cost: "Cost") -> tuple:
+        """What plans are compared by, for a recompute ``cost`` of (FLOPs, cheap bytes, seconds):
+        under ``"flops"`` FLOPs first, then bytes; under ``"time"`` the measured seconds
+        first (see :mod:`trunksplit.planning.timing`), then FLOPs. Without timings in the
+        profile, seconds are all 0 and ``"time"`` compares FLOPs, then bytes."""
+        return cost[:2] if self.objective == "flops" else (cost[2], cost[0], cost[1])
 
     def boundary(self, a: int) -> int:
         """Bytes a segment starting at unit ``a`` keeps as its input (the chain's own input is not counted)."""
@@ -128,10 +122,10 @@ class PeakModel:
             # last one that saves a tensor of its own do not run (a unit that keeps only its
             # input, as a lone convolution does, needs only the units before it).
             if c.saves_input[i]:
-                cost, pending = _add(cost, pending), (0, 0)
-            pending = _add(pending, (c.flops[i], self._cheap[i]))
+                cost, pending = _add(cost, pending), NOTHING
+            pending = _add(pending, (c.flops[i], self._cheap[i], self._seconds[i]))
             if c.saved[i] or c.keeps_output[i]:
-                cost, pending = _add(cost, pending), (0, 0)
+                cost, pending = _add(cost, pending), NOTHING
         return _Scan(kept, forward, backward, counted, cost, pending)
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
@@ -150,14 +144,15 @@ class PeakModel:
         kept += held
         counted = counted if output_counted is None else output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
-            cost, pending = (cost[0] + pending[0], cost[1] + pending[1]), body
-        return _Scan(kept, forward, backward, counted, (cost[0] + again[0], cost[1] + again[1]), pending)
+            cost, pending = _add(cost, pending), body
+        return _Scan(kept, forward, backward, counted, _add(cost, again), pending)
 
     def _region(self, region: Region) -> tuple:
         """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
         forward's peak, its backward's peak, whether its output is counted as kept (None:
         its output is its input's storage), what its own backward runs again, what running
-        it once costs: (FLOPs, cheap bytes) both)."""
+        it once costs: (FLOPs, cheap bytes, seconds) both; a region's seconds are measured
+        under its policy, overhead included)."""
         if region not in self._regions:
             r, s, policy = region
             c = self.costs.under(policy)
@@ -167,11 +162,12 @@ class PeakModel:
                 held += c.saved[i]
             allocates = s == self.n or self.costs.input_from[s] >= r  # the region's output is a storage it allocated
             flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
+            seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
             # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
             # the light ones, or none ("save_expensive"); and its cheap ops
             alone = self._alone(r, s)
-            again = {"recompute": alone.cost, "recompute_stages": (2 * flops, 2 * cheap),
-                     "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap))
+            again = {"recompute": alone.cost[:2], "recompute_stages": (2 * flops, 2 * cheap),
+                     "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap)) + (seconds,)
             if policy == "recompute_stages":
                 if (r, s) not in self.spans:
                     raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
@@ -179,7 +175,8 @@ class PeakModel:
                 backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r]
             else:
                 backward = self._region_backward(alone, s)
-            self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, (flops, cheap))
+            body = (flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])
+            self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
         return self._regions[region]
 
     def _alone(self, r: int, s: int) -> "_Scan":
@@ -225,14 +222,14 @@ class PeakModel:
             if (i == self.n) if last else (i < self.n):  # the last segment ends at n; others before it
                 yield i, self._local(state, i), state.cost
 
-    def _segment(self, a: int, b: int, regions: Iterable[Region]) -> Tuple[int, Tuple[int, int]]:
+    def _segment(self, a: int, b: int, regions: Iterable[Region]) -> Tuple[int, "Cost"]:
         inside = [g for g in regions if a <= g[0] and g[1] <= b]
         for stop, local, cost in self._scan(a, inside, last=b == self.n, stop=b):
             if stop == b:
                 return local, cost
         raise ValueError(f"segment [{a}, {b}) does not end at a unit boundary of its regions")
 
-    def options(self, a: int, b: int) -> List[Tuple[int, Tuple[int, int], FrozenSet[Region]]]:
+    def options(self, a: int, b: int) -> List[Tuple[int, "Cost", FrozenSet[Region]]]:
         """The choices of regions for segment [a, b) worth considering (see :meth:`RegionTemplates.options`)."""
         return self._choices.options(a, b)
 
@@ -240,8 +237,8 @@ class PeakModel:
         """The predicted peak while each segment runs, for segments starting at ``starts`` (first is 0)."""
         return [peak for peak, _ in self.segments(starts, regions)]
 
-    def segments(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[Tuple[int, Tuple[int, int]]]:
-        """Each segment's predicted peak and recompute (FLOPs, cheap bytes)."""
+    def segments(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> List[Tuple[int, "Cost"]]:
+        """Each segment's predicted peak and recompute (FLOPs, cheap bytes, seconds)."""
         regions = list(regions)
         bounds = list(starts) + [self.n]
         prefix, out = 0, []
@@ -256,7 +253,7 @@ class PeakModel:
 
     def total_recompute(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
         """The FLOPs a step runs again (see :meth:`_step`)."""
-        return sum(flops for _, (flops, _) in self.segments(starts, regions))
+        return sum(cost[0] for _, cost in self.segments(starts, regions))
 
 
 class _Scan(NamedTuple):
@@ -267,28 +264,15 @@ class _Scan(NamedTuple):
     forward: int  # max over units so far of (kept before it + its forward peak)
     backward: int  # max over units so far of (kept up to it + its backward excess + gradients allocated)
     counted: bool  # the current activation's storage is already in ``kept``
-    cost: Tuple[int, int]  # recompute so far: (FLOPs, cheap bytes)
-    pending: Tuple[int, int]  # recompute of the units since the last that saves a tensor: paid only if a later one does
+    cost: "Cost"  # recompute so far
+    pending: "Cost"  # recompute of the units since the last that saves a tensor: paid only if a later one does
 
 
-_EMPTY = _Scan(0, 0, 0, True, (0, 0), (0, 0))  # a segment's input is its boundary, counted in the prefix
+Cost = Tuple[int, int, float]  # what a plan runs again: (FLOPs, bytes written by cheap ops, seconds where timed)
+NOTHING: Cost = (0, 0, 0.0)
+_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING)  # a segment's input is its boundary, counted in the prefix
 
 
-def _add(a: Tuple[int, int], b: Tuple[int, int]) -> Tuple[int, int]:
-    return (a[0] + b[0], a[1] + b[1])
+def _add(a: Cost, b: Cost) -> Cost:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
-
-def cheap_byte_price(costs: UnitCosts) -> float:
-    """How many FLOPs of expensive ops take as long as writing one byte in cheap ops, on the
-    device profiled: the roofline of this model, from the whole forward's timings (ops
-    timed one by one; see :attr:`UnitCosts.expensive_seconds`).
-
-    Rounded to a power of 2**(1/4): a measured rate varies a few percent from run to run,
-    and the rounding keeps a plan from flipping with it (except near a step). 0 where the
-    profile has no timings, which leaves "time" comparing FLOPs, then bytes, as "flops" does."""
-    flops, cheap = sum(costs.flops), sum(costs.recompute_bytes)
-    heavy_seconds, cheap_seconds = sum(costs.expensive_seconds), sum(costs.cheap_seconds)
-    if not (flops and cheap and heavy_seconds and cheap_seconds):
-        return 0.0
-    ratio = (cheap_seconds / cheap) / (heavy_seconds / flops)
-    return 2 ** (round(4 * math.log2(ratio)) / 4)

@@ -17,6 +17,7 @@ from ..recompute.checkpoint import map_tensors
 from ..recompute.regions import REGION_POLICIES, run_region
 from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts, staged_graph
 from .memory import StorageWeakRef, _TensorAccounting, tensors_in
+from .timing import RERUNS, forward_seconds, step_seconds
 
 
 def _drop_hooks(module: nn.Module) -> None:
@@ -54,9 +55,14 @@ class UnitCosts:
       attention) write in a forward: what running them again costs, in traffic.
     - ``light_flops``: FLOPs of the unit's light expensive ops (see
       :func:`trunksplit.recompute.checkpoint.is_heavy`): what the ``"save_heavy"`` policy runs again.
-    - ``expensive_seconds`` / ``cheap_seconds``: wall time of the unit's expensive ops
-      (those whose FLOPs are counted) and of its cheap ops in a warm forward: what
-      prices recompute in time (see :meth:`trunksplit.planning.peak.PeakModel.cost_key`).
+    - ``forward_seconds``: wall time of the unit's forward (with autograd, warm, the
+      faster of two runs): what running it again in a checkpoint's backward takes.
+      Measured only for the ``"time"`` objective (``profile_units(..., timed=True)``).
+    - ``again_seconds``: under a region policy, what running a span so adds to its
+      training step (forward and backward, against the units run plainly), at the
+      span's first unit: the recompute, and the policy's own overhead (a selective
+      checkpoint intercepts every op in both passes, which costs more than the cheap
+      ops it reruns on small ones).
     - ``policies``: per region policy (see :func:`trunksplit.recompute.regions.run_region`),
       the chain with each measured span run as one region under it: only
       ``saved``, ``keeps_output``, ``forward_peak`` and ``backward_excess`` (the
@@ -78,8 +84,8 @@ class UnitCosts:
     param_bytes: Tuple[int, ...]
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
-    expensive_seconds: Tuple[float, ...] = ()
-    cheap_seconds: Tuple[float, ...] = ()
+    forward_seconds: Tuple[float, ...] = ()
+    again_seconds: Tuple[float, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
 
@@ -91,7 +97,7 @@ class UnitCosts:
         return self.policies[policy]
 
 
-def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = ()) -> UnitCosts:
+def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
@@ -104,10 +110,12 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     may not run alone under a checkpoint: the stem's ``ReLU(inplace=True)`` would
     overwrite the input its recompute needs.
     Measures with autograd on whatever the caller's mode: a plan made under
-    ``no_grad`` or ``inference_mode`` is the training plan.
+    ``no_grad`` or ``inference_mode`` is the training plan. ``timed``: also the wall
+    times the ``"time"`` objective plans from (see :mod:`trunksplit.planning.timing`;
+    about three more steps, and two per region policy).
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops", "expensive_seconds", "cheap_seconds")
-    fields = {k: [] for k in keys}
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops")
+    fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
     span = None  # (start, its input, private copies of its units so far) while inside a span
@@ -129,12 +137,18 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             fields["flops"].append(int(flops.get_total_flops()))
             fields["recompute_bytes"].append(tracker.cheap_bytes)
             fields["light_flops"].append(tracker.light_flops)
+            if timed:
+                fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
             if span is not None:
                 span[2].append(m)
                 start, span_input, members = span
                 if i + 1 == span_stop[start]:
+                    plain_span = timed and step_seconds(nn.Sequential(*members), span_input, start > 0, "keep")
                     for policy, measured in under_policy.items():
-                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
+                        cost = measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
+                        if timed and cost is not None:
+                            run = step_seconds(nn.Sequential(*members), span_input, start > 0, policy)
+                            cost["again_seconds"] = max(run - plain_span, RERUNS[policy] * sum(fields["forward_seconds"][start:]))
                     span = None
             if not isinstance(next_h, torch.Tensor) or not isinstance(h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
@@ -154,6 +168,7 @@ def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]
     cannot run under the policy keeps the plain figures."""
     fields = ("saved", "forward_peak", "backward_excess", "keeps_output")
     values = {k: list(getattr(costs, k)) for k in fields}
+    values["again_seconds"] = [0.0] * len(costs)
     eligible = [False] * len(costs)
     for (r, s), cost in measured.items():
         if cost is None:
@@ -162,6 +177,7 @@ def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]
             values["saved"][i], values["forward_peak"][i], values["backward_excess"][i], values["keeps_output"][i], eligible[i] = 0, 0, 0, False, True
         for k in ("saved", "forward_peak", "backward_excess"):
             values[k][r] = cost[k]
+        values["again_seconds"][r] = cost.get("again_seconds", 0.0)
         values["keeps_output"][s - 1] = cost["keeps_output"]
     return replace(costs, eligible=tuple(eligible), **{k: tuple(v) for k, v in values.items()})
 
@@ -244,12 +260,9 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     # the chain's input may be a list or dict of tensors (then it is the first unit's, which needs no gradient)
     leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
     inp = map_tensors(torch.clone, leaf) if input_needs_grad else leaf  # not a leaf, so an in-place first op is allowed
-    tracker = _TensorAccounting(timed=policy == "keep")  # warm: the unit ran once under the FLOP counter
+    tracker = _TensorAccounting()
     out, kept = _forward_keeping(m, inp, tracker, policy)
     forward_peak, after_forward = tracker.peak, tracker.current
-    if policy == "keep":
-        kept.update(expensive_seconds=tracker.expensive_seconds, cheap_seconds=tracker.cheap_seconds)
-        tracker.timed = False
     outs = [t for t in tensors_in(out) if t.requires_grad]
     if outs:
         # The gradient arriving at the unit must be allocated inside the measured window and

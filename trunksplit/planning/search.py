@@ -16,7 +16,7 @@ from torch import nn
 
 from ..chains.blocks import expand_units, layer_splittable_before
 from .memory import tensors_in
-from .peak import PeakModel
+from .peak import NOTHING, PeakModel, _add
 from .plan import Segment, SplitPlan
 from .profile import profile_units
 from .templates import Region, _as_run
@@ -72,7 +72,7 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
     allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
     limit = num_segments or max_segments or n
     # states[p]: {count: [(prefix, peak, recompute, starts, regions)]}, Pareto-pruned
-    states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, (0, 0), (), frozenset())]}}
+    states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, NOTHING, (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
             entries = _pareto(entries, model.cost_key, with_cost)
@@ -89,7 +89,7 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
                         new_peak = max(peak, new_prefix + local)
                         if budget is not None and new_peak > budget:
                             continue
-                        new_recompute = (recompute[0] + cost[0], recompute[1] + cost[1])
+                        new_recompute = _add(recompute, cost)
                         if max_recompute is not None and new_recompute[0] > max_recompute:
                             continue
                         states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
@@ -120,15 +120,14 @@ def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
     predicted = model.segments([s.start for s in plan.segments], plan.regions)
     segments = tuple(
         replace(s, predicted_bytes=peak, recompute_flops=flops, recompute_bytes=cheap)
-        for s, (peak, (flops, cheap)) in zip(plan.segments, predicted)
+        for s, (peak, (flops, cheap, _)) in zip(plan.segments, predicted)
     )
     plan = replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
     if model.objective != "time":
         return plan
-    cost = (sum(s.recompute_flops for s in segments), sum(s.recompute_bytes for s in segments))
-    priced = (f"objective time: a byte written by cheap ops costs as much as {model.flops_per_byte:.3g} FLOPs here; "
-              f"predicted recompute {model.recompute_seconds(cost) * 1e3:.0f} ms per step")
-    return replace(plan, note="\n".join(filter(None, [plan.note, priced])))
+    seconds = sum(cost[2] for _, cost in predicted)
+    timed = f"objective time: what runs again takes {seconds * 1e3:.0f} ms per step, from times measured while profiling"
+    return replace(plan, note="\n".join(filter(None, [plan.note, timed])))
 
 
 def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, int], strategy: str, model: PeakModel) -> SplitPlan:
@@ -163,7 +162,8 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     plan regions (about three times the profiling)."""
     units = expand_units(trunk._blocks())
     spans = region_spans(units) if regions else []
-    return PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
+    timed = trunk.objective == "time"
+    return PeakModel(profile_units(units, x, spans, timed), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
 
 
 def budget_in_bytes(budget, unsplit: int) -> int:

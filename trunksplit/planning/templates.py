@@ -24,9 +24,9 @@ class RegionTemplates:
         self._options: Dict[int, Dict[int, list]] = {}
         self._templates: Optional[List[List[Region]]] = None
 
-    def options(self, a: int, b: int) -> List[Tuple[int, Tuple[int, int], FrozenSet[Region]]]:
+    def options(self, a: int, b: int) -> List[Tuple[int, tuple, FrozenSet[Region]]]:
         """The choices of regions for segment [a, b) worth considering: (local peak,
-        recompute (FLOPs, cheap bytes), regions), none worse in both than another.
+        recompute (FLOPs, cheap bytes, seconds), regions), none worse in both than another.
 
         The choices are the model's templates (see :meth:`templates`) restricted to the
         segment (a region it cuts through is dropped), each evaluated exactly."""

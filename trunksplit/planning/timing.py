@@ -1,0 +1,65 @@
+"""Wall times for the ``"time"`` objective: what running a unit again, or a span under a
+region policy, costs on the device in use.
+
+Memory is counted exactly by a tracker; time cannot be. These are wall-clock
+measurements of warm runs outside any tracker (a dispatch mode would slow every op
+and hide a selective checkpoint's own per-op overhead, which is what they must see),
+the faster of ``REPEATS``: the least disturbed by other work on a shared machine. They
+vary from run to run by a few percent, so a ``"time"`` plan may too where two choices
+are that close.
+"""
+import time
+from typing import Any, Callable, Tuple
+
+import torch
+from torch import nn
+
+from ..recompute.checkpoint import map_tensors
+from ..recompute.regions import run_region
+from .memory import tensors_in
+
+REPEATS = 2
+# How many times a region's backward reruns its forward at least, per policy: a floor under
+# the measured extra time of a region (the difference of two timings may come out below it)
+RERUNS = {"save_expensive": 0, "save_heavy": 0, "recompute": 1, "recompute_stages": 2}
+
+
+def fastest(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
+    """The least wall time of ``repeats`` calls of ``fn`` (CUDA work included: synchronised)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def forward_seconds(m: nn.Module, h: Any, input_needs_grad: bool) -> float:
+    """Seconds of a forward of a private copy ``m`` on ``h``, with autograd (as a recompute runs it)."""
+    return fastest(lambda: m(_input(h, input_needs_grad)), _device(h))
+
+
+def step_seconds(m: nn.Module, h: Any, input_needs_grad: bool, policy: str) -> float:
+    """Seconds of one forward and backward of ``m`` (an ``nn.Sequential`` of a span's units
+    under a region ``policy``, or any module with ``"keep"``) on ``h``."""
+
+    def step():
+        out = m(_input(h, input_needs_grad)) if policy == "keep" else run_region(list(m), _input(h, input_needs_grad), policy)
+        outs = [t for t in tensors_in(out) if t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    return fastest(step, _device(h))
+
+
+def _input(h: Any, needs_grad: bool) -> Any:
+    leaf = map_tensors(lambda t: t.detach().requires_grad_(needs_grad), h)
+    return map_tensors(torch.clone, leaf) if needs_grad else leaf  # not a leaf: an in-place first op is allowed
+
+
+def _device(h: Any) -> torch.device:
+    return next(iter(tensors_in(h))).device
