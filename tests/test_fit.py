@@ -6,7 +6,7 @@ import pytest
 import torch
 import torchvision
 
-from trunksplit import PeakMemory, fit
+from trunksplit import PeakMemory, fit, scaling
 from trunksplit.cli import main
 from trunksplit.fit import parse_bytes
 
@@ -166,3 +166,25 @@ def test_fit_for_one_of_many_fsdp_ranks_counts_shards_and_predicts_a_larger_batc
     assert main(["fit", "--arch", "resnet18", "--input", "3x64x64", "--memory", "300MiB", "--world-size", "8", "--optimizer", "adamw"]) == 0
     out = capsys.readouterr().out
     assert "per rank at world size 8" in out and "one of 8 FSDP2 ranks" in out
+
+
+def test_scaling_compares_plans_per_rank_with_shards_counted_by_hand():
+    """``trunksplit.scaling`` (tools/fsdp_scaling.py): per world size, trunksplit's plan fits at
+    least the batch of a checkpoint around every unit, with less recompute, and both more than no
+    checkpoint; parameters are each rank's ceil(rows / N) rows, AdamW's state twice the gradients' and its step counts."""
+    model = _model()
+    rows = scaling(model, SHAPE, "300MiB", "adamw", world_sizes=(1, 4))
+    trained = [p for p in model.features.parameters()]  # the trunk: everything up to the pooled feature
+    head = sum(p.numel() * 4 for p in model.classifier.parameters())
+    for n in (1, 4):
+        by_plan = {r.plan: r for r in rows if r.world_size == n}
+        shards = sum(math.ceil(p.shape[0] / n) * (p.numel() // p.shape[0]) * 4 for p in trained)
+        for r in by_plan.values():
+            assert r.rank.parameters == shards + head and r.rank.gradients == shards
+            assert r.rank.optimizer == 2 * shards + 4 * len(trained)  # exp_avg, exp_avg_sq, and a float32 step per weight
+            assert r.rank.total <= parse_bytes("300MiB")
+        ours, every, none = by_plan["trunksplit"], by_plan["every unit"], by_plan["none"]
+        assert ours.batch_size >= every.batch_size > none.batch_size > 0
+        assert none.recompute == 0 < ours.recompute <= every.recompute
+    # one rank: the batch fit() finds and checks with a real step
+    assert rows[0].batch_size == fit(copy.deepcopy(model), SHAPE, "300MiB", "adamw", verify=False).batch_size

@@ -14,7 +14,7 @@ Layers, each importing only those below it:
 """
 from .chains import feature_blocks, layer_splittable_before, register_trunk
 from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk
-from .fit import Fit, fit
+from .fit import Fit, ScalingRow, fit, scaling
 from .lars import LARS
 from .planning.memory import PeakMemory
 from .planning.plan import Segment, SplitPlan
@@ -32,6 +32,8 @@ __all__ = [
     "Fit",
     "LARS",
     "fit",
+    "scaling",
+    "ScalingRow",
     "PeakMemory",
     "apply_activation_checkpointing",
     "by_name",

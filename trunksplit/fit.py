@@ -15,11 +15,12 @@ a head and loss of your own add their activations on top (small next to a
 trunk's). On a GPU the figure is the caching allocator's, so fragmentation and
 cuDNN workspaces are not modelled; leave a margin.
 """
+import copy
 import math
 import re
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -124,9 +125,7 @@ def fit(
     chain = _ScaledChain(trunk(), input_shape, device, world_size)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident, flight = rank.resident, rank.in_flight
-    # the optimizer's step: gradients (all allocated by then) + its temporaries (measured whole, scaled to a shard)
-    transient = _optimizer_step_transient(chain.trunk, optimizer) * rank.gradients // max(1, chain.full_grad_bytes)
-    optimizer_peak = (rank.gradients if gradients == "allocated" else 0) + transient
+    optimizer_peak = _optimizer_peak(chain, rank, _optimizer_step_transient(chain.trunk, optimizer))
 
     def total(batch: int) -> int:
         return resident + max(chain.lowest_peak(batch) + flight, optimizer_peak)
@@ -154,6 +153,55 @@ def fit(
     return Fit(batch, fitted, plan, predicted, resident, resident + predicted, measured, memory, rank)
 
 
+@dataclass
+class ScalingRow:
+    """One line of :func:`scaling`: a plan's largest per-rank batch at a world size."""
+
+    world_size: int
+    plan: str  # one of SCALING_PLANS
+    batch_size: int  # the largest per-rank batch whose step fits (0: not one image)
+    recompute: float  # FLOPs run again per step / forward FLOPs, at that batch
+    rank: RankMemory  # one rank's bytes by part at that batch (step_peak: activations, allocated gradients)
+
+
+# what scaling() compares: trunksplit's lowest-peak plan, a checkpoint around every unit (torchtitan's
+# per-block default, each block of a stage its own segment), and no checkpoint
+SCALING_PLANS = ("trunksplit", "every unit", "none")
+
+
+def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str], optimizer: Optional[str] = "adamw",
+            world_sizes: Sequence[int] = (1, 8, 64, 512), gradients: str = "allocated") -> List[ScalingRow]:
+    """Predicted per-rank memory and largest per-rank batch under FSDP2 at each of
+    ``world_sizes``, for each of :data:`SCALING_PLANS`: the arithmetic of :func:`fit`
+    (``verify=False``), from one profile of the trunk at two small batches, shards
+    counted for each world size. A prediction: nothing runs sharded here."""
+    memory = parse_bytes(memory)
+    device = next(model.parameters()).device
+    base = _ScaledChain(CheckpointedTrunk(feature_blocks(model), gradients=gradients), input_shape, device)
+    transient = _optimizer_step_transient(base.trunk, optimizer)
+    rows = []
+    for n in world_sizes:
+        chain = base.sharded(n)
+        rank = rank_memory(model, chain.units, n, optimizer, 0, gradients)
+        optimizer_peak = _optimizer_peak(chain, rank, transient)
+        for kind in SCALING_PLANS:
+
+            def total(batch: int) -> int:
+                return rank.resident + max(chain.peak(batch, kind) + rank.in_flight, optimizer_peak)
+
+            batch = _largest(lambda b: total(b) <= memory) if total(1) <= memory else 0
+            peak, recompute = chain.least_recompute(max(batch, 1), kind, memory - rank.resident - rank.in_flight)
+            rows.append(ScalingRow(n, kind, batch, recompute, replace(rank, step_peak=peak)))
+    return rows
+
+
+def _optimizer_peak(chain: "_ScaledChain", rank: RankMemory, transient: int) -> int:
+    """The optimizer step's peak beyond what is resident: the gradients (all allocated by then)
+    and its temporaries (``transient``, measured on the whole model, scaled to a shard)."""
+    scaled = transient * rank.gradients // max(1, chain.full_grad_bytes)
+    return (rank.gradients if not rank.gradients_kept else 0) + scaled
+
+
 class _ScaledChain:
     """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
     any batch from costs scaled linearly (see :func:`_scaled`), for one of ``world_size`` ranks."""
@@ -166,9 +214,38 @@ class _ScaledChain:
         self.splittable = [layer_splittable_before(m) for _, m in units]
         self.forced = [stop for stop in trunk._ends.values() if stop < len(units)]
         self.features = [stop - 1 for stop in trunk._ends.values()]
-        small = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
-        self.full_grad_bytes = sum(small[0].param_bytes)
-        self.small = [sharded_costs(c, self.units, world_size) for c in small] if world_size > 1 else small
+        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
+        self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
+        self.small = self.unsharded
+        if world_size > 1:
+            self.small = [sharded_costs(c, self.units, world_size) for c in self.unsharded]
+
+    def sharded(self, world_size: int) -> "_ScaledChain":
+        """The same chain for one of ``world_size`` FSDP2 ranks, without profiling again."""
+        chain = copy.copy(self)
+        chain.small = [sharded_costs(c, self.units, world_size) for c in self.unsharded] if world_size > 1 else self.unsharded
+        return chain
+
+    def peak(self, batch: int, kind: str) -> int:
+        """The step peak at ``batch`` of a plan of :data:`SCALING_PLANS` (trunksplit's: the lowest)."""
+        if kind == "trunksplit":
+            return self.lowest_peak(batch)
+        peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
+        return peaks.peak(self._fixed_starts(kind))
+
+    def least_recompute(self, batch: int, kind: str, budget: int) -> Tuple[int, float]:
+        """(step peak, FLOPs run again / forward FLOPs) at ``batch``: trunksplit's plan with the
+        least recompute within ``budget`` (where one fits; else the lowest peak), or the fixed one."""
+        peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
+        starts = self._fixed_starts(kind) if kind != "trunksplit" else None
+        if starts is None:
+            cuts = best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+            starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits)).starts
+        return peaks.peak(starts), peaks.total_recompute(starts) / max(1, sum(peaks.costs.flops))
+
+    def _fixed_starts(self, kind: str) -> List[int]:
+        """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
+        return [0] + ([i for i in range(1, len(self.units)) if self.splittable[i]] if kind == "every unit" else [])
 
     def _cuts(self, batch: int, budget: Optional[int] = None):
         peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)

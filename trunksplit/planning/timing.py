@@ -9,7 +9,7 @@ vary from run to run by a few percent, so a ``"time"`` plan may too where two ch
 are that close.
 """
 import time
-from typing import Any, Callable, Tuple
+from typing import Any, Callable
 
 import torch
 from torch import nn
