@@ -122,10 +122,10 @@ class PeakModel:
             # last one that saves a tensor of its own do not run (a unit that keeps only its
             # input, as a lone convolution does, needs only the units before it).
             if c.saves_input[i]:
-                cost, pending = _add(cost, pending), NOTHING
-            pending = _add(pending, (c.flops[i], self._cheap[i], self._seconds[i]))
+                cost, pending = add_costs(cost, pending), NOTHING
+            pending = add_costs(pending, (c.flops[i], self._cheap[i], self._seconds[i]))
             if c.saved[i] or c.keeps_output[i]:
-                cost, pending = _add(cost, pending), NOTHING
+                cost, pending = add_costs(cost, pending), NOTHING
         return _Scan(kept, forward, backward, counted, cost, pending)
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
@@ -144,8 +144,8 @@ class PeakModel:
         kept += held
         counted = counted if output_counted is None else output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
-            cost, pending = _add(cost, pending), body
-        return _Scan(kept, forward, backward, counted, _add(cost, again), pending)
+            cost, pending = add_costs(cost, pending), body
+        return _Scan(kept, forward, backward, counted, add_costs(cost, again), pending)
 
     def _region(self, region: Region) -> tuple:
         """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
@@ -273,6 +273,6 @@ NOTHING: Cost = (0, 0, 0.0)
 _EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING)  # a segment's input is its boundary, counted in the prefix
 
 
-def _add(a: Cost, b: Cost) -> Cost:
+def add_costs(a: Cost, b: Cost) -> Cost:
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..chains.blocks import expand_units, layer_splittable_before
 from .memory import tensors_in
-from .peak import NOTHING, PeakModel, _add
+from .peak import NOTHING, PeakModel, add_costs
 from .plan import Segment, SplitPlan
 from .profile import profile_units
 from .templates import Region, _as_run
@@ -89,7 +89,7 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
                         new_peak = max(peak, new_prefix + local)
                         if budget is not None and new_peak > budget:
                             continue
-                        new_recompute = _add(recompute, cost)
+                        new_recompute = add_costs(recompute, cost)
                         if max_recompute is not None and new_recompute[0] > max_recompute:
                             continue
                         states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
