@@ -79,12 +79,7 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             rows.append(trunk_row(f"vissl k={k}", "vissl", trunk(num_splits=k)))
             rows.append(trunk_row(f"balanced k={k}", "balanced", trunk(num_splits=k, strategy="balanced")))
     for b in budgets:
-        for o in objectives:  # with several, each budget row is labelled with its objective
-            name, strategy = (f"budget {b:g}, {o}", f"budget ({o})") if len(objectives) > 1 else (f"budget {b:g}", "budget")
-            try:
-                rows.append(trunk_row(name, strategy, trunk(memory_budget=b, objective=o)))
-            except ValueError as e:
-                rows.append(Row(arch, name, strategy, None, note=str(e).split("; ")[-1]))
+        rows += [_budget_row(arch, b, o, len(objectives) > 1, trunk_row, trunk) for o in objectives]
         rows.append(_cuts_only_row(arch, trunk(memory_budget=b, objective=objectives[0]), x, cuts_only, model, total_flops))
     if budgets:  # the smallest feasible budget, asked for
         floor = model.peak(*best_plan(model, _splittable(plain), []))
@@ -96,6 +91,15 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             names = wrap_selected(wrapped, every_k(k, block))
             rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(wrapped), wrapped))
     return rows
+
+
+def _budget_row(arch, budget, objective, labelled, trunk_row, trunk) -> Row:
+    """The budget plan under ``objective`` (named for it where several are compared)."""
+    name, strategy = (f"budget {budget:g}, {objective}", f"budget ({objective})") if labelled else (f"budget {budget:g}", "budget")
+    try:
+        return trunk_row(name, strategy, trunk(memory_budget=budget, objective=objective))
+    except ValueError as e:
+        return Row(arch, name, strategy, None, note=str(e).split("; ")[-1])
 
 
 def _plan_row(arch, name, strategy, trunk, plan, total_flops) -> Row:

@@ -208,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
     f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
     f.set_defaults(fn=_fit)
+    _add_bench_data_parser(sub)
+    return parser
+
+
+def _add_bench_data_parser(sub) -> None:
     d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
     d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
     d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4])
@@ -216,7 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--folder", default="", help="an ImageFolder root of JPEGs; default: synthetic images written as JPEGs")
     d.add_argument("--jpegs", type=_positive, default=64, help="how many JPEGs to write when --folder is not given")
     d.set_defaults(fn=_bench_data)
-    return parser
 
 
 def _bench_data(args) -> int:
