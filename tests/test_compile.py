@@ -44,3 +44,26 @@ def test_a_compiled_trunk_trains_as_the_eager_model(name, plan):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
     for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
         assert torch.equal(a, b), n  # BatchNorm statistics and num_batches_tracked moved once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,plan", [("resnet18", "budget_regions"), ("resnet18", "balanced"), ("vit", "balanced")])
+def test_inductor_compiled_trunk_trains_as_the_inductor_compiled_plain_model(name, plan):
+    """Inductor's code generation, as users compile: the planned trunk's step equals the
+    compiled plain model's (float tolerance: the two graphs fuse differently), BatchNorm
+    statistics move once, and dropout draws the same masks (inductor falls back to torch's
+    RNG here, as torch's own compile tests do to compare runs)."""
+    torch._dynamo.reset()
+    plain = CheckpointedTrunk(small(name))
+    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    x = input_for(name)
+    trunk.plan_for(x)
+    with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True):  # private: no public switch
+        warnings.simplefilter("ignore")
+        for model in (plain, trunk):
+            torch.manual_seed(3)
+            loss_of(torch.compile(model)(x)).backward()
+    for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):  # relative to the gradient's norm: fused sums round differently
+        assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), (n, ((a.grad - b.grad).norm() / a.grad.norm()).item())
+    for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-6), n

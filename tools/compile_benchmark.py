@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""trunksplit under torch.compile, side by side with torch's own memory budget: one run per model.
+
+    python tools/compile_benchmark.py --arch resnet50 convnext_tiny vit_b_16 --budgets 0.7 0.5 0.3
+
+Rows, each a training step of the same trunk on the same batch (gradients kept):
+trunksplit eager at each budget, the plain trunk compiled with inductor, compiled with
+``activation_memory_budget`` at each budget, and the budget-planned trunk compiled. Peaks are the
+step's beyond what was live before it. On CPU every row is metered by ``torch.profiler``'s memory
+events (``trunksplit.planning.memory.profiled_peak``: the only meter that sees inside compiled code;
+it reads a few percent above the exact tensor tracker), and the eager rows by the tracker too; on
+CUDA by the allocator's statistics. Ratios are to the plain eager step under the same meter; step
+times are medians of interleaved repeats, as ratios to the compiled plain trunk.
+"""
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+from tabulate import tabulate
+from torch.utils.flop_counter import FlopCounterMode
+
+from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit.planning.memory import profiled_peak
+from trunksplit.ssl.backbones import build_backbone
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", nargs="+", default=["resnet50"])
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.7, 0.5, 0.3])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--repeats", type=int, default=5)
+    return p
+
+
+def _step(model, x) -> None:
+    sum(f.float().sum() for f in model(x)).backward()
+
+
+def _peak(model, x, exact: bool) -> int:
+    """The peak of a step after the first (gradients kept: zeroed, not freed)."""
+    if any(p.grad is None for p in model.parameters()):
+        _step(model, x)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    if x.is_cuda or exact:
+        with PeakMemory(x.device) as mem:
+            _step(model, x)
+        return mem.peak_bytes
+    return profiled_peak(lambda: _step(model, x))
+
+
+def _compiled(model, x, budget=None):
+    """``torch.compile(model)``, compiled by two steps (under ``activation_memory_budget``, if
+    given); returns it and the seconds they took."""
+    # Private: each row compiles its own graph. Dynamo would hand a new module of the same
+    # structure the graph compiled for an earlier row (parameters are graph inputs); a backend
+    # object of its own per row gets a graph of its own (dynamo guards a graph on its backend),
+    # while torch._dynamo.reset() would drop the earlier rows' graphs, to be compiled again at
+    # another budget. Inductor's caches are skipped for the same reason. activation_memory_budget
+    # is torch's own memory budget, read when AOT autograd partitions the graph.
+    inductor = torch._dynamo.lookup_backend("inductor")
+    torch._dynamo.config.recompile_limit = 64
+    torch._inductor.config.force_disable_caches = True
+    torch._functorch.config.activation_memory_budget = 1.0 if budget is None else budget
+    compiled = torch.compile(model, backend=lambda gm, example_inputs: inductor(gm, example_inputs))
+    start = time.perf_counter()
+    try:
+        for _ in range(2):  # warm: whatever a second step would compile, it compiles here
+            _step(compiled, x)
+    finally:
+        torch._functorch.config.activation_memory_budget = 1.0
+    return compiled, time.perf_counter() - start
+
+
+def rows_for(arch: str, x: torch.Tensor, budgets):
+    """Every row, built, compiled and its peak measured at once (a compiled row measured after
+    others compiled can see a graph compiled again under another budget)."""
+    torch.manual_seed(0)
+    base = build_backbone(arch, x.shape[-1]).to(x.device)
+
+    def trunk(**kw):
+        return CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients="kept", **kw)
+
+    plain = trunk()
+    forward = _forward_flops(plain, x)
+
+    def row(name, model, seconds, recompute, eager=False):
+        r = dict(name=name, model=model, seconds=seconds, recompute=recompute, peak=_peak(model, x, exact=False))
+        if eager:
+            r["exact"] = _peak(model, x, exact=True)
+        return r
+
+    def planned(b):
+        t = trunk(memory_budget=b)
+        start = time.perf_counter()
+        plan = t.plan_for(x)  # eagerly, as a compiled trunk's first forward would
+        return t, time.perf_counter() - start, sum(s.recompute_flops for s in plan.segments) / forward
+
+    rows = [row("plain eager", plain, 0.0, 0.0, eager=True)]
+    for b in budgets:
+        t, seconds, recompute = planned(b)
+        rows.append(row(f"trunksplit {b:g} eager", t, seconds, recompute, eager=True))
+    rows.append(row("compile plain", *_compiled(trunk(), x), 0.0))
+    for b in budgets:
+        rows.append(row(f"compile, activation_memory_budget {b:g}", *_compiled(trunk(), x, b), None))
+    for b in budgets:
+        t, seconds, recompute = planned(b)
+        model, compiling = _compiled(t, x)
+        rows.append(row(f"trunksplit {b:g} compiled", model, seconds + compiling, recompute))
+    return rows
+
+
+def _forward_flops(model, x) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    return counter.get_total_flops()
+
+
+def measure_times(rows, x, repeats: int) -> None:
+    """Step times, interleaved (load drifting on a shared machine hits every row alike), after
+    one untimed round."""
+    for r in rows:
+        r["times"] = []
+    for i in range(repeats + 1):
+        for r in rows:
+            start = time.perf_counter()
+            _step(r["model"], x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            if i:
+                r["times"].append(time.perf_counter() - start)
+
+
+def table(arch, rows, x) -> str:
+    plain = rows[0]
+    compiled_time = statistics.median(next(r for r in rows if r["name"] == "compile plain")["times"])
+    meter = "allocator" if x.is_cuda else "profiler"
+    body = [[r["name"], f"{r['peak'] / 2**20:.1f}", f"{r['peak'] / plain['peak']:.2f}",
+             f"{r['exact'] / plain['exact']:.2f}" if "exact" in r else "-",
+             "-" if r["recompute"] is None else f"{r['recompute']:.2f}",
+             f"{statistics.median(r['times']) / compiled_time:.2f}", f"{r['seconds']:.1f}"] for r in rows]
+    headers = ["row", f"peak MiB ({meter})", f"/ plain eager ({meter})", "/ plain eager (tracker)", "recompute / forward",
+               "step time / compiled plain", "plan + compile s"]
+    return f"### {arch}, input {tuple(x.shape)}, {x.device.type}, gradients kept\n\n" + tabulate(body, headers=headers, tablefmt="github")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    warnings.simplefilter("ignore")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0)).to(device)
+    for arch in args.arch:
+        rows = rows_for(arch, x, args.budgets)
+        measure_times(rows, x, args.repeats)
+        print(table(arch, rows, x) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
