@@ -20,6 +20,18 @@ from .recompute.regions import nested_policy, run_region
 STRATEGIES = ("vissl", "balanced")
 
 
+@torch.compiler.disable
+def _run_segment(run, layers: Sequence[nn.Module], x, use_reentrant: bool):
+    """A checkpointed segment, run eagerly even inside ``torch.compile`` (a graph break).
+
+    Compiled as torch's checkpoint operator, AOT autograd's backward did not keep the plan's
+    memory: ResNet-50 at 224px, budget 0.5, held 0.81 of the plain eager step (the plan: 0.50)
+    and stepped 1.26x compiled plain; at 0.3, 0.64. Run eagerly between compiled code, the
+    segment keeps what the plan predicted (tools/compile_benchmark.py, docs/benchmarks.md).
+    The regions of the last segment, which is not checkpointed, compile with it."""
+    return run_checkpointed(run, layers, (x, *layers), use_reentrant=use_reentrant)
+
+
 class CheckpointedTrunk(nn.Module):
     """A trunk that trains with checkpointed segments and returns the requested features.
 
@@ -190,8 +202,7 @@ class CheckpointedTrunk(nn.Module):
             # and, inside a checkpoint, keeps the checkpoint's input intact for the recompute.
             copy_input = seg.start > 0 and not layer_splittable_before(layers[0])
             if checkpointing and seg.checkpointed:
-                run = functools.partial(_run_layers, copy_input, regions, True)
-                x = run_checkpointed(run, layers, (x, *layers), use_reentrant=self.use_reentrant)
+                x = _run_segment(functools.partial(_run_layers, copy_input, regions, True), layers, x, self.use_reentrant)
             else:
                 x = _run_layers(copy_input, regions, False, x, *layers)
             if seg.stop in stops:
