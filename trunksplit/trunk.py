@@ -24,11 +24,11 @@ STRATEGIES = ("vissl", "balanced")
 def _run_segment(run, layers: Sequence[nn.Module], x, use_reentrant: bool):
     """A checkpointed segment, run eagerly even inside ``torch.compile`` (a graph break).
 
-    Compiled as torch's checkpoint operator, AOT autograd's backward did not keep the plan's
-    memory: ResNet-50 at 224px, budget 0.5, held 0.81 of the plain eager step (the plan: 0.50)
-    and stepped 1.26x compiled plain; at 0.3, 0.64. Run eagerly between compiled code, the
-    segment keeps what the plan predicted (tools/compile_benchmark.py, docs/benchmarks.md).
-    The regions of the last segment, which is not checkpointed, compile with it."""
+    Compiled as torch's checkpoint operator, AOT autograd's backward kept far more than the
+    plan: ResNet-50 at 224px, budget 0.3, held 0.64 of the plain eager step (the plan: 0.29);
+    with its segments run eagerly between compiled code, 0.51 (tools/compile_benchmark.py,
+    docs/benchmarks.md). The regions of the last segment, which is not checkpointed, still
+    compile as checkpoint operators, and keep too much the same way (budget 0.5: 0.81): open."""
     return run_checkpointed(run, layers, (x, *layers), use_reentrant=use_reentrant)
 
 
