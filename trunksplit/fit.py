@@ -216,14 +216,15 @@ class _ScaledChain:
         self.features = [stop - 1 for stop in trunk._ends.values()]
         self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
-        self.small = self.unsharded
-        if world_size > 1:
-            self.small = [sharded_costs(c, self.units, world_size) for c in self.unsharded]
+        self.small = self._costs_for(world_size)
+
+    def _costs_for(self, world_size: int) -> List[UnitCosts]:
+        return [sharded_costs(c, self.units, world_size) for c in self.unsharded] if world_size > 1 else self.unsharded
 
     def sharded(self, world_size: int) -> "_ScaledChain":
         """The same chain for one of ``world_size`` FSDP2 ranks, without profiling again."""
         chain = copy.copy(self)
-        chain.small = [sharded_costs(c, self.units, world_size) for c in self.unsharded] if world_size > 1 else self.unsharded
+        chain.small = self._costs_for(world_size)
         return chain
 
     def peak(self, batch: int, kind: str) -> int:
