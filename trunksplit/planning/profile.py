@@ -143,12 +143,11 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 span[2].append(m)
                 start, span_input, members = span
                 if i + 1 == span_stop[start]:
-                    plain_span = timed and step_seconds(nn.Sequential(*members), span_input, start > 0, "keep")
                     for policy, measured in under_policy.items():
-                        cost = measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
-                        if timed and cost is not None:
-                            run = step_seconds(nn.Sequential(*members), span_input, start > 0, policy)
-                            cost["again_seconds"] = max(run - plain_span, RERUNS[policy] * sum(fields["forward_seconds"][start:]))
+                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
+                    if timed:
+                        _time_span(members, span_input, start > 0, {p: m[(start, i + 1)] for p, m in under_policy.items()},
+                                   sum(fields["forward_seconds"][start:]))
                     span = None
             if not isinstance(next_h, torch.Tensor) or not isinstance(h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
@@ -158,6 +157,16 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
+
+
+def _time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: Dict[str, Optional[dict]], forward: float) -> None:
+    """Add to each policy's measured ``costs`` of a span what running it so adds to the span's
+    plain step (``again_seconds``), at least the forwards the policy reruns (``forward`` each)."""
+    span = nn.Sequential(*members)
+    plain = step_seconds(span, h, input_needs_grad, "keep")
+    for policy, cost in costs.items():
+        if cost is not None:
+            cost["again_seconds"] = max(step_seconds(span, h, input_needs_grad, policy) - plain, RERUNS[policy] * forward)
 
 
 def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:

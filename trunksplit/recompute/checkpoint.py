@@ -257,11 +257,12 @@ def run_checkpointed(
     """
     kwargs = kwargs or {}
     if torch.compiler.is_compiling() and not use_reentrant and keep is None:
-        # Under torch.compile the checkpoint is traced once, as torch's checkpoint higher-order
-        # op: AOT autograd reruns in backward only what backward needs, never a buffer's update
-        # (functionalized, applied once after the forward), so norm statistics need no guard
-        # here; and the guard's call counter is a side effect dynamo cannot trace in that op (it
-        # would run the whole segment eagerly).
+        # Under torch.compile (a region of the trunk's last segment: checkpointed segments run
+        # eagerly, see trunk._run_segment) the checkpoint is traced once, as torch's checkpoint
+        # higher-order op: AOT autograd reruns in backward only what backward needs, never a
+        # buffer's update (functionalized, applied once after the forward), so norm statistics
+        # need no guard here; and the guard's call counter is a side effect dynamo cannot trace
+        # in that op (it would fall back to eager around it).
         return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False)
     if keep is not None and use_reentrant:
         raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
