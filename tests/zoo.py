@@ -1,6 +1,8 @@
 """Small instances of every torchvision family (the zoo's own classes, fewer channels and
-blocks, so a training step takes milliseconds), and each model's head, to remove for a reference."""
+blocks, so a training step takes milliseconds), each model's head, to remove for a reference, and
+models no family knows, whose chains are traced."""
 import torch
+import torch.nn.functional as F
 import torchvision
 from torch import nn
 from torchvision.models import convnext, maxvit, vgg, vision_transformer
@@ -64,3 +66,44 @@ def without_head(model):
     """The model itself, its classifier from the first Linear on replaced by Identity."""
     _HEADS[type(model)](model)
     return model
+
+
+# Models no family knows: CheckpointedTrunk traces their chains with torch.fx.
+class ResidualNet(nn.Module):
+    """A ModuleList of residual blocks, functional ops in forward, a parameter read directly."""
+
+    def __init__(self, width=8, depth=6):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.Dropout(0.2)) for _ in range(depth))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, width).view(1, width, 1, 1))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = F.relu(x + block(x))
+        x = x * self.scale
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class TinyViT(nn.Module):
+    """Tokens: a class-token parameter, attention with a residual, LayerNorm, dropout."""
+
+    def __init__(self, dim=16, depth=3):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 8, stride=8)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.1)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(dim), attn=nn.MultiheadAttention(dim, 2, dropout=0.1, batch_first=True), mlp=nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))))
+            for _ in range(depth)
+        )
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        for layer in self.layers:
+            h = layer["norm"](x)
+            x = x + layer["attn"](h, h, h, need_weights=False)[0]
+            x = x + layer["mlp"](x)
+        return x[:, 0]

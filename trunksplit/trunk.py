@@ -27,9 +27,31 @@ def _run_segment(run, layers: Sequence[nn.Module], x, use_reentrant: bool):
     Compiled as torch's checkpoint operator, AOT autograd's backward kept far more than the
     plan: ResNet-50 at 224px, budget 0.3, held 0.64 of the plain eager step (the plan: 0.29);
     with its segments run eagerly between compiled code, 0.51 (tools/compile_benchmark.py,
-    docs/benchmarks.md). The regions of the last segment, which is not checkpointed, still
-    compile as checkpoint operators, and keep too much the same way (budget 0.5: 0.81): open."""
+    docs/benchmarks.md)."""
     return run_checkpointed(run, layers, (x, *layers), use_reentrant=use_reentrant)
+
+
+@torch.compiler.disable
+def _run_region(layers: Sequence[nn.Module], x, policy: str):
+    """A region, run eagerly even inside ``torch.compile``, as segments are: compiled as
+    checkpoint operators, the regions of ResNet-50's budget-0.5 plan held 0.81 of the plain
+    eager step (the plan: 0.49), and selective ones cannot be traced at all."""
+    return run_region(layers, x, policy)
+
+
+def _run_plain(x, *layers: nn.Module):
+    """Units that run with nothing checkpointed: under ``torch.compile``, one graph.
+
+    Its output leaves compiled code for eager code (a region, a segment) or another graph.
+    There it is made contiguous, unless it is already in a dense layout: AOT autograd traces a
+    graph's backward for gradients of its outputs' strides, and a ViT block's output is
+    transposed in memory while the gradient handed back is not (the backward then fails on a
+    view; torch 2.14)."""
+    x = functools.reduce(lambda h, layer: layer(h), layers, x)
+    if torch.compiler.is_compiling() and isinstance(x, torch.Tensor):
+        dense = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+        x = x if dense else x.contiguous()
+    return x
 
 
 class CheckpointedTrunk(nn.Module):
@@ -252,11 +274,11 @@ def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_ch
     while i < len(layers):
         if i in starting:
             stop, policy = starting[i]
-            x = run_region(layers[i:stop], x, nested_policy(policy) if in_checkpoint else policy)
-            i = stop
-        else:
-            x = layers[i](x)
-            i += 1
+            x = _run_region(layers[i:stop], x, nested_policy(policy) if in_checkpoint else policy)
+        else:  # up to the next region: one graph under torch.compile, not one per unit
+            stop = min([r for r in starting if r > i] + [len(layers)])
+            x = _run_plain(x, *layers[i:stop])
+        i = stop
     return x
 
 

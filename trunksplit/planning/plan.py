@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from tabulate import tabulate
 
-from ..recompute.regions import REGION_POLICIES, SELECTIVE_POLICIES
+from ..recompute.regions import REGION_POLICIES
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,6 @@ class SplitPlan:
             chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
-        if any(p in SELECTIVE_POLICIES for _, _, p in regions):
-            text += "\nunder torch.compile the selective regions run as recompute (torch.compile cannot trace selective checkpointing)"
         return text
 
 

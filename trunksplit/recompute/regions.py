@@ -16,7 +16,6 @@ runs it so. Each policy keeps less than the one before and runs more again:
 import functools
 from typing import Any, Sequence
 
-import torch
 from torch import nn
 
 from .stages import run_in_stages
@@ -30,7 +29,6 @@ REGION_POLICIES = {
     "recompute_stages": "keep only the input, rebuild one conv/matmul stage at a time",
 }
 _KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}  # the selective ones: which ops' outputs they keep
-SELECTIVE_POLICIES = tuple(_KEEPS)
 
 
 def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
@@ -40,11 +38,6 @@ def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
     region's input, the region's own backward the rest."""
     if policy not in REGION_POLICIES:
         raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
-    if torch.compiler.is_compiling():
-        # torch.compile cannot trace torch's selective checkpoint (its context_fn), and a graph
-        # break around it hands compiled backward gradients of strides it did not expect: a
-        # selective region runs as "recompute" there, exact, keeping less (SplitPlan says so)
-        policy = nested_policy(policy)
     run = _run_in_stages if policy == "recompute_stages" else _run
     return run_checkpointed(run, layers, (x, *layers), keep=_KEEPS.get(policy))
 
