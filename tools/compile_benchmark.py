@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--plot", help="also draw every model's rows to this image (peak against step time)")
     return p
 
 
@@ -62,13 +63,14 @@ def _compiled(model, x, budget=None):
     # structure the graph compiled for an earlier row (parameters are graph inputs); a backend
     # object of its own per row gets a graph of its own (dynamo guards a graph on its backend),
     # while torch._dynamo.reset() would drop the earlier rows' graphs, to be compiled again at
-    # another budget. Inductor's caches are skipped for the same reason. activation_memory_budget
+    # another budget. Inductor's caches are skipped for the same reason; shapes are static, as the
+    # same code compiled for another model would otherwise turn dynamic. activation_memory_budget
     # is torch's own memory budget, read when AOT autograd partitions the graph.
     inductor = torch._dynamo.lookup_backend("inductor")
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.force_disable_caches = True
     torch._functorch.config.activation_memory_budget = 1.0 if budget is None else budget
-    compiled = torch.compile(model, backend=lambda gm, example_inputs: inductor(gm, example_inputs))
+    compiled = torch.compile(model, backend=lambda gm, example_inputs: inductor(gm, example_inputs), dynamic=False)
     start = time.perf_counter()
     try:
         for _ in range(2):  # warm: whatever a second step would compile, it compiles here
@@ -90,8 +92,8 @@ def rows_for(arch: str, x: torch.Tensor, budgets):
     plain = trunk()
     forward = _forward_flops(plain, x)
 
-    def row(name, model, seconds, recompute, eager=False):
-        r = dict(name=name, model=model, seconds=seconds, recompute=recompute, peak=_peak(model, x, exact=False))
+    def row(name, kind, model, seconds, recompute, eager=False):
+        r = dict(name=name, kind=kind, model=model, seconds=seconds, recompute=recompute, peak=_peak(model, x, exact=False))
         if eager:
             r["exact"] = _peak(model, x, exact=True)
         return r
@@ -102,17 +104,17 @@ def rows_for(arch: str, x: torch.Tensor, budgets):
         plan = t.plan_for(x)  # eagerly, as a compiled trunk's first forward would
         return t, time.perf_counter() - start, sum(s.recompute_flops for s in plan.segments) / forward
 
-    rows = [row("plain eager", plain, 0.0, 0.0, eager=True)]
+    rows = [row("plain eager", "plain eager", plain, 0.0, 0.0, eager=True)]
     for b in budgets:
         t, seconds, recompute = planned(b)
-        rows.append(row(f"trunksplit {b:g} eager", t, seconds, recompute, eager=True))
-    rows.append(row("compile plain", *_compiled(trunk(), x), 0.0))
+        rows.append(row(f"trunksplit {b:g} eager", "trunksplit eager", t, seconds, recompute, eager=True))
+    rows.append(row("compile plain", "compile plain", *_compiled(trunk(), x), 0.0))
     for b in budgets:
-        rows.append(row(f"compile, activation_memory_budget {b:g}", *_compiled(trunk(), x, b), None))
+        rows.append(row(f"compile, activation_memory_budget {b:g}", "compile, activation_memory_budget", *_compiled(trunk(), x, b), None))
     for b in budgets:
         t, seconds, recompute = planned(b)
         model, compiling = _compiled(t, x)
-        rows.append(row(f"trunksplit {b:g} compiled", model, seconds + compiling, recompute))
+        rows.append(row(f"trunksplit {b:g} compiled", "trunksplit compiled", model, seconds + compiling, recompute))
     return rows
 
 
@@ -150,15 +152,44 @@ def table(arch, rows, x) -> str:
     return f"### {arch}, input {tuple(x.shape)}, {x.device.type}, gradients kept\n\n" + tabulate(body, headers=headers, tablefmt="github")
 
 
+def plot(results, path: str) -> None:
+    """Per model: each row's peak (/ plain eager) against its step time (/ compiled plain), one
+    marker per kind of row, budgets joined in order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.6), squeeze=False)
+    for ax, (arch, rows) in zip(axes[0], results):
+        plain, compiled = rows[0], statistics.median(next(r for r in rows if r["name"] == "compile plain")["times"])
+        for kind in dict.fromkeys(r["kind"] for r in rows):
+            points = [(statistics.median(r["times"]) / compiled, r["peak"] / plain["peak"]) for r in rows if r["kind"] == kind]
+            ax.plot(*zip(*points), marker="o", label=kind)
+        ax.set_title(arch)
+        ax.set_xlabel("step time / compiled plain step")
+        ax.set_ylabel("step peak / plain eager peak (profiler)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("ignore")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0)).to(device)
+    results = []
     for arch in args.arch:
         rows = rows_for(arch, x, args.budgets)
         measure_times(rows, x, args.repeats)
         print(table(arch, rows, x) + "\n", flush=True)
+        results.append((arch, rows))
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 

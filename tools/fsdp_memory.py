@@ -5,9 +5,12 @@
 
 Each rank plans a balanced 4-segment trunk for one of N ranks from the unsharded model
 (``trunksplit plan --world-size N`` does the same), shards a copy with ``shard_trunk``, gives it
-that plan, and measures one training step's peak beyond what was live before it (exact tensor
-bytes; gradients None before the step, or kept as zeros). Rank 0 prints the prediction (the
-planner's step peak plus the in-flight estimate) and every rank's measurement.
+that plan, and measures one training step's peak beyond what was live before it (gradients None
+before the step, or kept as zeros), with two meters: the allocator's requests as torch.profiler's
+memory events count them (``profiled_peak``), the truth, and the exact tensor tracker
+(``PeakMemory``), which is blind to FSDP2's all-gathered parameters (FSDP2 frees and refills
+their storage in place, by resizing it, and no op sees that). Rank 0 prints the prediction (the
+per-rank peak model's step peak, gathered weights included) and every rank's measurements.
 """
 import argparse
 import copy
@@ -19,8 +22,9 @@ import torchvision
 
 from trunksplit import CheckpointedTrunk, PeakMemory, shard_trunk
 from trunksplit.chains import expand_units
+from trunksplit.planning.memory import profiled_peak
 from trunksplit.planning.search import peak_model, plan_trunk
-from trunksplit.planning.sharding import in_flight_bytes, per_rank
+from trunksplit.planning.sharding import per_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,16 +39,23 @@ def _step(trunk, x) -> None:
     trunk(x)[0].float().pow(2).mean().backward()
 
 
-def measured_peak(trunk, x, gradients: str) -> int:
+def measured_peaks(trunk, x, gradients: str):
+    """The step's peak by the profiler's allocation events, and by the tensor tracker."""
     _step(trunk, x)  # gradients exist, as from the second step on
-    for p in trunk.parameters():
-        if gradients == "allocated":
-            p.grad = None
-        elif p.grad is not None:
-            p.grad.zero_()
+
+    def clear():
+        for p in trunk.parameters():
+            if gradients == "allocated":
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    clear()
+    allocated = profiled_peak(lambda: _step(trunk, x))
+    clear()
     with PeakMemory() as mem:
         _step(trunk, x)
-    return mem.peak_bytes
+    return allocated, mem.peak_bytes
 
 
 def main(argv=None) -> int:
@@ -57,16 +68,17 @@ def main(argv=None) -> int:
     reference = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients)
     units = [m for _, m in expand_units(reference._blocks())]
     plan = plan_trunk(reference, x, per_rank(peak_model(reference, x), units, world))
-    predicted = plan.predicted_peak_bytes + in_flight_bytes(units, world)
+    predicted = plan.predicted_peak_bytes
     trunk = shard_trunk(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients))
     trunk._plans[trunk._plan_key(x)] = plan  # the predicted plan, not the one rank 0 would measure and broadcast
-    everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(everyone, torch.tensor([float(measured_peak(trunk, x, args.gradients))], dtype=torch.float64))
+    everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(everyone, torch.tensor([float(m) for m in measured_peaks(trunk, x, args.gradients)], dtype=torch.float64))
     if dist.get_rank() == 0:
-        measured = [int(m.item()) for m in everyone]
+        allocated, tracked = ([int(m[i].item()) for m in everyone] for i in range(2))
         print(f"{args.arch} {args.input} {args.gradients}, {world} ranks: predicted {predicted / 2**20:.1f} MiB "
-              f"(step {plan.predicted_peak_bytes / 2**20:.1f} + in flight {in_flight_bytes(units, world) / 2**20:.1f}), "
-              f"measured {', '.join(f'{m / 2**20:.1f}' for m in measured)} MiB: predicted / measured {predicted / max(measured):.3f}")
+              
+              f"measured {', '.join(f'{m / 2**20:.1f}' for m in allocated)} MiB (tensor tracker {', '.join(f'{m / 2**20:.1f}' for m in tracked)}): "
+              f"predicted / measured {predicted / max(allocated):.3f}")
     dist.destroy_process_group()
     return 0
 

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def table(arch: str, rows, seconds: float) -> str:
     body = [[r.world_size, r.plan, r.batch_size, f"{r.recompute:.2f}", gib(r.rank.parameters), gib(r.rank.gradients), gib(r.rank.optimizer),
-             gib(r.rank.buffers + r.rank.in_flight), gib(r.rank.step_peak), gib(r.rank.total)] for r in rows]
-    headers = ["ranks", "plan", "batch / rank", "recompute / forward", "parameters", "gradients", "optimizer", "buffers + in flight", "step peak", "total"]
+             gib(r.rank.buffers), gib(r.rank.step_peak), gib(r.rank.total)] for r in rows]
+    headers = ["ranks", "plan", "batch / rank", "recompute / forward", "parameters", "gradients", "optimizer", "buffers", "step peak (gathered weights in it)", "total"]
     return f"### {arch} (predicted; profiled in {seconds:.0f} s)\n\n" + tabulate(body, headers=headers, tablefmt="github")
 
 

@@ -107,8 +107,8 @@ def fit(
 
     ``world_size`` > 1 fits one rank of the trunk sharded with FSDP2 over that many ranks
     (:func:`trunksplit.shard_trunk`): ``memory`` and the batch are per rank, parameters,
-    gradients and optimizer state count as this rank's shards, and the parameters gathered
-    for the unit in backward are added (see :mod:`trunksplit.planning.sharding`). That is a
+    gradients and optimizer state count as this rank's shards, and the step's peak holds the
+    whole parameters the rank gathers to run each unit (see :mod:`trunksplit.planning.sharding`). That is a
     prediction only: one process cannot run the sharded step to check it.
     """
     if optimizer not in OPTIMIZERS:
@@ -124,11 +124,11 @@ def fit(
 
     chain = _ScaledChain(trunk(), input_shape, device, world_size)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
-    resident, flight = rank.resident, rank.in_flight
+    resident = rank.resident
     optimizer_peak = _optimizer_peak(chain, rank, _optimizer_step_transient(chain.trunk, optimizer))
 
     def total(batch: int) -> int:
-        return resident + max(chain.lowest_peak(batch) + flight, optimizer_peak)
+        return resident + max(chain.lowest_peak(batch), optimizer_peak)
 
     if total(1) > memory:
         raise ValueError(
@@ -138,11 +138,11 @@ def fit(
     batch = _largest(lambda b: total(b) <= memory)
     measured, verify = None, verify and world_size == 1  # one process cannot run a sharded step
     for _ in range(4):  # the check may find the prediction optimistic: shrink and check again
-        plan = chain.plan(batch, budget=memory - resident - flight)
-        fitted = trunk(memory_budget=memory - resident - flight)
+        plan = chain.plan(batch, budget=memory - resident)
+        fitted = trunk(memory_budget=memory - resident)
         # planned from the scaled profile: no profiling, and no allocation, at this batch
         fitted._plans[plan_key([((batch, *input_shape), torch.get_default_dtype())], device)] = plan
-        predicted = max(plan.predicted_peak_bytes + flight, optimizer_peak)
+        predicted = max(plan.predicted_peak_bytes, optimizer_peak)
         if not verify:
             break
         measured = resident + max(_measured_step(fitted, _check_input(batch, input_shape, device)), optimizer_peak)
@@ -187,10 +187,10 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
         for kind in SCALING_PLANS:
 
             def total(batch: int) -> int:
-                return rank.resident + max(chain.peak(batch, kind) + rank.in_flight, optimizer_peak)
+                return rank.resident + max(chain.peak(batch, kind), optimizer_peak)
 
             batch = _largest(lambda b: total(b) <= memory) if total(1) <= memory else 0
-            peak, recompute = chain.least_recompute(max(batch, 1), kind, memory - rank.resident - rank.in_flight)
+            peak, recompute = chain.least_recompute(max(batch, 1), kind, memory - rank.resident)
             rows.append(ScalingRow(n, kind, batch, recompute, replace(rank, step_peak=peak)))
     return rows
 
@@ -302,6 +302,7 @@ def _scaled(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
         input_from=c1.input_from,
         keeps_output=c1.keeps_output,
         param_bytes=c1.param_bytes,
+        gathered=c1.gathered,
         **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts},
     )
 

@@ -98,6 +98,11 @@ class CheckpointedTrunk(nn.Module):
     plain ``DDP(trunk)`` needs no ``find_unused_parameters``). Its ``state_dict``
     keys are the feature block names (``res2.0.conv1.weight``) and do not depend
     on the plan.
+
+    Under ``torch.compile`` planning, checkpointed segments and regions run eagerly
+    (graph breaks) and each run of units between them compiles as one graph: the plan's
+    memory is kept (compiled as torch's checkpoint operator, recompute kept more), and
+    the step equals the compiled plain model's within float tolerance.
     """
 
     def __init__(

@@ -77,6 +77,24 @@ def _random_costs(rng, n):
     )
 
 
+def test_under_fsdp2_a_rank_holds_the_gathered_weights_where_fsdp2_does():
+    """Whole weights of 10, 20, 30 and 5 bytes, nothing else costing memory, gradients kept:
+    the peak of each plan, by hand from FSDP2's schedule."""
+    zeros = (0,) * 4
+    costs = UnitCosts(names=("a", "b", "c", "d"), output=zeros, saved=zeros, saves_input=(False,) * 4, input_from=(-1, 0, 1, 2),
+                      keeps_output=(False,) * 4, forward_peak=zeros, backward_excess=zeros, flops=(1,) * 4, param_bytes=zeros, gathered=(10, 20, 30, 5))
+    model = PeakModel(costs, [3], "kept")
+    # unsplit: unit c's backward holds its weights gathered again and its whole gradients (30 + 30), the
+    # reduce-scatter input of d (5) and b's weights, prefetched (20)
+    assert model.peak([0]) == 85
+    # a, b, c recomputed in one checkpoint: their weights stay gathered until their own backward, so c's
+    # backward holds 10 + 20 + 30, its gradients (30) and d's reduce-scatter input (5); nothing to prefetch
+    assert model.peak([0, 3]) == 95
+    # a checkpoint per unit: at most one unit's weights held from its recompute
+    assert model.peak([0, 1, 2, 3]) == 30 + 30 + 5 + 20
+    assert PeakModel(replace(costs, gathered=()), [3], "kept").peak([0, 3]) == 0  # unsharded: none of it
+
+
 def _all_plans(n, splittable, forced):
     allowed = [i for i in range(1, n) if splittable[i] or i in forced]
     for r in range(len(allowed) + 1):

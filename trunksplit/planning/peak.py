@@ -79,6 +79,8 @@ class PeakModel:
         self._seconds = c.forward_seconds or (0.0,) * self.n  # what running each unit again takes, where timed
         self._seconds_prefix = [0.0] + list(itertools.accumulate(self._seconds))
         self._light_prefix = [0] + list(itertools.accumulate(c.light_flops or (0,) * self.n))
+        self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
+        self._gathered_prefix = [0] + list(itertools.accumulate(self._gathered))
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
@@ -106,14 +108,14 @@ class PeakModel:
         Kept bytes: what each unit allocates and keeps itself, plus the outputs of
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
-        c = self.costs
+        c, g = self.costs, self._gathered
         kept, forward, backward, counted, cost, pending = state
         source = c.input_from[i]
-        forward = max(forward, kept + c.forward_peak[i])
+        forward = max(forward, kept + max(c.forward_peak[i] + g[i], 2 * g[i]))  # FSDP2: see _in_backward
         if c.saves_input[i] and source >= a and not counted:
             kept, counted = kept + c.output[source], True
-        kept += c.saved[i]
-        backward = max(backward, kept + c.backward_excess[i] + self._grads_after[i])
+        kept += c.saved[i] + (0 if last else g[i])
+        backward = max(backward, kept + c.backward_excess[i] + self._grads_after[i] + self._in_backward(a, i, last))
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -128,6 +130,24 @@ class PeakModel:
                 cost, pending = add_costs(cost, pending), NOTHING
         return _Scan(kept, forward, backward, counted, cost, pending)
 
+    def _in_backward(self, a: int, i: int, last: bool) -> int:
+        """Under FSDP2, what a rank holds beyond the unsharded model's figures while unit ``i``
+        of a segment starting at ``a`` runs its backward (0 unsharded).
+
+        Measured on gloo ranks (torch.profiler's allocation events around FSDP2's own
+        record_function marks), as FSDP2's source says: a unit's forward all-gathers its weights
+        into a flat buffer, then copies them out to each parameter (twice its weights for a
+        moment), and frees them after the forward, except in a checkpoint's recompute, which
+        runs in backward: there they stay until the unit's own backward (``_step`` keeps them).
+        A unit's backward holds its weights (gathered again, in the last segment), its whole
+        gradients until they are reduce-scattered, the reduce-scatter input of the unit before
+        it in backward (kept until this unit's own reduce), and the flat buffer of the next
+        unit's weights, prefetched (already held inside a recomputed segment, but for its first)."""
+        g = self._gathered
+        after = g[i + 1] if i + 1 < self.n else 0
+        prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
+        return (g[i] if last else 0) + g[i] + after + prefetched
+
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.
 
@@ -137,11 +157,14 @@ class PeakModel:
             step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[region[0]])
         held, region_forward, backward_peak, output_counted, again, body, source = step
         kept, forward, backward, counted, cost, pending = state
-        forward = max(forward, kept + region_forward)
+        r, s, _ = region
+        gathered = self._gathered_prefix[s] - self._gathered_prefix[r]  # FSDP2: see _in_backward
+        forward = max(forward, kept + region_forward + max(self._gathered[r:s]))
         if source >= a and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[source], True
-        backward = max(backward, kept + backward_peak)
-        kept += held
+        # the region's backward recomputes it holding its weights: in a recomputed segment, held already
+        backward = max(backward, kept + backward_peak - (0 if last else gathered))
+        kept += held + (0 if last else gathered)
         counted = counted if output_counted is None else output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
             cost, pending = add_costs(cost, pending), body
@@ -172,7 +195,8 @@ class PeakModel:
                 if (r, s) not in self.spans:
                     raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
                 # measured whole: its recompute's holdings and its stages' backward, beyond its input
-                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r]
+                gathered = self._gathered_prefix[s] - self._gathered_prefix[r]
+                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r] + gathered + self._in_backward(r, r, False)
             else:
                 backward = self._region_backward(alone, s)
             body = (flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])

@@ -70,6 +70,8 @@ class UnitCosts:
       so that they add up over whole spans, see :func:`_span_costs`), units not
       measured so repeat the plain figures, and ``eligible`` says which units
       belong to a span that can run so.
+    - ``gathered``: under FSDP2, the bytes of each unit's whole parameters, which a rank
+      all-gathers to run it (see :mod:`trunksplit.planning.sharding`); empty unsharded.
     """
 
     names: Tuple[str, ...]
@@ -88,6 +90,7 @@ class UnitCosts:
     again_seconds: Tuple[float, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
+    gathered: Tuple[int, ...] = ()  # FSDP2: each unit's whole parameters, all-gathered to run it
 
     def __len__(self) -> int:
         return len(self.names)

@@ -3,17 +3,18 @@
 FSDP2 (``fully_shard``) splits every parameter on dim 0 into ``world_size`` chunks, padded to
 equal size, so a rank holds ``ceil(rows / world_size)`` rows of each (the figure of the first
 ranks, the largest); its gradients and the optimizer's per-element state are shards of the
-same shape. Buffers are replicated. During a unit's backward the rank also holds that unit's
-all-gathered (full) parameters and its unsharded gradients before they are reduce-scattered:
-twice the largest unit's parameters is the *in flight* term (at world size 1 nothing is
-gathered). Activations are the planner's, at the per-rank batch, with the gradients a step
-allocates counted as shards.
+same shape. Buffers are replicated. To run a unit a rank all-gathers its whole parameters:
+the peak model places those gathered weights, the unit's whole gradients before they are
+reduce-scattered, the reduce-scatter buffer and the prefetched weights of the next unit on the
+step's timeline, unit by unit (see :meth:`trunksplit.planning.peak.PeakModel._in_backward`).
+A checkpointed segment's recompute holds the gathered weights of every unit in it until their
+backward, so under FSDP2 a long segment costs its weights as well as its activations.
 
-Exact: parameter, gradient, optimizer and buffer bytes (tensor sizes). Estimated: the in-flight
-term. FSDP2's all-gather and reduce-scatter buffers, its prefetching and what a checkpointed
-segment's recompute gathers are not modelled one by one; measured on gloo ranks the total is
-within -10% to +20% (docs/distributed.md, ``tools/fsdp_memory.py``), not the 5% of the rest of
-the planner.
+Exact: parameter, gradient, optimizer and buffer bytes (tensor sizes). Modelled from FSDP2's
+schedule: the gathered weights and the buffers around them. Measured on gloo ranks with
+torch.profiler's allocation events (``tools/fsdp_memory.py``, docs/distributed.md); the exact
+tensor tracker cannot see the gathered weights (FSDP2 frees and refills their storage in
+place), and which buffers overlap varies by one unit's weights from rank to rank and run to run.
 """
 import math
 from dataclasses import dataclass, replace
@@ -38,10 +39,12 @@ def shard_bytes(p: torch.Tensor, world_size: int) -> int:
 
 
 def sharded_costs(costs: UnitCosts, units: Sequence[nn.Module], world_size: int) -> UnitCosts:
-    """``costs`` with each unit's gradients as one rank's shards (what a step allocates under FSDP2)."""
+    """``costs`` for one of ``world_size`` FSDP2 ranks: each unit's gradients as this rank's shards
+    (what a step allocates), and its whole parameters as what the rank all-gathers to run it."""
     shards = unit_param_bytes(units, lambda p: shard_bytes(p, world_size))
-    policies = None if costs.policies is None else {k: replace(c, param_bytes=shards) for k, c in costs.policies.items()}
-    return replace(costs, param_bytes=shards, policies=policies)
+    gathered = tuple(sum(p.numel() * p.element_size() for p in u.parameters() if p.requires_grad) for u in units)
+    policies = None if costs.policies is None else {k: replace(c, param_bytes=shards, gathered=gathered) for k, c in costs.policies.items()}
+    return replace(costs, param_bytes=shards, gathered=gathered, policies=policies)
 
 
 def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> PeakModel:
@@ -49,14 +52,6 @@ def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> P
     if world_size == 1:
         return model
     return PeakModel(sharded_costs(model.costs, units, world_size), model.features, model.gradients, model.spans, model.objective)
-
-
-def in_flight_bytes(units: Sequence[nn.Module], world_size: int) -> int:
-    """Twice the largest unit's full parameters (0 on one rank): while it runs its backward a rank
-    holds its all-gathered weights and its unsharded gradients, which FSDP2 then reduce-scatters."""
-    if world_size == 1:
-        return 0
-    return 2 * max((sum(p.numel() * p.element_size() for p in u.parameters() if p.requires_grad) for u in units), default=0)
 
 
 @dataclass(frozen=True)
@@ -68,8 +63,7 @@ class RankMemory:
     gradients: int  # the shards of the trunk's gradients (resident between steps only if kept)
     optimizer: int  # the optimizer's state for this rank's shards
     buffers: int  # replicated on every rank
-    in_flight: int  # all-gathered parameters and unsharded gradients of the unit in backward
-    step_peak: int  # the planner's step peak at this rank's batch: activations, and gradients as the step allocates them
+    step_peak: int  # the planner's step peak at this rank's batch: activations, gradients as the step allocates them, gathered weights
     gradients_kept: bool
 
     @property
@@ -79,12 +73,12 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.resident + self.step_peak + self.in_flight
+        return self.resident + self.step_peak
 
     def __str__(self) -> str:
         grads = f"gradients {gib(self.gradients)} ({'kept' if self.gradients_kept else 'allocated by the step, within its peak'})"
         return (f"per rank at world size {self.world_size}: parameters {gib(self.parameters)}, {grads}, optimizer {gib(self.optimizer)}, "
-                f"buffers {gib(self.buffers)}, in flight {gib(self.in_flight)}, step peak {gib(self.step_peak)}; total {gib(self.total)}")
+                f"buffers {gib(self.buffers)}, step peak {gib(self.step_peak)}; total {gib(self.total)}")
 
 
 def gib(n: int) -> str:
@@ -108,7 +102,6 @@ def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, o
         gradients=shards,
         optimizer=OPTIMIZER_SLOTS[optimizer] * shards + steps,
         buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
-        in_flight=in_flight_bytes(units, world_size),
         step_peak=step_peak,
         gradients_kept=gradients == "kept",
     )

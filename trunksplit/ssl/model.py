@@ -146,7 +146,7 @@ def student_copy(model: SSLModel, plain: bool) -> SSLModel:
 
 def fit_config_batch(cfg, device: torch.device, world: int = 1) -> Tuple[int, int]:
     """For the launcher's ``TRAIN.BATCH_SIZE_PER_RANK: 0``: (images per rank, memory budget in bytes).
-    Under ``DISTRIBUTED.STRATEGY fsdp`` it fits one of ``world`` ranks (shards, and the weights in flight)."""
+    Under ``DISTRIBUTED.STRATEGY fsdp`` it fits one of ``world`` ranks (shards, and the weights it gathers)."""
     size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
     model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
     found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer=cfg.OPTIM.NAME, out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
@@ -155,7 +155,7 @@ def fit_config_batch(cfg, device: torch.device, world: int = 1) -> Tuple[int, in
                 world_size=world if cfg.DISTRIBUTED.STRATEGY == "fsdp" else 1)
     if found.batch_size < views:
         raise ValueError(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:g} fits {found.batch_size} crops per step, fewer than the {views} views of one image")
-    return found.batch_size // views, found.memory - found.resident_bytes - found.rank.in_flight
+    return found.batch_size // views, found.memory - found.resident_bytes
 
 
 def with_fitted_batch(cfg, device, rank: int, world: int = 1):
