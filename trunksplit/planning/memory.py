@@ -2,7 +2,9 @@
 
 On CUDA the caching allocator's statistics; elsewhere :class:`_TensorAccounting`, a
 dispatch mode that counts every tensor storage created and when it dies. The
-profiler uses the same tracker to measure each unit.
+profiler uses the same tracker to measure each unit. :class:`ProfiledPeak` reads
+torch.profiler's allocation events instead, for what the tracker cannot see (compiled code,
+FSDP2's gathered weights).
 """
 from typing import Optional, Union
 
@@ -85,7 +87,8 @@ class PeakMemory:
     On a CUDA device it reads the caching allocator's statistics
     (``max_memory_allocated``); elsewhere it counts tensor storages created under
     it (a dispatch mode: slower, exact for tensors, blind to a kernel's internal
-    scratch). Use it around a training step whose parameters already hold
+    scratch and to storage resized in place, as FSDP2 frees and refills its gathered
+    weights: :func:`profiled_peak` sees those). Use it around a training step whose parameters already hold
     gradients to get the step's peak beyond parameters and gradients.
 
         with PeakMemory(device) as mem:
@@ -118,21 +121,39 @@ class PeakMemory:
             self._mode = None
 
 
-def profiled_peak(fn) -> int:
-    """Peak bytes allocated while ``fn()`` runs, beyond what was live at its start, as
-    ``torch.profiler``'s memory events count them.
+class ProfiledPeak:
+    """Peak bytes allocated inside a ``with`` block, beyond what was live at its start, as
+    ``torch.profiler``'s memory events count them (``peak_bytes``).
 
-    The meter for compiled code: a dispatch-mode tracker around a ``torch.compile``d model
-    makes dynamo skip compiling it, while the profiler sees inductor's own allocations. Its
-    figure is the allocator's requests, kernels' scratch buffers included, so it reads a few
-    percent above the tensor tracker on eager code; compare it only with itself. CPU memory
-    only: on CUDA, :class:`PeakMemory`'s allocator statistics see compiled code already."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    The meter for what the tensor tracker cannot see on CPU: compiled code (a dispatch-mode
+    tracker around a ``torch.compile``d model makes dynamo skip compiling it, while the
+    profiler sees inductor's own allocations) and FSDP2's gathered weights (their storage is
+    freed and refilled in place). Its figure is the allocator's requests, kernels' scratch
+    buffers included, so it reads a few percent above the tensor tracker on eager code;
+    compare it only with itself. CPU memory only: on CUDA, :class:`PeakMemory`'s allocator
+    statistics see all of this already."""
+
+    def __init__(self):
+        self.peak_bytes: Optional[int] = None
+
+    def __enter__(self) -> "ProfiledPeak":
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        # private: torch.profiler has no public list of allocation events with their sizes and times
+        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        current = peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            current += e.nbytes()
+            peak = max(peak, current)
+        self.peak_bytes = peak
+
+
+def profiled_peak(fn) -> int:
+    """``fn()``'s peak as :class:`ProfiledPeak` measures it."""
+    with ProfiledPeak() as meter:
         fn()
-    # private: torch.profiler has no public list of allocation events with their sizes and times
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    current = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
-        peak = max(peak, current)
-    return peak
+    return meter.peak_bytes

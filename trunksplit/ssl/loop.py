@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..distributed.ddp import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
-from ..planning.memory import PeakMemory
+from ..planning.memory import PeakMemory, ProfiledPeak
 from .data import image_dataset, step_loader, step_views
 from .dino import add_teacher, dino_step_loss, teacher_momentum, update_teacher
 from .losses import nt_xent, swav_loss
@@ -55,7 +55,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         crops, data = _next_step_views(batches, device, skipped)
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
         start_time = time.perf_counter()
-        with PeakMemory(device) if logging else contextlib.nullcontext() as mem:
+        with _meter(cfg, device) if logging else contextlib.nullcontext() as mem:
             loss = _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler)
         _stop_unless_finite(cfg, loss, step, world, scaler)
         _optimizer_step(optimizer, scaler, kept, device)
@@ -70,6 +70,12 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if last is not None:
         _summarise(cfg, last, model, crops, autocast, kept)
     return model, last
+
+
+def _meter(cfg, device):
+    """The step's memory meter: the allocator's on CUDA and the tensor tracker on CPU, but the
+    profiler's allocation events for FSDP2 on CPU, whose gathered weights the tracker cannot see."""
+    return ProfiledPeak() if cfg.DISTRIBUTED.STRATEGY == "fsdp" and device.type == "cpu" else PeakMemory(device)
 
 
 def _optimizer_step(optimizer, scaler, kept: bool, device) -> None:
