@@ -26,8 +26,8 @@ def _run_segment(run, layers: Sequence[nn.Module], x, use_reentrant: bool):
 
     Compiled as torch's checkpoint operator, AOT autograd's backward kept far more than the
     plan: ResNet-50 at 224px, budget 0.3, held 0.64 of the plain eager step (the plan: 0.29);
-    with its segments run eagerly between compiled code, 0.51 (tools/compile_benchmark.py,
-    docs/benchmarks.md)."""
+    with its segments and regions run eagerly between compiled code, 0.31
+    (tools/compile_benchmark.py, docs/benchmarks.md#torchcompile)."""
     return run_checkpointed(run, layers, (x, *layers), use_reentrant=use_reentrant)
 
 
