@@ -154,12 +154,12 @@ class PeakModel:
         The planner's inner loop: what the region adds is looked up once per (region, last)."""
         step = self._region_steps.get((region, last))
         if step is None:
-            step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[region[0]])
-        held, region_forward, backward_peak, output_counted, again, body, source = step
+            r, s, _ = region
+            gathered = (self._gathered_prefix[s] - self._gathered_prefix[r], max(self._gathered[r:s]))  # FSDP2: see _in_backward
+            step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[r], *gathered)
+        held, region_forward, backward_peak, output_counted, again, body, source, gathered, largest = step
         kept, forward, backward, counted, cost, pending = state
-        r, s, _ = region
-        gathered = self._gathered_prefix[s] - self._gathered_prefix[r]  # FSDP2: see _in_backward
-        forward = max(forward, kept + region_forward + max(self._gathered[r:s]))
+        forward = max(forward, kept + region_forward + largest)
         if source >= a and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[source], True
         # the region's backward recomputes it holding its weights: in a recomputed segment, held already
