@@ -33,6 +33,7 @@ def test_a_compiled_trunk_trains_as_the_eager_model(name, plan):
         for model in (plain, compiled):
             torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
             loss_of(model(x)).backward()
+    assert "under torch.compile the checkpointed segments and regions run eagerly" in str(trunk.plan)
     if plan == "budget_regions":
         assert {p for _, _, p in trunk.plan.regions} & {"save_expensive", "save_heavy"}  # selective, run eagerly
     elif plan == "balanced":

@@ -84,6 +84,8 @@ class SplitPlan:
             chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
+        if regions or any(s.checkpointed for s in self.segments):
+            text += "\nunder torch.compile the checkpointed segments and regions run eagerly; the units between them compile"
         return text
 
 
