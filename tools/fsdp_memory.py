@@ -76,7 +76,6 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         allocated, tracked = ([int(m[i].item()) for m in everyone] for i in range(2))
         print(f"{args.arch} {args.input} {args.gradients}, {world} ranks: predicted {predicted / 2**20:.1f} MiB "
-              
               f"measured {', '.join(f'{m / 2**20:.1f}' for m in allocated)} MiB (tensor tracker {', '.join(f'{m / 2**20:.1f}' for m in tracked)}): "
               f"predicted / measured {predicted / max(allocated):.3f}")
     dist.destroy_process_group()
