@@ -1,7 +1,9 @@
-"""Independent references: the plain torchvision model, its features read with forward hooks."""
+"""Independent references: the plain torchvision model, its features read with forward hooks, a count of the convolutions a backward reruns."""
 import torch
 import torchvision
 from torch import nn
+
+from trunksplit.planning.memory import TorchDispatchMode  # torch's dispatch-mode base, from where trunksplit isolates the private import
 
 # Where each trunksplit feature lives in the plain torchvision model.
 _RESNET_FEATURES = {"conv1": "conv1", "bn1": "bn1", "maxpool": "maxpool", "res2": "layer1", "res3": "layer2", "res4": "layer3", "res5": "layer4", "avgpool": "avgpool"}
@@ -45,3 +47,15 @@ def loss_of(features, seed=123):
 
 def grads_by_name(model):
     return {n: p.grad for n, p in model.named_parameters()}
+
+
+class ForwardConvolutions(TorchDispatchMode):
+    """Counts forward convolutions (aten.convolution): what a backward that reruns a conv calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten.convolution
+        return func(*args, **(kwargs or {}))

@@ -291,6 +291,7 @@ def build_parser():
     p.add_argument("--only", nargs="*", default=[], help="just these model names")
     p.add_argument("--seconds", type=int, default=300, help="per model; slower ones are reported as timeouts")
     p.add_argument("--out", default="output/zoo_sweep.jsonl")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --out and sweep only the models they lack")
     return p
 
 
@@ -299,10 +300,16 @@ def main(argv=None) -> int:
     sources = {"torchvision": torchvision_models, "timm": timm_models, "transformers": transformers_models}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
-    with open(args.out, "w") as f:
+    if args.resume and os.path.exists(args.out):  # a long sweep that was stopped goes on where it was
+        with open(args.out) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    done = {(r["library"], r["model"]) for r in rows}
+    with open(args.out, "a" if args.resume else "w") as f:
         for lib in args.libraries:
             models = [m for m in sources[lib]() if not args.only or m[1] in args.only]
             for library, name, build in models[: args.limit or None]:
+                if (library, name) in done:
+                    continue
                 rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()

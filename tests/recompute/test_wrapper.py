@@ -12,6 +12,8 @@ from torch import nn
 
 from trunksplit import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
 
+from reference import ForwardConvolutions
+
 
 class Block(nn.Module):
     """kwargs in, a nested structure with non-tensor members out; dropout and BatchNorm inside."""
@@ -104,6 +106,32 @@ def test_state_dict_and_parameter_names_unchanged_and_loadable_both_ways():
     assert [n for n, _ in wrapped.layer1[0].named_parameters()] == plain_names
     model.load_state_dict(wrapped.state_dict(), strict=True)
     wrapped.load_state_dict(model.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("policy, reruns_convs", [("recompute", True), ("save_expensive", False)])
+def test_a_policy_says_what_backward_reruns_and_training_stays_exact(policy, reruns_convs):
+    plain, _ = _pair()
+    wrapped = copy.deepcopy(checkpoint_wrapper(copy.deepcopy(plain), policy=policy))  # the policy survives a copy
+    x = torch.randn(2, 3, 8, 8)
+    losses = []
+    for module in (plain, wrapped):
+        torch.manual_seed(7)
+        losses.append(_loss(module(x, scale=2.0)))
+        with ForwardConvolutions() as convs:
+            losses[-1].backward()
+    assert (convs.count > 0) == reruns_convs and wrapped.runs == [False, True]
+    assert torch.equal(*losses)
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    for (n, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
+        assert torch.equal(a, b), n  # BatchNorm moved once under either policy
+
+
+def test_an_unknown_policy_is_refused_and_the_module_left_as_it_was():
+    module = Block()
+    with pytest.raises(ValueError, match=r"policy must be one of \('recompute', 'save_expensive', 'save_heavy'\), got 'save_all'"):
+        checkpoint_wrapper(module, policy="save_all")
+    assert type(module) is Block and not is_checkpoint_wrapped(module)
 
 
 def test_deepcopy_is_an_independent_copy_that_trains_itself():

@@ -10,13 +10,18 @@ which ones:
 1. One training step on the example inputs measures each candidate block (a
    submodule with parameters whose first op is not in place, see
    :func:`trunksplit.layer_splittable_before`): the bytes its ops save for backward,
-   its inputs (what a checkpoint keeps instead), its FLOPs.
-2. For a price on recompute (FLOPs, plus bytes written again) and a cap on what one
-   block may rebuild at once in its backward, the best set of blocks that do not nest
-   (a block inside a chosen one is covered by it) maximises bytes freed less the price
+   its inputs (what a checkpoint keeps instead), the outputs of its expensive ops
+   (convolutions, matmuls, attention), its FLOPs.
+2. Each block can be wrapped under two policies: ``"recompute"`` keeps its inputs and
+   reruns it whole; ``"save_expensive"`` also keeps its expensive ops' outputs and
+   reruns only the cheap ops (frees less, runs no FLOP again). For a price on recompute
+   (FLOPs, plus bytes written again) and a cap on what one block may rebuild at once in
+   its backward, the best set of blocks that do not nest (a block inside a chosen one
+   is covered by it), each under its better policy, maximises bytes freed less the price
    of running them again: a dynamic programme over the module tree. Over all prices
    and caps, the sets on the frontier of (recompute, estimated peak) form a ladder, from
-   the cheapest few blocks to every block of the finest useful size.
+   a few blocks keeping their convolutions to every block of the finest useful size
+   rerun whole.
 3. The ladder is searched with *measured* steps: each wrapping is applied, one real
    step is measured (the model's weights, gradients, buffers, modes and RNG are put
    back), and the wrapping is undone. So the reported peak is a measurement, not a
@@ -25,7 +30,7 @@ which ones:
 
 Sharp edges: the figure is the step's peak beyond what was live before it, for the
 example inputs (another shape needs another plan); a block that is called several
-times is wrapped for every call; blocks are recomputed whole (no selective policy).
+times is wrapped for every call.
 """
 import math
 import warnings
@@ -48,16 +53,18 @@ class WrapPlan:
     """What :func:`wrap_for_budget` wrapped, and the step it measured."""
 
     names: Tuple[str, ...]  # the wrapped blocks, in named_modules() order
-    policy: str  # what each wrapped block keeps: "recompute" (its inputs only)
+    policies: Tuple[str, ...]  # what each keeps: "recompute" (its inputs) or "save_expensive" (and its conv/matmul outputs)
     peak_bytes: int  # the measured step peak with them wrapped, beyond what was live before it
     unwrapped_peak_bytes: int  # the same without any wrapping
     recompute_flops: int  # FLOPs the wrapped blocks run again in backward
     forward_flops: int  # FLOPs of the model's forward
 
     def __str__(self) -> str:
-        return (f"WrapPlan: {len(self.names)} block(s) wrapped ({self.policy}), measured step peak {self.peak_bytes / 2**20:.1f} MiB = "
+        counts = ", ".join(f"{self.policies.count(p)} {p}" for p in dict.fromkeys(self.policies)) or "none"
+        return (f"WrapPlan: {len(self.names)} block(s) wrapped ({counts}), measured step peak {self.peak_bytes / 2**20:.1f} MiB = "
                 f"{self.peak_bytes / self.unwrapped_peak_bytes:.2f} of unwrapped ({self.unwrapped_peak_bytes / 2**20:.1f} MiB), "
-                f"recompute {self.recompute_flops / max(1, self.forward_flops):.2f} of a forward\n  " + " ".join(self.names))
+                f"recompute {self.recompute_flops / max(1, self.forward_flops):.2f} of a forward\n  "
+                + " ".join(n if p == "recompute" else f"{n}[{p}]" for n, p in zip(self.names, self.policies)))
 
 
 @dataclass
@@ -67,16 +74,32 @@ class _Block:
     saved: int = 0  # bytes its ops save for backward (parameters excluded), each storage once
     inputs: int = 0  # bytes of its tensor inputs: what a checkpoint keeps instead
     flops: int = 0
+    expensive_out: int = 0  # bytes its expensive ops (conv, matmul, attention) output: what "save_expensive" keeps too
+    saved_expensive: int = 0  # the part of ``saved`` that expensive ops output: what "save_expensive" does not rebuild
+
+    def choices(self) -> List["_Choice"]:
+        """The ways to wrap it that free memory. Running a block again costs its FLOPs and the
+        bytes it writes again (a norm or an activation does no FLOP a counter sees, yet is not
+        free); under "save_expensive" only the cheap ops run again, and they count no FLOP."""
+        cheap = self.saved - self.saved_expensive
+        options = [_Choice(self, "recompute", self.saved - self.inputs, max(1, self.flops + self.saved), self.saved),
+                   _Choice(self, "save_expensive", self.saved - self.inputs - self.expensive_out, max(1, cheap), cheap)]
+        return [c for c in options if c.freed > 0]
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A block wrapped under a policy: what it frees, what running it again costs, what its backward rebuilds at once."""
+
+    block: _Block
+    policy: str
+    freed: int
+    cost: int
+    rebuild: int
 
     @property
-    def freed(self) -> int:
-        return self.saved - self.inputs
-
-    @property
-    def cost(self) -> int:
-        """What running it again costs: its FLOPs, and the bytes it writes again (a norm or an
-        activation does no FLOP a counter sees, yet is not free)."""
-        return max(1, self.flops + self.saved)
+    def name(self) -> str:
+        return self.block.name
 
 
 def apply_activation_checkpointing(model: nn.Module, condition: Optional[Condition] = None, offload_to_cpu: bool = False, *,
@@ -129,7 +152,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
 
     def peak_with(k: int) -> int:
         if k not in peaks:
-            peaks[k] = step.peak_wrapped([b.module for b in ladder[k]])
+            peaks[k] = step.peak_wrapped(ladder[k])
         return peaks[k]
 
     k = 0 if unwrapped <= budget else _cheapest_fit(peak_with, len(ladder), budget)
@@ -140,12 +163,12 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
             f"unwrapped {unwrapped} bytes): the smallest feasible budget found is {smallest} bytes ({smallest / unwrapped:.3f} of unwrapped), "
             f"among {len(peaks)} measured wrappings of its {len(blocks)} candidate blocks"
         )
-    chosen = ladder[k]
-    for b in chosen:
-        checkpoint_wrapper(b.module)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    names = tuple(sorted((b.name for b in chosen), key=order.get))
-    return WrapPlan(names, "recompute", peaks[k], unwrapped, sum(b.flops for b in chosen), forward_flops)
+    chosen = sorted(ladder[k], key=lambda c: order[c.name])
+    for c in chosen:
+        checkpoint_wrapper(c.block.module, policy=c.policy)
+    recompute_flops = sum(c.block.flops for c in chosen if c.policy == "recompute")  # the selective ones rerun no counted FLOP
+    return WrapPlan(tuple(c.name for c in chosen), tuple(c.policy for c in chosen), peaks[k], unwrapped, recompute_flops, forward_flops)
 
 
 def _budget_bytes(budget, unwrapped: int) -> int:
@@ -180,29 +203,31 @@ def _cheapest_fit(peak_with: Callable[[int], int], n: int, budget: int) -> Optio
     return hi
 
 
-def _ladder(blocks: List["_Block"]) -> List[List["_Block"]]:
+def _ladder(blocks: List[_Block]) -> List[List[_Choice]]:
     """Wrappings worth measuring, least recompute first, each estimated to peak lower than the last.
 
-    A wrapped block keeps its inputs instead of what it saved, but its backward rebuilds all
-    it saved at once: a wrapping's peak is estimated as the unwrapped one, less what its
-    blocks free, plus the largest block's rebuild. The candidates are the best non-nesting
-    sets (see :func:`_best_antichain`) for every price on recompute, under every cap on a
-    block's size; the ladder is their frontier of (recompute, estimated peak)."""
-    useful = [b for b in blocks if b.freed > 0]
-    if not useful:
+    A wrapped block keeps its inputs (and, under "save_expensive", its expensive ops'
+    outputs) instead of what it saved, but its backward rebuilds the rest at once: a
+    wrapping's peak is estimated as the unwrapped one, less what its blocks free, plus the
+    largest rebuild. The candidates are the best non-nesting sets (see
+    :func:`_best_antichain`) for every price on recompute, under every cap on a block's
+    rebuild; the ladder is their frontier of (recompute, estimated peak)."""
+    choices = [c for b in blocks for c in b.choices()]
+    if not choices:
         return []
+    useful = list({id(c.block): c.block for c in choices}.values())
     ancestors = {b.name: sorted((c for c in useful if b.name.startswith(c.name + ".")), key=lambda c: -len(c.name)) for b in useful}
-    sizes = sorted({b.saved for b in useful})
+    sizes = sorted({c.rebuild for c in choices})
     caps = sorted({sizes[round(i * (len(sizes) - 1) / (LADDER_CAPS - 1))] for i in range(LADDER_CAPS)})
     options = {}
     for cap in caps:
-        allowed = [b for b in useful if b.saved <= cap]
-        for price in sorted({b.freed / b.cost for b in allowed}, reverse=True) + [0.0]:
-            chosen = _best_antichain(allowed, price * 0.999, ancestors)  # just below a block's own ratio: it is worth taking
-            key = frozenset(b.name for b in chosen)
+        allowed = [c for c in choices if c.rebuild <= cap]
+        for price in sorted({c.freed / c.cost for c in allowed}, reverse=True) + [0.0]:
+            chosen = _best_antichain(allowed, price * 0.999, ancestors)  # just below a choice's own ratio: it is worth taking
+            key = frozenset((c.name, c.policy) for c in chosen)
             if chosen and key not in options:
-                estimate = max(b.saved for b in chosen) - sum(b.freed for b in chosen)
-                options[key] = (sum(b.cost for b in chosen), estimate, chosen)
+                estimate = max(c.rebuild for c in chosen) - sum(c.freed for c in chosen)
+                options[key] = (sum(c.cost for c in chosen), estimate, chosen)
     ladder, lowest = [], None
     for cost, estimate, chosen in sorted(options.values(), key=lambda o: (o[0], o[1])):
         if lowest is None or estimate < lowest:
@@ -211,16 +236,17 @@ def _ladder(blocks: List["_Block"]) -> List[List["_Block"]]:
     return ladder
 
 
-def _steps_between(before: List["_Block"], after: List["_Block"]) -> List[List["_Block"]]:
-    """Rungs from ``before`` to ``after``: the blocks new in ``after`` join one at a time (those
-    that free most first), each replacing the blocks of ``before`` it covers. Identical layers (a
-    ViT's) join at one price, and a budget between none and all of them needs some of them."""
-    names = {b.name for b in before}
-    new = sorted((b for b in after if b.name not in names), key=lambda b: -b.freed)
+def _steps_between(before: List[_Choice], after: List[_Choice]) -> List[List[_Choice]]:
+    """Rungs from ``before`` to ``after``: the choices new in ``after`` join one at a time (those
+    that free most first), each replacing the choices of ``before`` it covers (the same block
+    under another policy included). Identical layers (a ViT's) join at one price, and a budget
+    between none and all of them needs some of them."""
+    old = {(c.name, c.policy) for c in before}
+    new = sorted((c for c in after if (c.name, c.policy) not in old), key=lambda c: -c.freed)
     steps = []
     for j in range(1, len(new) + 1):
         joined = new[:j]
-        kept = [b for b in before if not any(_nested(b.name, n.name) for n in joined)]
+        kept = [c for c in before if not any(_nested(c.name, n.name) for n in joined)]
         steps.append(kept + joined)
     steps[-1] = after
     return steps
@@ -230,23 +256,27 @@ def _nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
-def _best_antichain(allowed: List["_Block"], price: float, ancestors: Dict[str, List["_Block"]]) -> List["_Block"]:
-    """The blocks of ``allowed``, none inside another, that maximise sum(freed - price * cost): over
-    the module tree, a block is worth taking where its own value beats the best of those inside it."""
-    names = {b.name for b in allowed}
-    children: Dict[Optional[str], List[_Block]] = {}
-    for b in allowed:
-        parent = next((c.name for c in ancestors[b.name] if c.name in names), None)
-        children.setdefault(parent, []).append(b)
+def _best_antichain(allowed: List[_Choice], price: float, ancestors: Dict[str, List[_Block]]) -> List[_Choice]:
+    """The choices of ``allowed``, at most one per block and no block inside another, that maximise
+    sum(freed - price * cost): over the module tree, a block is worth taking (under its better
+    policy) where its own value beats the best of those inside it."""
+    own: Dict[str, _Choice] = {}
+    for c in allowed:
+        if c.name not in own or c.freed - price * c.cost > own[c.name].freed - price * own[c.name].cost:
+            own[c.name] = c
+    children: Dict[Optional[str], List[_Choice]] = {}
+    for c in own.values():
+        parent = next((a.name for a in ancestors[c.name] if a.name in own), None)
+        children.setdefault(parent, []).append(c)
 
-    def best(b: Optional[_Block]) -> Tuple[float, List[_Block]]:
+    def best(c: Optional[_Choice]) -> Tuple[float, List[_Choice]]:
         inner_value, inner = 0.0, []
-        for c in children.get(None if b is None else b.name, []):
-            value, chosen = best(c)
+        for child in children.get(None if c is None else c.name, []):
+            value, chosen = best(child)
             if value > 0:
                 inner_value, inner = inner_value + value, inner + chosen
-        own = -math.inf if b is None else b.freed - price * b.cost
-        return (own, [b]) if own > inner_value else (inner_value, inner)
+        value = -math.inf if c is None else c.freed - price * c.cost
+        return (value, [c]) if value > inner_value else (inner_value, inner)
 
     return best(None)[1]
 
@@ -264,12 +294,13 @@ def _candidates(model: nn.Module, condition) -> List[_Block]:
 
 
 class _Attribution(TorchDispatchMode):
-    """Adds each op's FLOPs to every block on the call stack."""
+    """Adds each op's FLOPs, and an expensive op's output bytes, to every block on the call stack."""
 
     def __init__(self, stack: List[_Block]):
         super().__init__()
         self.stack = stack
         self.total = 0
+        self.expensive: Dict[int, set] = {}  # per block: the storages its expensive ops output
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -278,8 +309,11 @@ class _Attribution(TorchDispatchMode):
         if count is not None:
             flops = count(*args, **kwargs, out_val=out)
             self.total += flops
+            outputs = list(tensors_in(out))
             for b in self.stack:
                 b.flops += flops
+                b.expensive_out += sum(t.untyped_storage().nbytes() for t in outputs)
+                self.expensive.setdefault(id(b), set()).update(t.untyped_storage().data_ptr() for t in outputs)
         return out
 
 
@@ -308,11 +342,13 @@ def _measure_blocks(model: nn.Module, inputs: Tuple, condition) -> Tuple[List[_B
                 if key not in seen[id(b)]:
                     seen[id(b)].add(key)
                     b.saved += t.untyped_storage().nbytes()
+                    if key in attribution.expensive.get(id(b), ()):
+                        b.saved_expensive += t.untyped_storage().nbytes()
         return t
 
+    attribution = _Attribution(stack)
     handles = [h for b in blocks for h in (b.module.register_forward_pre_hook(pre(b), with_kwargs=True),
                                             b.module.register_forward_hook(post(b), with_kwargs=True))]
-    attribution = _Attribution(stack)
     try:
         with _kept_as_it_was(model), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attribution:
             model(*inputs)
@@ -341,14 +377,14 @@ class _Step:
                 self._step()
         return mem.peak_bytes
 
-    def peak_wrapped(self, modules: Sequence[nn.Module]) -> int:
-        for m in modules:
-            checkpoint_wrapper(m)
+    def peak_wrapped(self, choices: Sequence[_Choice]) -> int:
+        for c in choices:
+            checkpoint_wrapper(c.block.module, policy=c.policy)
         try:
             return self.peak()
         finally:
-            for m in modules:
-                unwrap_checkpoint(m)
+            for c in choices:
+                unwrap_checkpoint(c.block.module)
 
     def _step(self) -> None:
         self.model.train()

@@ -186,6 +186,10 @@ def is_heavy(func, args: Sequence) -> bool:
     return macs is None or macs >= HEAVY_MACS
 
 
+# the selective policies (regions and checkpoint_wrapper): which ops' outputs each keeps for backward
+SELECTIVE_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}
+
+
 def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if name in ("convolution", "_convolution") and len(tensors) >= 2:

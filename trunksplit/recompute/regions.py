@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from .stages import run_in_stages
-from .checkpoint import is_expensive, is_heavy, run_checkpointed
+from .checkpoint import SELECTIVE_KEEPS, run_checkpointed
 
 # the region policies and what each keeps, as a plan table says it
 REGION_POLICIES = {
@@ -28,7 +28,6 @@ REGION_POLICIES = {
     "recompute": "keep only the input",
     "recompute_stages": "keep only the input, rebuild one conv/matmul stage at a time",
 }
-_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}  # the selective ones: which ops' outputs they keep
 
 
 def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
@@ -39,7 +38,7 @@ def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
     if policy not in REGION_POLICIES:
         raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
     run = _run_in_stages if policy == "recompute_stages" else _run
-    return run_checkpointed(run, layers, (x, *layers), keep=_KEEPS.get(policy))
+    return run_checkpointed(run, layers, (x, *layers), keep=SELECTIVE_KEEPS.get(policy))
 
 
 def nested_policy(policy: str) -> str:
@@ -52,7 +51,7 @@ def nested_policy(policy: str) -> str:
     outside the autograd graph, where the segment's checkpoint cannot drop them, from the
     forward to the backward; run as ``"recompute"`` instead, its backward recomputes it
     whole. ``"recompute_stages"`` nests as it is: its stages are plain checkpoints."""
-    return "recompute" if policy in _KEEPS else policy
+    return "recompute" if policy in SELECTIVE_KEEPS else policy
 
 
 def _run(x: Any, *layers: nn.Module) -> Any:

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from ..chains.blocks import layer_splittable_before
-from .checkpoint import map_tree, run_checkpointed
+from .checkpoint import SELECTIVE_KEEPS, map_tree, run_checkpointed
+
+WRAP_POLICIES = ("recompute", *SELECTIVE_KEEPS)  # what a wrapped module keeps for backward, as the region policies of the same names
 
 
 class _Checkpointed:
@@ -27,6 +29,7 @@ class _Checkpointed:
     # A class default, not only an instance attribute: containers build new instances of
     # their own class (``wrapped_sequential[1:]``), and those must run too.
     _checkpoint_offload_to_cpu = False
+    _checkpoint_policy = "recompute"
 
     def forward(self, *args, **kwargs):
         forward = super().forward
@@ -35,7 +38,7 @@ class _Checkpointed:
         if self._checkpoint_offload_to_cpu:
             args, kwargs = _offload(args), _offload(kwargs)
             forward = _loading_back(forward)
-        return run_checkpointed(forward, [self], args, kwargs)
+        return run_checkpointed(forward, [self], args, kwargs, keep=SELECTIVE_KEEPS.get(self._checkpoint_policy))
 
     def __reduce_ex__(self, protocol):
         # Rebuild through the plain class so pickle never looks the generated class up by name.
@@ -59,7 +62,7 @@ def _rebuild_checkpointed(base: type) -> nn.Module:
     return module
 
 
-def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, *, policy: str = "recompute") -> nn.Module:
     """Make every later call of ``module`` run under activation checkpointing.
 
     Returns ``module`` itself (its class swapped for a checkpointed subclass), so
@@ -75,21 +78,32 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     ``offload_to_cpu`` moves the tensors the checkpoint keeps (the module's inputs)
     to CPU memory, pinned when CUDA is present, until backward needs them. On CPU
     tensors it is a no-op.
+
+    ``policy`` says what the checkpoint keeps for backward, as a region's policy does
+    (see :mod:`trunksplit.recompute.regions`): ``"recompute"`` (the default) keeps only
+    the inputs and reruns the module whole; ``"save_expensive"`` also keeps the outputs
+    of its convolutions, matmuls and attention, so backward reruns only the cheap ops
+    (norms, activations, adds); ``"save_heavy"`` keeps only the heavy ones' outputs.
+    Sharp edge: a selective policy must not run inside another checkpoint (a wrapped
+    parent, a trunk's segment); there it keeps what it saves until the outer backward.
+    Wrapping a wrapped module again changes only these two settings.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, torch.jit.ScriptModule):
         raise TypeError("checkpoint_wrapper cannot wrap a TorchScript module; wrap the eager module before scripting")
-    if isinstance(module, _Checkpointed):
-        return module
-    if not layer_splittable_before(module):
+    if policy not in WRAP_POLICIES:
+        raise ValueError(f"checkpoint_wrapper's policy must be one of {WRAP_POLICIES}, got {policy!r} (the module is left as it was)")
+    if not isinstance(module, _Checkpointed) and not layer_splittable_before(module):
         raise ValueError(
             f"checkpoint_wrapper cannot wrap {type(module).__name__} with inplace=True: it overwrites its input, which "
             "the checkpoint keeps for the recompute, and backward would fail. Build it with inplace=False, or wrap "
             "the block that contains it (the module is left unwrapped)"
         )
-    module.__class__ = _checkpointed_class(type(module))
+    if not isinstance(module, _Checkpointed):
+        module.__class__ = _checkpointed_class(type(module))
     module._checkpoint_offload_to_cpu = bool(offload_to_cpu)
+    module._checkpoint_policy = policy
     return module
 
 
@@ -102,6 +116,7 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
     if isinstance(module, _Checkpointed):
         module.__class__ = module._checkpoint_base
         module.__dict__.pop("_checkpoint_offload_to_cpu", None)
+        module.__dict__.pop("_checkpoint_policy", None)
     return module
 
 
