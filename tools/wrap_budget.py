@@ -3,8 +3,9 @@
 
     python tools/wrap_budget.py --arch resnet50 vit_b_16 --input 4x3x128x128 --budgets 0.6 0.4
 
-For each model and budget: the blocks wrapped, the measured step peak as a share of the
-unwrapped step (gradients kept between steps), the recompute, and the seconds the choice took.
+For each model and budget: the blocks wrapped (how many keep their convolution/matmul
+outputs, "save_expensive"), the measured step peak as a share of the unwrapped step (gradients
+kept between steps), the recompute, and the seconds the choice took.
 """
 import argparse
 import copy
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     shape = tuple(int(d) for d in args.input.split("x"))
-    print("| model | budget | wrapped blocks | measured peak / unwrapped | recompute / forward | seconds |")
+    print("| model | budget | wrapped blocks (save_expensive) | measured peak / unwrapped | recompute / forward | seconds |")
     print("| --- | --- | --- | --- | --- | --- |")
     for arch in args.arch:
         torch.manual_seed(0)
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             try:
                 plan = apply_activation_checkpointing(model, memory_budget=budget, example_inputs=(x,), gradients="kept")
-                row = [len(plan.names), f"{plan.peak_bytes / plan.unwrapped_peak_bytes:.2f}", f"{plan.recompute_flops / plan.forward_flops:.2f}"]
+                row = [f"{len(plan.names)} ({plan.policies.count('save_expensive')})", f"{plan.peak_bytes / plan.unwrapped_peak_bytes:.2f}", f"{plan.recompute_flops / plan.forward_flops:.2f}"]
             except ValueError as e:
                 row = ["-", str(e).split("smallest feasible budget found is ")[-1].split(",")[0], "-"]
             print(f"| {arch} | {budget} | {row[0]} | {row[1]} | {row[2]} | {time.perf_counter() - start:.1f} |")

@@ -295,7 +295,7 @@ def _scaled(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
     def line(v0, v1):
         return tuple(max(0, round(a + (b - a) * (batch - b0) / (b1 - b0))) for a, b in zip(v0, v1))
 
-    counts = ("output", "saved", "forward_peak", "backward_excess", "flops")
+    counts = ("output", "saved", "forward_peak", "backward_excess", "backward_fresh", "flops")
     return UnitCosts(
         names=c1.names,
         saves_input=c1.saves_input,

@@ -93,6 +93,13 @@ def test_under_fsdp2_a_rank_holds_the_gathered_weights_where_fsdp2_does():
     # a checkpoint per unit: at most one unit's weights held from its recompute
     assert model.peak([0, 1, 2, 3]) == 30 + 30 + 5 + 20
     assert PeakModel(replace(costs, gathered=()), [3], "kept").peak([0, 3]) == 0  # unsharded: none of it
+    # gloo clones a reduce-scatter's input: while c's gradients are reduce-scattered, b's prefetched weights (20),
+    # the collective's input and gloo's copy of it (30 + 30) and this rank's shard of the result (15)
+    gloo = replace(costs, param_bytes=(5, 10, 15, 3), reduce_scatter_copies=1)
+    assert PeakModel(gloo, [3], "kept").peak([0]) == 20 + 30 + 30 + 15
+    # c's backward as profiled with its gradients made as it goes: 35 bytes at its peak (its 30, and 5 of a kernel's scratch)
+    fresh = replace(costs, backward_fresh=(0, 0, 35, 0))
+    assert PeakModel(fresh, [3], "kept").peak([0]) == 30 + 35 + 5 + 20
 
 
 def _all_plans(n, splittable, forced):

@@ -36,6 +36,8 @@ class _TensorAccounting(TorchDispatchMode):
         self.heavy = set()  # those of them created by heavy ops ("save_heavy" keeps them)
         self.cheap_bytes = 0  # bytes created by all other ops: what recomputing them writes
         self.light_flops = 0  # FLOPs of the expensive ops that are not heavy: what "save_heavy" runs again
+        self.held = 0  # bytes a caller says are held outside the storages seen here (see peak_with_held)
+        self.peak_with_held = 0  # the peak of current + held
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,6 +61,7 @@ class _TensorAccounting(TorchDispatchMode):
                 else:
                     self.cheap_bytes += storage.nbytes()
         self.peak = max(self.peak, self.current)
+        self.peak_with_held = max(self.peak_with_held, self.current + self.held)
         return out
 
     def _sweep(self):
@@ -131,7 +134,15 @@ class ProfiledPeak:
     freed and refilled in place). Its figure is the allocator's requests, kernels' scratch
     buffers included, so it reads a few percent above the tensor tracker on eager code;
     compare it only with itself. CPU memory only: on CUDA, :class:`PeakMemory`'s allocator
-    statistics see all of this already."""
+    statistics see all of this already.
+
+    Sharp edge, handled: the profiler records allocations and frees only on the threads it
+    profiles. A collective's own copy (gloo's reduce-scatter clones its whole input) is freed
+    wherever its work object dies, often on gloo's worker thread, so its free is missing
+    from the events at random, and the copy would seem to live on to the end. An allocation
+    made inside a ``c10d::`` op that is never seen freed is counted as freed when that op's
+    call returns (FSDP2's reduce-scatter is synchronous: the calling thread allocates
+    nothing more until the collective is done)."""
 
     def __init__(self):
         self.peak_bytes: Optional[int] = None
@@ -143,13 +154,55 @@ class ProfiledPeak:
 
     def __exit__(self, *exc) -> None:
         self._prof.__exit__(*exc)
-        # private: torch.profiler has no public list of allocation events with their sizes and times
-        events = [e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        # private: torch.profiler has no public list of allocation events with their sizes,
+        # addresses, times and enclosing ops
+        changes = _cpu_memory_changes(self._prof.profiler.kineto_results.experimental_event_tree())
         current = peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            current += e.nbytes()
+        for _, nbytes in sorted(changes):
+            current += nbytes
             peak = max(peak, current)
         self.peak_bytes = peak
+
+
+def _cpu_memory_changes(roots) -> list:
+    """(time, bytes) of every CPU allocation (+) and free (-) under ``roots``, with the missing
+    frees of collectives' copies put back (see :class:`ProfiledPeak`)."""
+    events, stack = [], list(roots)
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0].name == "Allocation" and e.typed[1].device.type == "cpu":
+            events.append(e)
+    changes, live = [], {}
+    for e in sorted(events, key=lambda e: e.start_time_ns):
+        alloc = e.typed[1]
+        if alloc.alloc_size > 0:
+            if alloc.ptr in live:  # the address is given out again: the last holder was freed unseen
+                changes.append(_unseen_free(live[alloc.ptr], before=e.start_time_ns))
+            live[alloc.ptr] = e
+        else:
+            live.pop(alloc.ptr, None)
+        changes.append((e.start_time_ns, alloc.alloc_size))
+    changes += [_unseen_free(e) for e in live.values() if _collective(e) is not None]
+    return changes
+
+
+def _collective(allocation):
+    """The ``c10d::`` op an allocation was made in, if any."""
+    op = allocation.parent
+    while op is not None and not op.name.startswith("c10d::"):
+        op = op.parent
+    return op
+
+
+def _unseen_free(allocation, before: Optional[int] = None) -> tuple:
+    """When an allocation whose free the profiler missed was freed: a collective's copy when the
+    collective returned, anything else just before its address was given out again."""
+    collective = _collective(allocation)
+    when = collective.end_time_ns if collective is not None else before
+    if before is not None:
+        when = min(when, before)
+    return (when, -allocation.typed[1].alloc_size)
 
 
 def profiled_peak(fn) -> int:

@@ -112,6 +112,7 @@ class PeakModel:
         kept, forward, backward, counted, cost, pending = state
         source = c.input_from[i]
         forward = max(forward, kept + max(c.forward_peak[i] + g[i], 2 * g[i]))  # FSDP2: see _in_backward
+        backward = max(backward, kept + self._at_reduce(a, i, last))  # FSDP2: after its backward, before what it keeps is counted
         if c.saves_input[i] and source >= a and not counted:
             kept, counted = kept + c.output[source], True
         kept += c.saved[i] + (0 if last else g[i])
@@ -140,13 +141,33 @@ class PeakModel:
         moment), and frees them after the forward, except in a checkpoint's recompute, which
         runs in backward: there they stay until the unit's own backward (``_step`` keeps them).
         A unit's backward holds its weights (gathered again, in the last segment), its whole
-        gradients until they are reduce-scattered, the reduce-scatter input of the unit before
+        gradients as its backward makes them until they are reduce-scattered (``backward_fresh``,
+        with the scratch a CPU convolution's weight-gradient kernel holds beside each), the
+        reduce-scatter input of the unit before
         it in backward (kept until this unit's own reduce), and the flat buffer of the next
         unit's weights, prefetched (already held inside a recomputed segment, but for its first)."""
-        g = self._gathered
+        g, c = self._gathered, self.costs
+        if not c.gathered:
+            return 0
         after = g[i + 1] if i + 1 < self.n else 0
         prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
-        return (g[i] if last else 0) + g[i] + after + prefetched
+        # its whole gradients, as its backward makes them (the profiled ones already hold theirs)
+        grads = c.backward_fresh[i] - c.backward_excess[i] if c.backward_fresh else g[i]
+        return (g[i] if last else 0) + grads + after + prefetched
+
+    def _at_reduce(self, a: int, i: int, last: bool) -> int:
+        """Under FSDP2, what a rank holds beyond the units before ``i`` while unit ``i``'s gradients
+        are reduce-scattered (0 unsharded): its activations and gathered weights are freed by then;
+        the gradients of the units after it, the next unit's prefetched weights, its whole
+        gradients copied into the reduce-scatter input (both for a moment), then that input, the
+        backend's own copy of it (gloo clones it; ``reduce_scatter_copies``) and the rank's shard
+        of the result."""
+        c, g = self.costs, self._gathered
+        if not c.gathered:
+            return 0
+        prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
+        reduce = max(2 * g[i], (1 + c.reduce_scatter_copies) * g[i] + c.param_bytes[i])
+        return self._grads_after[i] + prefetched + reduce
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.

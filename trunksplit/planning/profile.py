@@ -48,6 +48,10 @@ class UnitCosts:
       left alive: the gradient arriving at its output (until backward frees it),
       gradient buffers of activations and transient weight gradients (weights
       already holding a ``.grad``, as from the second step on).
+    - ``backward_fresh``: the same peak when the unit's parameters hold no gradient yet, so
+      that each gradient its backward makes stays (as under FSDP2, whose gathered weights
+      start every backward without one): ``backward_excess`` less the transient weight
+      gradients, plus the unit's gradients as they appear, in the order backward makes them.
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
@@ -72,6 +76,8 @@ class UnitCosts:
       belong to a span that can run so.
     - ``gathered``: under FSDP2, the bytes of each unit's whole parameters, which a rank
       all-gathers to run it (see :mod:`trunksplit.planning.sharding`); empty unsharded.
+    - ``reduce_scatter_copies``: under FSDP2, how many whole copies of a reduce-scatter's
+      input the collective's backend makes while it runs (gloo clones it: 1; NCCL: 0).
     """
 
     names: Tuple[str, ...]
@@ -84,6 +90,7 @@ class UnitCosts:
     backward_excess: Tuple[int, ...]
     flops: Tuple[int, ...]
     param_bytes: Tuple[int, ...]
+    backward_fresh: Tuple[int, ...] = ()
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
     forward_seconds: Tuple[float, ...] = ()
@@ -91,6 +98,7 @@ class UnitCosts:
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
     gathered: Tuple[int, ...] = ()  # FSDP2: each unit's whole parameters, all-gathered to run it
+    reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -117,7 +125,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     times the ``"time"`` objective plans from (see :mod:`trunksplit.planning.timing`;
     about three more steps, and two per region policy).
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "flops", "recompute_bytes", "light_flops")
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
     fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
@@ -282,13 +290,51 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
         # so it is made by the multiply's backward from a scalar loss, not passed in.
         loss = sum((t * torch.ones_like(t)).sum() for t in outs)
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
-        tracker.peak = tracker.current
-        with tracker:
+        tracker.peak = tracker.peak_with_held = tracker.current
+        with tracker, _held_when_fresh(m, tracker):
             loss.backward(seed)
         backward_excess = tracker.peak - after_forward
+        backward_fresh = tracker.peak_with_held - after_forward
     else:
-        backward_excess = 0
-    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess)
+        backward_excess = backward_fresh = 0
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh)
+
+
+class _held_when_fresh:
+    """While a backward runs into gradients that exist already (accumulated in place, each new
+    one freed after), count each parameter's gradient as ``tracker.held`` from its first
+    accumulation on: what the same backward would hold had the gradients not existed.
+
+    A convolution's weight gradient on CPU is written by oneDNN into a scratch buffer of its
+    own layout, then copied out: the allocator holds both for a moment, the tensor tracker sees
+    only the second. That moment (the new gradient, and a scratch of its size, above all that
+    is held) is counted into ``tracker.peak_with_held`` too."""
+
+    def __init__(self, m: nn.Module, tracker: _TensorAccounting):
+        self.params = [p for p in m.parameters() if p.requires_grad]
+        self.tracker = tracker
+
+    def __enter__(self):
+        seen = set()
+        t = self.tracker
+
+        def arriving(grad):
+            if grad.dim() > 2:  # a convolution's weight: its kernel's scratch beside the new gradient
+                t.peak_with_held = max(t.peak_with_held, t.current + t.held + grad.numel() * grad.element_size())
+
+        def accumulated(p):
+            if id(p) not in seen:
+                seen.add(id(p))
+                t.held += p.numel() * p.element_size()
+
+        self.handles = [h for p in self.params for h in (p.register_hook(arriving), p.register_post_accumulate_grad_hook(accumulated))]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.tracker.held = 0
+        return False
 
 
 def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting, policy: str):

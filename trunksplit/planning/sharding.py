@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .peak import PeakModel
@@ -43,8 +44,16 @@ def sharded_costs(costs: UnitCosts, units: Sequence[nn.Module], world_size: int)
     (what a step allocates), and its whole parameters as what the rank all-gathers to run it."""
     shards = unit_param_bytes(units, lambda p: shard_bytes(p, world_size))
     gathered = tuple(sum(p.numel() * p.element_size() for p in u.parameters() if p.requires_grad) for u in units)
-    policies = None if costs.policies is None else {k: replace(c, param_bytes=shards, gathered=gathered) for k, c in costs.policies.items()}
-    return replace(costs, param_bytes=shards, gathered=gathered, policies=policies)
+    sharded = dict(param_bytes=shards, gathered=gathered, reduce_scatter_copies=reduce_scatter_copies())
+    policies = None if costs.policies is None else {k: replace(c, **sharded) for k, c in costs.policies.items()}
+    return replace(costs, policies=policies, **sharded)
+
+
+def reduce_scatter_copies() -> int:
+    """Whole copies of a reduce-scatter's input its backend makes: gloo clones it (1), NCCL works
+    in place (0). The backend of the process group in use; NCCL's where there is none (a plan
+    for a cluster made on a laptop)."""
+    return int(dist.is_initialized() and dist.get_backend() == "gloo")
 
 
 def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> PeakModel:
