@@ -292,6 +292,8 @@ def build_parser():
     p.add_argument("--seconds", type=int, default=300, help="per model; slower ones are reported as timeouts")
     p.add_argument("--out", default="output/zoo_sweep.jsonl")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out and sweep only the models they lack")
+    p.add_argument("--shard", default="0/1", help="K/N: sweep only every N-th model from the K-th (run N of them side by side on one --out with --resume)")
+    p.add_argument("--summarize", action="store_true", help="print the table of the rows in --out, sweeping nothing")
     return p
 
 
@@ -300,6 +302,11 @@ def main(argv=None) -> int:
     sources = {"torchvision": torchvision_models, "timm": timm_models, "transformers": transformers_models}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
+    if args.summarize:
+        with open(args.out) as f:
+            print(summary([json.loads(line) for line in f if line.strip()], "wrap" if args.wrap else "peaks" if args.peaks else "exact"))
+        return 0
+    k, n = (int(v) for v in args.shard.split("/"))
     if args.resume and os.path.exists(args.out):  # a long sweep that was stopped goes on where it was
         with open(args.out) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -307,7 +314,7 @@ def main(argv=None) -> int:
     with open(args.out, "a" if args.resume else "w") as f:
         for lib in args.libraries:
             models = [m for m in sources[lib]() if not args.only or m[1] in args.only]
-            for library, name, build in models[: args.limit or None]:
+            for library, name, build in models[: args.limit or None][k::n]:
                 if (library, name) in done:
                     continue
                 rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap))
