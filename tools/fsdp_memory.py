@@ -2,6 +2,7 @@
 """Per-rank step peak under FSDP2, predicted from the unsharded model and measured on gloo ranks.
 
     torchrun --standalone --nproc_per_node=2 tools/fsdp_memory.py --arch resnet18 --input 4x3x64x64 --gradients allocated
+    torchrun --standalone --nproc_per_node=2 tools/fsdp_memory.py --arch resnet18 --input 3x32x32 --fit 2.2e8
 
 Each rank plans a balanced 4-segment trunk for one of N ranks from the unsharded model
 (``trunksplit plan --world-size N`` does the same), shards a copy with ``shard_trunk``, gives it
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torchvision
 
-from trunksplit import CheckpointedTrunk, PeakMemory, shard_trunk
+from trunksplit import CheckpointedTrunk, PeakMemory, fit, shard_trunk
+from trunksplit.fit import parse_bytes
 from trunksplit.chains import expand_units
 from trunksplit.planning.memory import profiled_peak
 from trunksplit.planning.search import peak_model, plan_trunk
@@ -33,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", default="4x3x64x64", help="one rank's batch")
     p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated")
     p.add_argument("--repeats", type=int, default=3, help="profiled steps per rank; the smallest reading counts")
+    p.add_argument("--fit", default=None, help="memory per rank (bytes or 2GiB): fit the batch for it (SGD with momentum) and measure "
+                                               "everything a rank then holds against it (--input's batch is ignored)")
     return p
 
 
@@ -68,12 +72,40 @@ def measured_peaks(trunk, x, gradients: str, repeats: int):
     return allocated, mem.peak_bytes
 
 
+def fitted(model, shape, memory: int, gradients: str, repeats: int) -> None:
+    """Fit one rank's batch for ``memory`` (``trunksplit.fit``, per rank), shard the trunk it plans,
+    and measure what a rank holds: its shards of parameters (and of gradients, if kept), buffers,
+    SGD's momentum, and the step's peak (the smallest of ``repeats`` profiled steps)."""
+    world = dist.get_world_size()
+    found = fit(copy.deepcopy(model), shape, memory, optimizer="sgd", gradients=gradients, world_size=world, verify=False)
+    trunk = shard_trunk(CheckpointedTrunk(model, ["flatten"], memory_budget=found.memory - found.resident_bytes, gradients=gradients))
+    x = torch.randn(found.batch_size, *shape)
+    trunk.plan_for(x)
+    opt = torch.optim.SGD(trunk.parameters(), lr=0.01, momentum=0.9)
+    _step(trunk, x)
+    opt.step()  # the momentum buffers exist from here on
+    local = [p.to_local() for p in trunk.parameters()]
+    held = sum(t.numel() * t.element_size() for t in local + list(trunk.buffers()))
+    held += sum(t.to_local().numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim())
+    held += sum(t.numel() * t.element_size() for t in local) if gradients == "kept" else 0
+    step_peak, _ = measured_peaks(trunk, x, gradients, repeats)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, held + step_peak)
+    if dist.get_rank() == 0:
+        print(f"fit {memory / 2**20:.1f} MiB per rank of {world}: {found.batch_size} images per rank; measured "
+              f"{', '.join(f'{m / 2**20:.1f}' for m in everyone)} MiB = {max(everyone) / memory:.3f} of the memory")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = torchvision.models.get_model(args.arch)
+    if args.fit:
+        fitted(model, tuple(int(d) for d in args.input.split("x")[-3:]), parse_bytes(args.fit), args.gradients, args.repeats)
+        dist.destroy_process_group()
+        return 0
     x = torch.randn(*(int(d) for d in args.input.split("x")))
     reference = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients)
     units = [m for _, m in expand_units(reference._blocks())]

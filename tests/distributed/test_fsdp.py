@@ -16,8 +16,7 @@ from torch import nn
 from trunksplit import CheckpointedTrunk, shard_trunk
 from trunksplit.chains import expand_units
 from trunksplit.planning.memory import profiled_peak
-from trunksplit.planning.search import peak_model, plan_trunk
-from trunksplit.planning.sharding import per_rank, rank_memory
+from trunksplit.planning.sharding import rank_memory
 
 from distributed_harness import run_processes, threads_of_workers
 from reference import loss_of
@@ -157,13 +156,10 @@ def test_a_rank_holds_the_shards_the_per_rank_model_predicts(sharded):
 
 def _measured_step_peak(rank, world_size, gradients, out):
     """This rank's step peak, by the allocator's events (the smallest of three readings, see
-    tools/fsdp_memory.py), under the plan the per-rank model makes from the unsharded model."""
-    model, x = small("resnet18"), _micro_batch("resnet18", 0)
-    reference = CheckpointedTrunk(model, num_splits=3, strategy="balanced", gradients=gradients)
-    units = [m for _, m in expand_units(reference._blocks())]
-    plan = plan_trunk(reference, x, per_rank(peak_model(reference, x), units, world_size))
+    tools/fsdp_memory.py), under the plan the sharded trunk makes for itself."""
+    x = _micro_batch("resnet18", 0)
     trunk = shard_trunk(CheckpointedTrunk(small("resnet18"), num_splits=3, strategy="balanced", gradients=gradients))
-    trunk._plans[trunk._plan_key(x)] = plan
+    plan = trunk.plan_for(x)
     step = lambda: loss_of(trunk(x)).backward()  # noqa: E731
     step()
     readings = []
@@ -179,8 +175,8 @@ def _measured_step_peak(rank, world_size, gradients, out):
 
 @pytest.mark.parametrize("gradients", ["allocated", "kept"])
 def test_a_ranks_measured_step_peak_is_what_the_per_rank_model_predicts(tmp_path, gradients):
-    # the prediction knows nothing of the ranks' run: only the unsharded model's profile, the world size and
-    # FSDP2's schedule (gathered weights, reduce-scatter buffers, gloo's copy of them); the measurement is the
+    # the prediction knows nothing of the ranks' run: only the units' profile (unsharded copies), the world size
+    # and FSDP2's schedule (gathered weights, reduce-scatter buffers, gloo's copy of them); the measurement is the
     # allocator's, which sees what the tensor tracker cannot (FSDP2's refilled storage, kernels' scratch)
     run_processes(_measured_step_peak, WORLD, (gradients, str(tmp_path)), timeout=400)
     for rank in range(WORLD):

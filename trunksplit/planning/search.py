@@ -19,6 +19,7 @@ from .memory import tensors_in
 from .peak import NOTHING, PeakModel, add_costs
 from .plan import Segment, SplitPlan
 from .profile import profile_units
+from .sharding import per_rank, sharded_world_size
 from .templates import Region, _as_run
 from .vissl import vissl_plan
 
@@ -159,11 +160,13 @@ def peak_model(trunk, x, regions: bool = False) -> PeakModel:
     """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks.
 
     ``regions``: also measure the units under the region policies, and let the model
-    plan regions (about three times the profiling)."""
+    plan regions (about three times the profiling). A trunk sharded with FSDP2 is modelled
+    for one of its ranks (see :func:`trunksplit.planning.sharding.per_rank`)."""
     units = expand_units(trunk._blocks())
     spans = region_spans(units) if regions else []
     timed = trunk.objective == "time"
-    return PeakModel(profile_units(units, x, spans, timed), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
+    model = PeakModel(profile_units(units, x, spans, timed), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
+    return per_rank(model, [m for _, m in units], sharded_world_size([m for _, m in units]))
 
 
 def budget_in_bytes(budget, unsplit: int) -> int:

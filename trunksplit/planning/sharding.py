@@ -11,10 +11,10 @@ A checkpointed segment's recompute holds the gathered weights of every unit in i
 backward, so under FSDP2 a long segment costs its weights as well as its activations.
 
 Exact: parameter, gradient, optimizer and buffer bytes (tensor sizes). Modelled from FSDP2's
-schedule: the gathered weights and the buffers around them. Measured on gloo ranks with
-torch.profiler's allocation events (``tools/fsdp_memory.py``, docs/distributed.md); the exact
-tensor tracker cannot see the gathered weights (FSDP2 frees and refills their storage in
-place), and which buffers overlap varies by one unit's weights from rank to rank and run to run.
+schedule: the gathered weights and the buffers around them, the reduce-scatter, and the backend's
+copy of its input on gloo. Measured on gloo ranks with torch.profiler's allocation events
+(``tools/fsdp_memory.py``, docs/distributed.md): within 0.5% where weights dominate; kernels'
+scratch, which the tensor tracker that profiles units cannot see, is missed where activations do.
 """
 import math
 from dataclasses import dataclass, replace
@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .peak import PeakModel
 from .profile import UnitCosts, unit_param_bytes
@@ -47,6 +48,11 @@ def sharded_costs(costs: UnitCosts, units: Sequence[nn.Module], world_size: int)
     sharded = dict(param_bytes=shards, gathered=gathered, reduce_scatter_copies=reduce_scatter_copies())
     policies = None if costs.policies is None else {k: replace(c, **sharded) for k, c in costs.policies.items()}
     return replace(costs, policies=policies, **sharded)
+
+
+def sharded_world_size(units: Sequence[nn.Module]) -> int:
+    """The number of ranks the units' parameters are sharded over by FSDP2 (1 when they are not)."""
+    return next((p.device_mesh.size() for u in units for p in u.parameters() if isinstance(p, DTensor)), 1)
 
 
 def reduce_scatter_copies() -> int:
