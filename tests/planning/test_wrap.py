@@ -109,6 +109,32 @@ def test_a_budget_that_kept_convolutions_meet_reruns_no_convolution():
     assert convs.count == 0
 
 
+class InPlaceAfterConv(nn.Module):
+    """MobileNetV3's pattern: an activation that overwrites its convolution's output."""
+
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.Hardswish(inplace=True)) for _ in range(depth)))
+
+    def forward(self, x):
+        return self.blocks(self.stem(x)).mean((2, 3))
+
+
+def test_a_block_that_overwrites_a_convolutions_output_is_never_wrapped_keeping_it():
+    # torch's selective checkpoint keeps the convolution's output and refuses, in backward, one that was
+    # overwritten since: such a block may only be recomputed whole
+    torch.manual_seed(0)
+    plain = InPlaceAfterConv()
+    model = copy.deepcopy(plain)
+    x = torch.randn(2, 3, 32, 32)
+    plan = apply_activation_checkpointing(model, memory_budget=0.8, example_inputs=(x,), gradients="kept")
+    assert plan.names and "save_expensive" not in plan.policies, plan
+    for m in (plain, model):
+        m(x).pow(2).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters()))
+
+
 def test_an_impossible_budget_names_the_smallest_feasible_and_leaves_the_model_as_it_was():
     torch.manual_seed(0)
     model = Untraceable()

@@ -277,3 +277,51 @@ def test_a_buffer_written_in_forward_moves_once_and_the_recompute_reads_it_as_th
         wrapped(x).pow(2).sum().backward()
     assert torch.equal(plain.ema, wrapped.ema)
     assert torch.equal(plain.linear.weight.grad, wrapped.linear.weight.grad)
+
+
+class Concatenating(nn.Module):
+    """A DenseNet layer: it takes the list of every feature so far, which its caller grows after the call."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, 2, 3, padding=1)
+
+    def forward(self, features):
+        return torch.relu(self.conv(torch.cat(features, 1)))
+
+
+class Branches(nn.Module):
+    """An HRNet module: it replaces the branches of the list it is given with their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Conv2d(3, 3, 3, padding=1) for _ in range(2))
+
+    def forward(self, xs):
+        for i, branch in enumerate(self.branches):
+            xs[i] = torch.tanh(branch(xs[i]))
+        return xs[0] + xs[1]
+
+
+def _dense(layers, x):
+    features = [x]
+    for layer in layers:
+        features.append(layer(features))  # the list the layer was given grows
+    return torch.cat(features, 1).pow(2).sum()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "save_expensive"])
+def test_the_recompute_sees_the_input_lists_the_forward_saw(policy):
+    torch.manual_seed(0)
+    dense = nn.ModuleList(Concatenating(3 + 2 * i) for i in range(3))
+    branches = Branches()
+    x = torch.randn(2, 3, 8, 8)
+    grads = []
+    for wrap in (False, True):
+        d, b = copy.deepcopy(dense), copy.deepcopy(branches)
+        if wrap:
+            for m in (*d, b):
+                checkpoint_wrapper(m, policy=policy)
+        (_dense(d, x) + b([x, 2 * x]).sum()).backward()
+        grads.append([p.grad for p in (*d.parameters(), *b.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

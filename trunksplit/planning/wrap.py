@@ -76,14 +76,16 @@ class _Block:
     flops: int = 0
     expensive_out: int = 0  # bytes its expensive ops (conv, matmul, attention) output: what "save_expensive" keeps too
     saved_expensive: int = 0  # the part of ``saved`` that expensive ops output: what "save_expensive" does not rebuild
+    selective: bool = True  # False where an op writes in place into an expensive op's output (torch's selective checkpoint refuses it)
 
     def choices(self) -> List["_Choice"]:
         """The ways to wrap it that free memory. Running a block again costs its FLOPs and the
         bytes it writes again (a norm or an activation does no FLOP a counter sees, yet is not
         free); under "save_expensive" only the cheap ops run again, and they count no FLOP."""
         cheap = self.saved - self.saved_expensive
-        options = [_Choice(self, "recompute", self.saved - self.inputs, max(1, self.flops + self.saved), self.saved),
-                   _Choice(self, "save_expensive", self.saved - self.inputs - self.expensive_out, max(1, cheap), cheap)]
+        options = [_Choice(self, "recompute", self.saved - self.inputs, max(1, self.flops + self.saved), self.saved)]
+        if self.selective:
+            options.append(_Choice(self, "save_expensive", self.saved - self.inputs - self.expensive_out, max(1, cheap), cheap))
         return [c for c in options if c.freed > 0]
 
 
@@ -301,10 +303,18 @@ class _Attribution(TorchDispatchMode):
         self.stack = stack
         self.total = 0
         self.expensive: Dict[int, set] = {}  # per block: the storages its expensive ops output
+        self.written: set = set()  # storages an op wrote into in place
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        positional = [a for a in func._schema.arguments if not a.kwarg_only]
+        for i, arg in enumerate(func._schema.arguments):  # what an in-place op (relu_, add_, out=) writes into
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[positional.index(arg)] if not arg.kwarg_only and positional.index(arg) < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor):
+                self.written.add(value.untyped_storage().data_ptr())
         count = flop_registry.get(getattr(func, "overloadpacket", func))
         if count is not None:
             flops = count(*args, **kwargs, out_val=out)
@@ -355,6 +365,8 @@ def _measure_blocks(model: nn.Module, inputs: Tuple, condition) -> Tuple[List[_B
     finally:
         for h in handles:
             h.remove()
+    for b in blocks:
+        b.selective = not (attribution.expensive.get(id(b), set()) & attribution.written)
     return blocks, attribution.total
 
 

@@ -132,6 +132,11 @@ def map_tree(fn: Callable, tree):
     return fn(tree)
 
 
+def _containers_copied(tree):
+    """``tree`` with its lists, tuples and dicts copied; the tensors and other leaves are the same objects."""
+    return map_tree(lambda leaf: leaf, tree)
+
+
 def map_tensors(fn: Callable, tree):
     """``tree`` with ``fn`` applied to each tensor in it: what flows between units may be a tensor,
     or a tuple of them where a traced model cuts after ``x.split(...)``."""
@@ -270,12 +275,18 @@ def run_checkpointed(
         return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False)
     if keep is not None and use_reentrant:
         raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
+    # The recompute must see the inputs the forward saw. The lists, tuples and dicts that hold
+    # them are copied now, for the caller may change them later (DenseNet's blocks append each
+    # layer's output to the list every layer was given), and again for each call, for the
+    # function may change its own (HRNet's modules replace the branches of their input list).
+    args, kwargs = _containers_copied(args), _containers_copied(kwargs)
     bns, written = batchnorms(modules), _WrittenBuffers(modules)
     calls = 0
 
     def run(*a, **kw):
         nonlocal calls
         calls += 1
+        a, kw = _containers_copied(a), _containers_copied(kw)
         if calls == 1:
             with written.first_forward():
                 return function(*a, **kw)
@@ -283,7 +294,8 @@ def run_checkpointed(
             return function(*a, **kw)
 
     if keep is not None:
-        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=_selective_contexts(bns, written, keep))
+        return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
+                          context_fn=_selective_contexts(bns, written, keep))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
