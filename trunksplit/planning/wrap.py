@@ -39,13 +39,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import flop_registry
 
-from ..chains.blocks import layer_splittable_before
 from ..recompute.select import Condition, wrap_selected
-from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
-from .memory import PeakMemory, TorchDispatchMode, tensors_in
+from ..recompute.wrapper import checkpoint_wrapper, unwrap_checkpoint
+from .memory import PeakMemory, tensors_in
 from .peak import GRADIENT_MODES
+from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
 
 
 @dataclass(frozen=True)
@@ -65,43 +64,6 @@ class WrapPlan:
                 f"{self.peak_bytes / self.unwrapped_peak_bytes:.2f} of unwrapped ({self.unwrapped_peak_bytes / 2**20:.1f} MiB), "
                 f"recompute {self.recompute_flops / max(1, self.forward_flops):.2f} of a forward\n  "
                 + " ".join(n if p == "recompute" else f"{n}[{p}]" for n, p in zip(self.names, self.policies)))
-
-
-@dataclass
-class _Block:
-    name: str
-    module: nn.Module
-    saved: int = 0  # bytes its ops save for backward (parameters excluded), each storage once
-    inputs: int = 0  # bytes of its tensor inputs: what a checkpoint keeps instead
-    flops: int = 0
-    expensive_out: int = 0  # bytes its expensive ops (conv, matmul, attention) output: what "save_expensive" keeps too
-    saved_expensive: int = 0  # the part of ``saved`` that expensive ops output: what "save_expensive" does not rebuild
-    selective: bool = True  # False where an op writes in place into an expensive op's output (torch's selective checkpoint refuses it)
-
-    def choices(self) -> List["_Choice"]:
-        """The ways to wrap it that free memory. Running a block again costs its FLOPs and the
-        bytes it writes again (a norm or an activation does no FLOP a counter sees, yet is not
-        free); under "save_expensive" only the cheap ops run again, and they count no FLOP."""
-        cheap = self.saved - self.saved_expensive
-        options = [_Choice(self, "recompute", self.saved - self.inputs, max(1, self.flops + self.saved), self.saved)]
-        if self.selective:
-            options.append(_Choice(self, "save_expensive", self.saved - self.inputs - self.expensive_out, max(1, cheap), cheap))
-        return [c for c in options if c.freed > 0]
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """A block wrapped under a policy: what it frees, what running it again costs, what its backward rebuilds at once."""
-
-    block: _Block
-    policy: str
-    freed: int
-    cost: int
-    rebuild: int
-
-    @property
-    def name(self) -> str:
-        return self.block.name
 
 
 def apply_activation_checkpointing(model: nn.Module, condition: Optional[Condition] = None, offload_to_cpu: bool = False, *,
@@ -148,7 +110,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     step = _Step(model, inputs, gradients)
     unwrapped = step.peak()
     budget = _budget_bytes(memory_budget, unwrapped)
-    blocks, forward_flops = _measure_blocks(model, inputs, condition)
+    blocks, forward_flops = measure_blocks(model, inputs, condition)
     ladder = [[]] + _ladder(blocks)
     peaks: Dict[int, int] = {0: unwrapped}
 
@@ -205,7 +167,7 @@ def _cheapest_fit(peak_with: Callable[[int], int], n: int, budget: int) -> Optio
     return hi
 
 
-def _ladder(blocks: List[_Block]) -> List[List[_Choice]]:
+def _ladder(blocks: List[Block]) -> List[List[Choice]]:
     """Wrappings worth measuring, least recompute first, each estimated to peak lower than the last.
 
     A wrapped block keeps its inputs (and, under "save_expensive", its expensive ops'
@@ -238,7 +200,7 @@ def _ladder(blocks: List[_Block]) -> List[List[_Choice]]:
     return ladder
 
 
-def _steps_between(before: List[_Choice], after: List[_Choice]) -> List[List[_Choice]]:
+def _steps_between(before: List[Choice], after: List[Choice]) -> List[List[Choice]]:
     """Rungs from ``before`` to ``after``: the choices new in ``after`` join one at a time (those
     that free most first), each replacing the choices of ``before`` it covers (the same block
     under another policy included). Identical layers (a ViT's) join at one price, and a budget
@@ -258,20 +220,20 @@ def _nested(a: str, b: str) -> bool:
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
-def _best_antichain(allowed: List[_Choice], price: float, ancestors: Dict[str, List[_Block]]) -> List[_Choice]:
+def _best_antichain(allowed: List[Choice], price: float, ancestors: Dict[str, List[Block]]) -> List[Choice]:
     """The choices of ``allowed``, at most one per block and no block inside another, that maximise
     sum(freed - price * cost): over the module tree, a block is worth taking (under its better
     policy) where its own value beats the best of those inside it."""
-    own: Dict[str, _Choice] = {}
+    own: Dict[str, Choice] = {}
     for c in allowed:
         if c.name not in own or c.freed - price * c.cost > own[c.name].freed - price * own[c.name].cost:
             own[c.name] = c
-    children: Dict[Optional[str], List[_Choice]] = {}
+    children: Dict[Optional[str], List[Choice]] = {}
     for c in own.values():
         parent = next((a.name for a in ancestors[c.name] if a.name in own), None)
         children.setdefault(parent, []).append(c)
 
-    def best(c: Optional[_Choice]) -> Tuple[float, List[_Choice]]:
+    def best(c: Optional[Choice]) -> Tuple[float, List[Choice]]:
         inner_value, inner = 0.0, []
         for child in children.get(None if c is None else c.name, []):
             value, chosen = best(child)
@@ -283,95 +245,8 @@ def _best_antichain(allowed: List[_Choice], price: float, ancestors: Dict[str, L
     return best(None)[1]
 
 
-def _candidates(model: nn.Module, condition) -> List[_Block]:
-    found = []
-    for name, m in model.named_modules():
-        if not name or isinstance(m, (nn.ModuleList, nn.ModuleDict)) or is_checkpoint_wrapped(m):
-            continue
-        if not any(p.requires_grad for p in m.parameters()) or not layer_splittable_before(m):
-            continue
-        if condition is None or condition(name, m):
-            found.append(_Block(name, m))
-    return found
-
-
-class _Attribution(TorchDispatchMode):
-    """Adds each op's FLOPs, and an expensive op's output bytes, to every block on the call stack."""
-
-    def __init__(self, stack: List[_Block]):
-        super().__init__()
-        self.stack = stack
-        self.total = 0
-        self.expensive: Dict[int, set] = {}  # per block: the storages its expensive ops output
-        self.written: set = set()  # storages an op wrote into in place
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        positional = [a for a in func._schema.arguments if not a.kwarg_only]
-        for i, arg in enumerate(func._schema.arguments):  # what an in-place op (relu_, add_, out=) writes into
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[positional.index(arg)] if not arg.kwarg_only and positional.index(arg) < len(args) else kwargs.get(arg.name)
-            if isinstance(value, torch.Tensor):
-                self.written.add(value.untyped_storage().data_ptr())
-        count = flop_registry.get(getattr(func, "overloadpacket", func))
-        if count is not None:
-            flops = count(*args, **kwargs, out_val=out)
-            self.total += flops
-            outputs = list(tensors_in(out))
-            for b in self.stack:
-                b.flops += flops
-                b.expensive_out += sum(t.untyped_storage().nbytes() for t in outputs)
-                self.expensive.setdefault(id(b), set()).update(t.untyped_storage().data_ptr() for t in outputs)
-        return out
-
-
-def _measure_blocks(model: nn.Module, inputs: Tuple, condition) -> Tuple[List[_Block], int]:
-    """Every candidate block's saved bytes, input bytes and FLOPs, from one forward with autograd on."""
-    blocks = _candidates(model, condition)
-    stack: List[_Block] = []
-    seen: Dict[int, set] = {id(b): set() for b in blocks}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pre(block):
-        def hook(module, args, kwargs):
-            block.inputs += sum(t.untyped_storage().nbytes() for t in tensors_in((args, kwargs)))
-            stack.append(block)
-        return hook
-
-    def post(block):
-        def hook(module, args, kwargs, out):
-            stack.remove(block)
-        return hook
-
-    def pack(t):
-        key = t.untyped_storage().data_ptr()
-        if key not in params:
-            for b in stack:
-                if key not in seen[id(b)]:
-                    seen[id(b)].add(key)
-                    b.saved += t.untyped_storage().nbytes()
-                    if key in attribution.expensive.get(id(b), ()):
-                        b.saved_expensive += t.untyped_storage().nbytes()
-        return t
-
-    attribution = _Attribution(stack)
-    handles = [h for b in blocks for h in (b.module.register_forward_pre_hook(pre(b), with_kwargs=True),
-                                            b.module.register_forward_hook(post(b), with_kwargs=True))]
-    try:
-        with _kept_as_it_was(model), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), attribution:
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    for b in blocks:
-        b.selective = not (attribution.expensive.get(id(b), set()) & attribution.written)
-    return blocks, attribution.total
-
-
 class _Step:
-    """One measured training step of the model on the inputs, leaving no trace (see :func:`_kept_as_it_was`)."""
+    """One measured training step of the model on the inputs, leaving no trace (see :func:`kept_as_it_was`)."""
 
     def __init__(self, model: nn.Module, inputs: Tuple, gradients: str):
         self.model, self.inputs, self.gradients = model, inputs, gradients
@@ -379,7 +254,7 @@ class _Step:
 
     def peak(self) -> int:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        with _kept_as_it_was(self.model):
+        with kept_as_it_was(self.model):
             for p in params:
                 p.grad = torch.zeros_like(p) if self.gradients == "kept" else None
             self._step()  # the first step allocates what later steps reuse (lazy state); measure the second
@@ -389,7 +264,7 @@ class _Step:
                 self._step()
         return mem.peak_bytes
 
-    def peak_wrapped(self, choices: Sequence[_Choice]) -> int:
+    def peak_wrapped(self, choices: Sequence[Choice]) -> int:
         for c in choices:
             checkpoint_wrapper(c.block.module, policy=c.policy)
         try:
@@ -414,31 +289,3 @@ def _as_tree(out: Any) -> Any:
     if is_dataclass(out) and not isinstance(out, type):
         return {f.name: getattr(out, f.name) for f in fields(out)}
     return out
-
-
-class _kept_as_it_was:
-    """Put the model's gradients, buffers, train/eval modes and the RNG back afterwards: measuring trains nothing."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __enter__(self):
-        m = self.model
-        self.grads = [(p, p.grad) for p in m.parameters()]
-        self.buffers = [(b, b.detach().clone()) for b in m.buffers()]
-        self.modes = [(sub, sub.training) for sub in m.modules()]
-        devices = [b.device for b in m.buffers() if b.device.type == "cuda"][:1]
-        self.rng = torch.random.fork_rng(devices=devices)
-        self.rng.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.rng.__exit__(*exc)
-        with torch.no_grad():
-            for b, value in self.buffers:
-                b.copy_(value)
-        for p, g in self.grads:
-            p.grad = g
-        for sub, training in self.modes:
-            sub.training = training
-        return False
