@@ -51,7 +51,9 @@ class UnitCosts:
     - ``backward_fresh``: the same peak when the unit's parameters hold no gradient yet, so
       that each gradient its backward makes stays (as under FSDP2, whose gathered weights
       start every backward without one): ``backward_excess`` less the transient weight
-      gradients, plus the unit's gradients as they appear, in the order backward makes them.
+      gradients, plus the unit's gradients as they appear, in the order backward makes them,
+      and beside a convolution's new weight gradient a scratch of its size (oneDNN's, which the
+      allocator holds and the tensor tracker cannot see).
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
