@@ -142,7 +142,9 @@ class ProfiledPeak:
     from the events at random, and the copy would seem to live on to the end. An allocation
     made inside a ``c10d::`` op that is never seen freed is counted as freed when that op's
     call returns (FSDP2's reduce-scatter is synchronous: the calling thread allocates
-    nothing more until the collective is done)."""
+    nothing more until the collective is done); any other allocation whose address is given
+    out again was freed, unseen, before that. Other unseen frees can still only add to a
+    reading, so the smallest of several readings of one step is the closest to the truth."""
 
     def __init__(self):
         self.peak_bytes: Optional[int] = None
