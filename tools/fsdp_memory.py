@@ -23,10 +23,8 @@ import torchvision
 
 from trunksplit import CheckpointedTrunk, PeakMemory, fit, shard_trunk
 from trunksplit.fit import parse_bytes
-from trunksplit.chains import expand_units
 from trunksplit.planning.memory import profiled_peak
 from trunksplit.planning.search import peak_model, plan_trunk
-from trunksplit.planning.sharding import per_rank
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,8 +106,7 @@ def main(argv=None) -> int:
         return 0
     x = torch.randn(*(int(d) for d in args.input.split("x")))
     reference = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients)
-    units = [m for _, m in expand_units(reference._blocks())]
-    plan = plan_trunk(reference, x, per_rank(peak_model(reference, x), units, world))
+    plan = plan_trunk(reference, x, peak_model(reference, x, world_size=world))
     predicted = plan.predicted_peak_bytes
     trunk = shard_trunk(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients))
     trunk._plans[trunk._plan_key(x)] = plan  # the predicted plan, not the one rank 0 would measure and broadcast

@@ -214,7 +214,9 @@ class _ScaledChain:
         self.splittable = [layer_splittable_before(m) for _, m in units]
         self.forced = [stop for stop in trunk._ends.values() if stop < len(units)]
         self.features = [stop - 1 for stop in trunk._ends.values()]
-        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device)) for b in PROFILE_BATCHES]
+        # a rank's step on CPU is measured by the allocator: profile by it (see peak_model)
+        allocator = world_size > 1 and device.type == "cpu"
+        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator) for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
         self.small = self._costs_for(world_size)
 

@@ -14,7 +14,7 @@ from ..fit import fit, parse_bytes
 from ..chains import expand_units
 from ..planning.peak import OBJECTIVES
 from ..planning.search import annotate, peak_model, plan_trunk
-from ..planning.sharding import per_rank, rank_memory
+from ..planning.sharding import rank_memory
 from ..ssl.backbones import build_backbone
 from ..ssl.config import budget_bytes
 from ..trunk import CheckpointedTrunk
@@ -94,7 +94,7 @@ def _plan(args) -> int:
                                      objective=args.objective)
             units = [m for _, m in expand_units(trunk._blocks())]
             # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
-            costs = per_rank(peak_model(trunk, x, regions=args.budget is not None), units, args.world_size)
+            costs = peak_model(trunk, x, regions=args.budget is not None, world_size=args.world_size)
             plan = plan_trunk(trunk, x, costs) if trunk._cost_aware else annotate(trunk.plan_for(x), costs)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)

@@ -3,6 +3,7 @@
 The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the tracker that
 counts the bytes is :class:`trunksplit.planning.memory.PeakMemory`'s.
 """
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -16,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..recompute.checkpoint import map_tensors
 from ..recompute.regions import REGION_POLICIES, run_region
 from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts, staged_graph
-from .memory import StorageWeakRef, _TensorAccounting, tensors_in
+from .memory import ProfiledPeak, StorageWeakRef, _TensorAccounting, tensors_in
 from .timing import RERUNS, forward_seconds, step_seconds
 
 
@@ -33,7 +34,9 @@ def _drop_hooks(module: nn.Module) -> None:
 class UnitCosts:
     """Measured costs of each unit of a chain, for one input shape.
 
-    All byte counts are exact tensor-storage bytes (see :class:`PeakMemory`'s tracker):
+    All byte counts are exact tensor-storage bytes (see :class:`PeakMemory`'s tracker), but
+    where profiled with ``allocator=True`` (see :func:`profile_units`) the transient peaks
+    (``forward_peak``, ``backward_excess``, ``backward_fresh``) are the allocator's:
 
     - ``output``: the unit's output.
     - ``saved``: what the unit's own forward creates and keeps for backward
@@ -110,7 +113,8 @@ class UnitCosts:
         return self.policies[policy]
 
 
-def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False) -> UnitCosts:
+def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,
+                  allocator: bool = False) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
@@ -126,6 +130,14 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     ``no_grad`` or ``inference_mode`` is the training plan. ``timed``: also the wall
     times the ``"time"`` objective plans from (see :mod:`trunksplit.planning.timing`;
     about three more steps, and two per region policy).
+
+    ``allocator``: measure the transient peaks (``forward_peak``, ``backward_excess`` and
+    ``backward_fresh``, by a backward of its own with no gradients yet) as the allocator's
+    requests (:class:`trunksplit.planning.memory.ProfiledPeak`), not as tensor storages: kernels'
+    scratch counts (oneDNN's reordered weights and gradients, im2col buffers; 8% of ResNet-50's
+    step at 16x96), and what backward frees of the forward's saved tensors counts against it.
+    The figures a step measured by the allocator needs (FSDP2 on CPU); about twice the profiling.
+    CPU only: torch.profiler's CPU memory events.
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
     fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
@@ -144,7 +156,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             tracker = _TensorAccounting()
             with torch.no_grad(), FlopCounterMode(display=False) as flops, tracker:
                 next_h = m(h)
-            cost = _measure_unit(m, h, input_needs_grad=i > 0)
+            cost = _measure_unit(m, h, input_needs_grad=i > 0, allocator=allocator)
             for key, value in cost.items():
                 fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
@@ -157,7 +169,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 start, span_input, members = span
                 if i + 1 == span_stop[start]:
                     for policy, measured in under_policy.items():
-                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy)
+                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy, allocator)
                     if timed:
                         _time_span(members, span_input, start > 0, {p: m[(start, i + 1)] for p, m in under_policy.items()},
                                    sum(fields["forward_seconds"][start:]))
@@ -204,7 +216,7 @@ def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]
     return replace(costs, eligible=tuple(eligible), **{k: tuple(v) for k, v in values.items()})
 
 
-def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str) -> Optional[dict]:
+def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str, allocator: bool = False) -> Optional[dict]:
     """The costs of ``members`` run in order as one region under a policy, or None where they cannot run so.
 
     torch's selective checkpoint refuses (at backward) a region that changes a kept output
@@ -216,7 +228,7 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
     if policy == "recompute_stages" and not any(staged_graph(m) for m in copies):
         return None
     try:
-        return _measure_unit(copies, h, input_needs_grad, policy)
+        return _measure_unit(copies, h, input_needs_grad, policy, allocator)
     except RuntimeError as e:
         if "mutated" not in str(e):
             raise
@@ -276,30 +288,59 @@ def _private_copy(unit: nn.Module) -> nn.Module:
     return m
 
 
-def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep") -> dict:
+def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep", allocator: bool = False) -> dict:
     """One forward and backward of ``m`` on a copy of ``h``, run plainly (``"keep"``) or as one
-    region under ``policy``: the figures of :class:`UnitCosts` for it."""
-    # the chain's input may be a list or dict of tensors (then it is the first unit's, which needs no gradient)
-    leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
-    inp = map_tensors(torch.clone, leaf) if input_needs_grad else leaf  # not a leaf, so an in-place first op is allowed
-    tracker = _TensorAccounting()
-    out, kept = _forward_keeping(m, inp, tracker, policy)
+    region under ``policy``: the figures of :class:`UnitCosts` for it (``allocator``: its
+    transient peaks as the allocator's, see :func:`profile_units`)."""
+    forward_meter, backward_meter = (ProfiledPeak() if allocator else contextlib.nullcontext() for _ in range(2))
+    tracker, inp = _TensorAccounting(), _unit_input(h, input_needs_grad)
+    with forward_meter:
+        out, kept = _forward_keeping(m, inp, tracker, policy)
     forward_peak, after_forward = tracker.peak, tracker.current
-    outs = [t for t in tensors_in(out) if t.requires_grad]
-    if outs:
-        # The gradient arriving at the unit must be allocated inside the measured window and
-        # held by nobody else, as in a real step, where backward frees it once consumed:
-        # so it is made by the multiply's backward from a scalar loss, not passed in.
-        loss = sum((t * torch.ones_like(t)).sum() for t in outs)
+    backward_excess = backward_fresh = 0
+    loss = _unit_loss(out)
+    if loss is not None:
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
         tracker.peak = tracker.peak_with_held = tracker.current
-        with tracker, _held_when_fresh(m, tracker):
+        with backward_meter, tracker, _held_when_fresh(m, tracker):
             loss.backward(seed)
         backward_excess = tracker.peak - after_forward
         backward_fresh = tracker.peak_with_held - after_forward
-    else:
-        backward_excess = backward_fresh = 0
+    if allocator:
+        forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
+        backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy) if loss is not None else 0
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh)
+
+
+def _unit_input(h, input_needs_grad: bool):
+    """A unit's input as in a chain: a non-leaf copy where it needs a gradient (so that an
+    in-place first op is allowed); the chain's input (a list or dict of tensors, maybe) as it is."""
+    leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
+    return map_tensors(torch.clone, leaf) if input_needs_grad else leaf
+
+
+def _unit_loss(out) -> Optional[torch.Tensor]:
+    """A scalar whose backward allocates the gradient arriving at each of ``out``'s tensors inside
+    the measured window, held by nobody else (as in a real step, where backward frees it once
+    consumed): the multiply's backward makes it. None where no output needs a gradient."""
+    outs = [t for t in tensors_in(out) if t.requires_grad]
+    return sum((t * torch.ones_like(t)).sum() for t in outs) if outs else None
+
+
+def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str) -> int:
+    """The allocator's peak of ``m``'s backward beyond what its forward left, with its parameters
+    holding no gradient yet (``UnitCosts.backward_fresh``): one more forward and backward."""
+    grads = [(p, p.grad) for p in m.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    out, _ = _forward_keeping(m, _unit_input(h, input_needs_grad), _TensorAccounting(), policy)
+    loss = _unit_loss(out)
+    seed = torch.ones_like(loss)
+    with ProfiledPeak() as meter:
+        loss.backward(seed)
+    for p, g in grads:
+        p.grad = g
+    return meter.peak_bytes
 
 
 class _held_when_fresh:

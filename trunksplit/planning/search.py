@@ -156,17 +156,22 @@ def region_spans(units: Sequence[Tuple[str, nn.Module]]) -> List[Tuple[int, int]
     return [(r, s) for r, s in zip(bounds, bounds[1:])]
 
 
-def peak_model(trunk, x, regions: bool = False) -> PeakModel:
+def peak_model(trunk, x, regions: bool = False, world_size: Optional[int] = None) -> PeakModel:
     """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks.
 
     ``regions``: also measure the units under the region policies, and let the model
-    plan regions (about three times the profiling). A trunk sharded with FSDP2 is modelled
-    for one of its ranks (see :func:`trunksplit.planning.sharding.per_rank`)."""
+    plan regions (about three times the profiling). ``world_size``: model one of that many
+    FSDP2 ranks (see :func:`trunksplit.planning.sharding.per_rank`); by default, as many as the
+    trunk is sharded over (1 if it is not). A rank's step on CPU is measured by the allocator
+    (see :class:`trunksplit.planning.memory.ProfiledPeak`), so its units are profiled by it too."""
     units = expand_units(trunk._blocks())
+    world_size = world_size or sharded_world_size([m for _, m in units])
     spans = region_spans(units) if regions else []
     timed = trunk.objective == "time"
-    model = PeakModel(profile_units(units, x, spans, timed), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
-    return per_rank(model, [m for _, m in units], sharded_world_size([m for _, m in units]))
+    allocator = world_size > 1 and next(iter(tensors_in(x))).device.type == "cpu"
+    costs = profile_units(units, x, spans, timed, allocator=allocator)
+    model = PeakModel(costs, [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
+    return per_rank(model, [m for _, m in units], world_size)
 
 
 def budget_in_bytes(budget, unsplit: int) -> int:
