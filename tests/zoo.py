@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import nn
-from torchvision.models import convnext, maxvit, vgg, vision_transformer
+from torchvision.models import convnext, efficientnet, maxvit, vgg, vision_transformer
 from torchvision.models import swin_transformer as swin
 
 # name -> builder; stochastic depth and dropout are on, so RNG exactness is exercised
@@ -17,7 +17,11 @@ SMALL = {
         stochastic_depth_prob=0.3,
     ),
     "efficientnet_b0": lambda: torchvision.models.efficientnet_b0(stochastic_depth_prob=0.3),
-    "efficientnet_v2_s": lambda: torchvision.models.efficientnet_v2_s(stochastic_depth_prob=0.3),
+    "efficientnet_v2_s": lambda: efficientnet.EfficientNet(  # V2-S's block kinds (fused, then depthwise), fewer and narrower
+        [efficientnet.FusedMBConvConfig(1, 3, 1, 16, 16, 1), efficientnet.FusedMBConvConfig(4, 3, 2, 16, 24, 2), efficientnet.MBConvConfig(4, 3, 2, 24, 32, 2),
+         efficientnet.MBConvConfig(6, 3, 2, 32, 48, 2), efficientnet.MBConvConfig(6, 3, 2, 48, 64, 1)],
+        dropout=0.2, stochastic_depth_prob=0.3, last_channel=256,
+    ),
     "mobilenet_v2": lambda: torchvision.models.mobilenet_v2(width_mult=0.5),
     "mobilenet_v3_small": lambda: torchvision.models.mobilenet_v3_small(),
     "mnasnet0_5": lambda: torchvision.models.mnasnet0_5(),

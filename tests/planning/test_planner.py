@@ -346,7 +346,7 @@ def test_budget_ladder_is_met_when_measured_and_tighter_never_measures_higher(gr
     x = torch.randn(4, 3, 96, 96)
     plain = _measured_step_peak(CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients), x)
     measured = []
-    for budget in (0.6, 0.5, 0.45, 0.4, 0.35):
+    for budget in (0.6, 0.45, 0.35):
         trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=budget, gradients=gradients)
         measured.append(_measured_step_peak(trunk, x) / plain)
         assert measured[-1] <= budget * 1.03, (budget, measured)

@@ -4,30 +4,20 @@ The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the t
 counts the bytes is :class:`trunksplit.planning.memory.PeakMemory`'s.
 """
 import contextlib
-import copy
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..recompute.checkpoint import map_tensors
 from ..recompute.regions import REGION_POLICIES, run_region
-from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts, staged_graph
+from ..recompute.stages import staged_graph
 from .memory import ProfiledPeak, StorageWeakRef, _TensorAccounting, tensors_in
 from .timing import RERUNS, forward_seconds, step_seconds
-
-
-def _drop_hooks(module: nn.Module) -> None:
-    """Remove the module hooks that ``deepcopy`` carried over to a private copy.
-
-    A user's hook (logging, feature capture) must not fire on the profiler's
-    copies (see :func:`trunksplit.recompute.stages.hook_dicts`)."""
-    for hooks in hook_dicts(module):
-        hooks.clear()
+from .unit_copies import private_copy
 
 
 @dataclass(frozen=True)
@@ -150,7 +140,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
         h = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x)  # an inference tensor cannot enter autograd
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
-            m = _private_copy(unit)
+            m = private_copy(unit)
             if i in span_stop:
                 span = (i, h, [])
             tracker = _TensorAccounting()
@@ -224,7 +214,7 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
     a convolution: such a span is not eligible for ``"save_expensive"``. A span none of
     whose units runs in stages (see :func:`trunksplit.recompute.stages.staged_graph`) is not
     eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
-    copies = _private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
+    copies = private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
     if policy == "recompute_stages" and not any(staged_graph(m) for m in copies):
         return None
     try:
@@ -233,34 +223,6 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
         if "mutated" not in str(e):
             raise
         return None
-
-
-def _is_sharded(unit: nn.Module) -> bool:
-    return isinstance(unit, FSDPModule) or any(isinstance(p, DTensor) for p in unit.parameters())
-
-
-def _unsharded_copy(module: nn.Module) -> nn.Module:
-    """A plain copy of a module that FSDP2 has sharded (which refuses ``deepcopy``): the module's
-    own class, its attributes, full weights and fresh hook dicts, so profiling it touches nothing.
-
-    ``full_tensor()`` all-gathers each sharded weight: every rank profiles the same units in the
-    same order, as every rank plans at the same first training forward. FSDP2 swaps a module's
-    class for a subclass of ``FSDPModule`` and the original class; the copy takes the original
-    back (an implementation detail of ``fully_shard``, relied on here and nowhere else)."""
-    cls = type(module)
-    if isinstance(module, FSDPModule):
-        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
-    clone = object.__new__(cls)  # not cls.__new__: fx's GraphModule.__new__ makes a new class, without the unit's forward
-    # FSDP2's own state lives in the module's __dict__ too (keys below); the copy leaves it behind
-    clone.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith(("__composable_api_state_key", "_fsdp", "_is_fsdp"))})
-    for name in HOOK_DICT_NAMES:  # the copy must not share (nor clear) the original's hooks
-        if name in module.__dict__:
-            clone.__dict__[name] = type(module.__dict__[name])()
-    clone._parameters = {n: None if p is None else nn.Parameter((p.full_tensor() if isinstance(p, DTensor) else p).detach().clone(), p.requires_grad)
-                         for n, p in module._parameters.items()}
-    clone._buffers = {n: None if b is None else b.detach().clone() for n, b in module._buffers.items()}
-    clone._modules = {n: None if m is None else _unsharded_copy(m) for n, m in module._modules.items()}
-    return clone
 
 
 def unit_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torch.Tensor], int]] = None) -> Tuple[int, ...]:
@@ -277,15 +239,6 @@ def unit_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torc
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
-
-
-def _private_copy(unit: nn.Module) -> nn.Module:
-    m = _unsharded_copy(unit) if _is_sharded(unit) else copy.deepcopy(unit)
-    for sub in m.modules():
-        _drop_hooks(sub)
-    for p in m.parameters():
-        p.grad = torch.zeros_like(p) if p.requires_grad else None
-    return m
 
 
 def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep", allocator: bool = False) -> dict:

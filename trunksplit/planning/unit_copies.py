@@ -1,0 +1,58 @@
+"""Private copies of a chain's units, which the profiler runs instead of the units themselves:
+the model's parameters, gradients, BatchNorm statistics and hooks stay untouched."""
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts
+
+
+def private_copy(unit: nn.Module) -> nn.Module:
+    """A copy of ``unit`` with no hooks, whose trainable parameters hold zero gradients (as from
+    a training's second step on)."""
+    m = _unsharded_copy(unit) if _is_sharded(unit) else copy.deepcopy(unit)
+    for sub in m.modules():
+        _drop_hooks(sub)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    return m
+
+
+def _drop_hooks(module: nn.Module) -> None:
+    """Remove the module hooks that ``deepcopy`` carried over to a private copy.
+
+    A user's hook (logging, feature capture) must not fire on the profiler's
+    copies (see :func:`trunksplit.recompute.stages.hook_dicts`)."""
+    for hooks in hook_dicts(module):
+        hooks.clear()
+
+
+def _is_sharded(unit: nn.Module) -> bool:
+    return isinstance(unit, FSDPModule) or any(isinstance(p, DTensor) for p in unit.parameters())
+
+
+def _unsharded_copy(module: nn.Module) -> nn.Module:
+    """A plain copy of a module that FSDP2 has sharded (which refuses ``deepcopy``): the module's
+    own class, its attributes, full weights and fresh hook dicts, so profiling it touches nothing.
+
+    ``full_tensor()`` all-gathers each sharded weight: every rank profiles the same units in the
+    same order, as every rank plans at the same first training forward. FSDP2 swaps a module's
+    class for a subclass of ``FSDPModule`` and the original class; the copy takes the original
+    back (an implementation detail of ``fully_shard``, relied on here and nowhere else)."""
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    clone = object.__new__(cls)  # not cls.__new__: fx's GraphModule.__new__ makes a new class, without the unit's forward
+    # FSDP2's own state lives in the module's __dict__ too (keys below); the copy leaves it behind
+    clone.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith(("__composable_api_state_key", "_fsdp", "_is_fsdp"))})
+    for name in HOOK_DICT_NAMES:  # the copy must not share (nor clear) the original's hooks
+        if name in module.__dict__:
+            clone.__dict__[name] = type(module.__dict__[name])()
+    clone._parameters = {n: None if p is None else nn.Parameter((p.full_tensor() if isinstance(p, DTensor) else p).detach().clone(), p.requires_grad)
+                         for n, p in module._parameters.items()}
+    clone._buffers = {n: None if b is None else b.detach().clone() for n, b in module._buffers.items()}
+    clone._modules = {n: None if m is None else _unsharded_copy(m) for n, m in module._modules.items()}
+    return clone
