@@ -209,8 +209,12 @@ def _family_step(rank, world_size, name, manual, out):
     torch.save({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("name", ["vit", "convnext"])
-@pytest.mark.parametrize("manual", [False, True], ids=["native_ddp", "manual_reentrant"])
+@pytest.mark.parametrize(
+    "manual,name",
+    # each family and each path once in the fast suite; the other pairing in the slow one
+    [(False, "convnext"), (True, "vit"), pytest.param(False, "vit", marks=pytest.mark.slow), pytest.param(True, "convnext", marks=pytest.mark.slow)],
+    ids=["native_ddp-convnext", "manual_reentrant-vit", "native_ddp-vit", "manual_reentrant-convnext"],
+)
 def test_families_train_under_both_ddp_paths_like_one_process(name, manual, tmp_path):
     from zoo import input_for, small, without_head
 

@@ -1,10 +1,14 @@
 """tools/train.py end to end: metrics, two processes, resume, and clear errors that change nothing."""
+import contextlib
+import importlib.util
+import io
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -24,13 +28,26 @@ SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_
          "DATA.NUM_WORKERS", "0"]
 
 
-def _cli(*args):
+def _script(*args):
+    """tools/train.py run as a user runs it: its own process (startup, imports, exit status)."""
     return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def _cli(*args):
+    """tools/train.py's ``main`` in this process (``_script``'s exit status and output, without
+    a second Python importing torch for every error case)."""
+    spec = importlib.util.spec_from_file_location("train_tool", os.path.join(ROOT, "tools", "train.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = tool.main(list(args))
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_quickstart_cli_writes_finite_metrics(tmp_path):
     out = tmp_path / "run"
-    result = _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL)
+    result = _script("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
