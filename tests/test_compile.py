@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trunksplit import CheckpointedTrunk
+from trunksplit.chains import expand_units
 
 from reference import loss_of
 from zoo import SMALL, ResidualNet, TinyViT, input_for, small
@@ -33,7 +34,7 @@ def test_a_compiled_trunk_trains_as_the_eager_model(name, plan):
         for model in (plain, compiled):
             torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
             loss_of(model(x)).backward()
-    assert "under torch.compile the checkpointed segments and regions run eagerly" in str(trunk.plan)
+    assert "under torch.compile(trunk) the checkpointed segments and regions run eagerly" in str(trunk.plan)
     if plan == "budget_regions":
         assert {p for _, _, p in trunk.plan.regions} & {"save_expensive", "save_heavy"}  # selective, run eagerly
     elif plan == "balanced":
@@ -63,6 +64,52 @@ def test_a_compiled_traced_trunk_trains_as_the_eager_model(model, plan):
         assert (a.grad - b.grad).norm() <= 1e-5 * a.grad.norm() + 1e-12, n
     for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("name,plan", [("resnet18", "balanced"), ("resnet18", "budget_regions"), ("vit", "balanced")])
+def test_trunk_compile_trains_as_the_eager_model(name, plan):
+    """trunk.compile(): the checkpoints eager, what runs inside them compiled (aot_eager here)."""
+    torch._dynamo.reset()
+    plain = CheckpointedTrunk(small(name))
+    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    trunk.compile(backend="aot_eager")
+    x = input_for(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (plain, trunk):
+            torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
+            loss_of(model(x)).backward()
+    assert len(trunk.plan.segments) > 1 or trunk.plan.regions
+    for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
+    for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
+        assert torch.equal(a, b), n  # BatchNorm statistics and num_batches_tracked moved once
+
+
+def test_trunk_compile_compiles_every_segment_however_many():
+    """dynamo keeps at most 8 graphs per code object and runs the rest eagerly: every segment runs
+    the same function (and its recompute again, BatchNorm's momentum at 0), so a plan of 6 segments
+    would have run most of its recompute eagerly had they shared one."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):  # a backend that records each graph and runs it as traced
+        graphs.append(gm)
+        return gm.forward
+
+    trunk = CheckpointedTrunk(small("resnet18"), num_splits=6, strategy="balanced")
+    trunk.compile(backend=counting)
+    x = input_for("resnet18")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss_of(trunk(x)).backward()
+    units = [m for _, m in expand_units(trunk._blocks())]
+    segments = trunk.plan.segments
+    with_norms = [s for s in segments if s.checkpointed and any(isinstance(m, torch.nn.BatchNorm2d) for u in units[s.start : s.stop] for m in u.modules())]
+    assert len(segments) == 6 and len(with_norms) >= 3
+    # a graph per segment, and one more for each recompute that runs BatchNorm (at momentum 0): had the
+    # segments shared one code object, dynamo would have stopped compiling at 8 (7 seen then)
+    assert len(graphs) >= len(segments) + len(with_norms), len(graphs)
 
 
 @pytest.mark.slow

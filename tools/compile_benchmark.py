@@ -5,7 +5,9 @@
 
 Rows, each a training step of the same trunk on the same batch (gradients kept):
 trunksplit eager at each budget, the plain trunk compiled with inductor, compiled with
-``activation_memory_budget`` at each budget, and the budget-planned trunk compiled. Peaks are the
+``activation_memory_budget`` at each budget, and the budget-planned trunk compiled two ways:
+``torch.compile(trunk)`` (dynamo traces the trunk; checkpointed segments and regions run eagerly
+at graph breaks) and ``trunk.compile()`` (eager checkpoints, what runs inside them compiled). Peaks are the
 step's beyond what was live before it. On CPU every row is metered by ``torch.profiler``'s memory
 events (``trunksplit.planning.memory.profiled_peak``: the only meter that sees inside compiled code;
 it reads a few percent above the exact tensor tracker), and the eager rows by the tracker too; on
@@ -114,8 +116,21 @@ def rows_for(arch: str, x: torch.Tensor, budgets):
     for b in budgets:
         t, seconds, recompute = planned(b)
         model, compiling = _compiled(t, x)
-        rows.append(row(f"trunksplit {b:g} compiled", "trunksplit compiled", model, seconds + compiling, recompute))
+        rows.append(row(f"trunksplit {b:g} torch.compile(trunk)", "trunksplit torch.compile(trunk)", model, seconds + compiling, recompute))
+    for b in budgets:
+        t, seconds, recompute = planned(b)
+        rows.append(row(f"trunksplit {b:g} trunk.compile()", "trunksplit trunk.compile()", t, seconds + _compiled_inside(t, x), recompute))
     return rows
+
+
+def _compiled_inside(trunk, x) -> float:
+    """``trunk.compile()``: what runs inside its checkpoints compiled with inductor, the checkpoints
+    eager; compiled by two steps (the second compiles the recomputes' variant). Returns the seconds."""
+    trunk.compile(dynamic=False)
+    start = time.perf_counter()
+    for _ in range(2):
+        _step(trunk, x)
+    return time.perf_counter() - start
 
 
 def _forward_flops(model, x) -> int:

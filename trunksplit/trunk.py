@@ -1,7 +1,7 @@
 """`CheckpointedTrunk`: run a trunk as a plan of checkpoint segments."""
 import functools
 from collections import OrderedDict
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from .planning.plan import SplitPlan
 from .planning.search import plan_trunk
 from .planning.vissl import vissl_plan
 from .recompute.checkpoint import map_tensors, run_checkpointed
+from .recompute.compiled import compiled_once
 from .recompute.regions import nested_policy, run_region
 
 STRATEGIES = ("vissl", "balanced")
@@ -99,10 +100,11 @@ class CheckpointedTrunk(nn.Module):
     keys are the feature block names (``res2.0.conv1.weight``) and do not depend
     on the plan.
 
-    Under ``torch.compile`` planning, checkpointed segments and regions run eagerly
+    Under ``torch.compile(trunk)`` planning, checkpointed segments and regions run eagerly
     (graph breaks) and each run of units between them compiles as one graph: the plan's
     memory is kept (compiled as torch's checkpoint operator, recompute kept more), and
-    the step equals the compiled plain model's within float tolerance.
+    the step equals the compiled plain model's within float tolerance. :meth:`compile`
+    compiles what runs inside the checkpointed segments too.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class CheckpointedTrunk(nn.Module):
         # vissl's plan needs no measurement; cost-aware ones start from the cuts after the features
         self._fixed_plan = vissl_plan(self._blocks(), list(ends), 1 if self._cost_aware else (num_splits or 1))
         self._plan: SplitPlan = self._fixed_plan
+        self._compile_options: Optional[dict] = None  # see compile()
 
     def _blocks(self) -> FeatureBlocks:
         return FeatureBlocks([(k, self._modules[_child_name(k)]) for k in self._keys], stages=self._stages & set(self._keys))
@@ -228,13 +231,38 @@ class CheckpointedTrunk(nn.Module):
             # ReLU(inplace=True)). Running it on a copy keeps the feature as its block left it
             # and, inside a checkpoint, keeps the checkpoint's input intact for the recompute.
             copy_input = seg.start > 0 and not layer_splittable_before(layers[0])
-            if checkpointing and seg.checkpointed:
-                x = _run_segment(functools.partial(_run_layers, copy_input, regions, True), layers, x, self.use_reentrant)
+            checkpointed = checkpointing and seg.checkpointed
+            run = self._body((seg.start, seg.stop, regions, copy_input, checkpointed))
+            if checkpointed:
+                x = _run_segment(run, layers, x, self.use_reentrant)
             else:
-                x = _run_layers(copy_input, regions, False, x, *layers)
+                x = run(x, *layers)
             if seg.stop in stops:
                 features[stops[seg.stop]] = x
         return [features[k] for k in self.out_feat_keys]
+
+    def compile(self, **options) -> None:
+        """Compile the trunk for speed and keep its plan's memory: what runs inside each checkpoint
+        (a checkpointed segment's units; the last segment's units between its regions) is compiled
+        with ``torch.compile(**options)`` (inductor by default), once per segment of each plan, and
+        runs inside torch's own eager checkpoints, which keep only their inputs as planned.
+
+        Unlike ``nn.Module.compile``, the trunk's forward, a loop over segments, stays Python,
+        and ``torch.compile(trunk)`` is not the same: there dynamo traces the whole forward, and the
+        checkpointed segments and regions run eagerly at graph breaks (the plan's memory, eager
+        speed for the recompute). Regions still run eagerly here. Exact as eager checkpoints are:
+        BatchNorm statistics move once (the recompute compiles once more, with momentum 0), and a
+        recompute draws the random masks its forward drew (the RNG state is restored before it)."""
+        self._compile_options = dict(options)
+
+    def _body(self, key: Tuple) -> Callable:
+        """What runs the units of a segment ``key = (start, stop, regions, copy_input, checkpointed)``:
+        compiled after :meth:`compile` (but under an outer ``torch.compile``, which traces it)."""
+        start, stop, regions, copy_input, checkpointed = key
+        run = _run_layers
+        if self._compile_options is not None and not torch.compiler.is_compiling():
+            run = compiled_once(self, key, _run_layers, self._compile_options)
+        return functools.partial(run, copy_input, regions, checkpointed)
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"

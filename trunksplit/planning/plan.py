@@ -85,7 +85,8 @@ class SplitPlan:
             if chosen:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
         if regions or any(s.checkpointed for s in self.segments):
-            text += "\nunder torch.compile the checkpointed segments and regions run eagerly; the units between them compile"
+            text += ("\nunder torch.compile(trunk) the checkpointed segments and regions run eagerly; the units between them compile "
+                     "(trunk.compile() compiles what runs inside the segments too)")
         return text
 
 
