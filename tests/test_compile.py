@@ -27,22 +27,26 @@ def test_a_compiled_trunk_trains_as_the_eager_model(name, plan):
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))  # one unsplit segment: the plain model's forward
     trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
-    compiled = torch.compile(trunk, backend="aot_eager")
-    x = input_for(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for model in (plain, compiled):
-            torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
-            loss_of(model(x)).backward()
+    _steps_equal(plain, trunk, torch.compile(trunk, backend="aot_eager"), input_for(name))
     assert "under torch.compile(trunk) the checkpointed segments and regions run eagerly" in str(trunk.plan)
     if plan == "budget_regions":
         assert {p for _, _, p in trunk.plan.regions} & {"save_expensive", "save_heavy"}  # selective, run eagerly
     elif plan == "balanced":
         assert len(trunk.plan.segments) == 3
+
+
+def _steps_equal(plain, trunk, run, x):
+    """One step of ``plain`` and one of ``trunk`` (run as ``run``, compiled somehow) from the same RNG
+    state: every gradient alike, BatchNorm statistics and num_batches_tracked moved once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (plain, run):
+            torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
+            loss_of(model(x)).backward()
     for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
     for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
-        assert torch.equal(a, b), n  # BatchNorm statistics and num_batches_tracked moved once
+        assert torch.equal(a, b), n
 
 
 @pytest.mark.parametrize("model", [ResidualNet, TinyViT])
@@ -73,17 +77,8 @@ def test_trunk_compile_trains_as_the_eager_model(name, plan):
     plain = CheckpointedTrunk(small(name))
     trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
     trunk.compile(backend="aot_eager")
-    x = input_for(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for model in (plain, trunk):
-            torch.manual_seed(3)  # the same dropout masks, if the compiled recompute restores the RNG
-            loss_of(model(x)).backward()
+    _steps_equal(plain, trunk, trunk, input_for(name))
     assert len(trunk.plan.segments) > 1 or trunk.plan.regions
-    for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), n
-    for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):
-        assert torch.equal(a, b), n  # BatchNorm statistics and num_batches_tracked moved once
 
 
 def test_trunk_compile_compiles_every_segment_however_many():

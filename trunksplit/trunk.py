@@ -258,7 +258,7 @@ class CheckpointedTrunk(nn.Module):
     def _body(self, key: Tuple) -> Callable:
         """What runs the units of a segment ``key = (start, stop, regions, copy_input, checkpointed)``:
         compiled after :meth:`compile` (but under an outer ``torch.compile``, which traces it)."""
-        start, stop, regions, copy_input, checkpointed = key
+        _, _, regions, copy_input, checkpointed = key
         run = _run_layers
         if self._compile_options is not None and not torch.compiler.is_compiling():
             run = compiled_once(self, key, _run_layers, self._compile_options)
