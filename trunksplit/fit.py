@@ -31,7 +31,7 @@ from .planning.memory import PeakMemory
 from .planning.peak import PeakModel
 from .planning.profile import UnitCosts, profile_units
 from .planning.search import best_plan, plan_from_cuts
-from .planning.sharding import RankMemory, gib, rank_memory, sharded_costs
+from .planning.sharding import RankMemory, gib, measured_by_allocator, rank_memory, sharded_costs
 from .planning.plan import SplitPlan
 from .trunk import CheckpointedTrunk, plan_key
 
@@ -214,8 +214,7 @@ class _ScaledChain:
         self.splittable = [layer_splittable_before(m) for _, m in units]
         self.forced = [stop for stop in trunk._ends.values() if stop < len(units)]
         self.features = [stop - 1 for stop in trunk._ends.values()]
-        # a rank's step on CPU is measured by the allocator: profile by it (see peak_model)
-        allocator = world_size > 1 and device.type == "cpu"
+        allocator = measured_by_allocator(world_size, device)
         self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator) for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
         self.small = self._costs_for(world_size)

@@ -19,7 +19,7 @@ from .memory import tensors_in
 from .peak import NOTHING, PeakModel, add_costs
 from .plan import Segment, SplitPlan
 from .profile import profile_units
-from .sharding import per_rank, sharded_world_size
+from .sharding import measured_by_allocator, per_rank, sharded_world_size
 from .templates import Region, _as_run
 from .vissl import vissl_plan
 
@@ -168,8 +168,7 @@ def peak_model(trunk, x, regions: bool = False, world_size: Optional[int] = None
     world_size = world_size or sharded_world_size([m for _, m in units])
     spans = region_spans(units) if regions else []
     timed = trunk.objective == "time"
-    allocator = world_size > 1 and next(iter(tensors_in(x))).device.type == "cpu"
-    costs = profile_units(units, x, spans, timed, allocator=allocator)
+    costs = profile_units(units, x, spans, timed, allocator=measured_by_allocator(world_size, next(iter(tensors_in(x))).device))
     model = PeakModel(costs, [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective)
     return per_rank(model, [m for _, m in units], world_size)
 

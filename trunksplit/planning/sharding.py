@@ -62,6 +62,13 @@ def reduce_scatter_copies() -> int:
     return int(dist.is_initialized() and dist.get_backend() == "gloo")
 
 
+def measured_by_allocator(world_size: int, device: torch.device) -> bool:
+    """Whether one rank's step is measured by the allocator, so that its units must be profiled by
+    it (``profile_units(..., allocator=True)``): FSDP2 on CPU, where only torch.profiler's allocation
+    events see the gathered weights (see :class:`trunksplit.planning.memory.ProfiledPeak`)."""
+    return world_size > 1 and torch.device(device).type == "cpu"
+
+
 def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> PeakModel:
     """``model`` (a trunk's peak model, profiled unsharded) for one of ``world_size`` FSDP2 ranks."""
     if world_size == 1:
