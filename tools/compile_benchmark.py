@@ -7,7 +7,8 @@ Rows, each a training step of the same trunk on the same batch (gradients kept):
 trunksplit eager at each budget, the plain trunk compiled with inductor, compiled with
 ``activation_memory_budget`` at each budget, and the budget-planned trunk compiled two ways:
 ``torch.compile(trunk)`` (dynamo traces the trunk; checkpointed segments and regions run eagerly
-at graph breaks) and ``trunk.compile()`` (eager checkpoints, what runs inside them compiled). Peaks are the
+at graph breaks) and ``trunk.compile()`` (each unit compiled, and each selective region of the last
+segment compiled whole as torch's checkpoint operator; the other checkpoints eager). Peaks are the
 step's beyond what was live before it. On CPU every row is metered by ``torch.profiler``'s memory
 events (``trunksplit.planning.memory.profiled_peak``: the only meter that sees inside compiled code;
 it reads a few percent above the exact tensor tracker), and the eager rows by the tracker too; on
@@ -100,8 +101,10 @@ def rows_for(arch: str, x: torch.Tensor, budgets):
             r["exact"] = _peak(model, x, exact=True)
         return r
 
-    def planned(b):
+    def planned(b, compiled=False):
         t = trunk(memory_budget=b)
+        if compiled:
+            t.compile(dynamic=False)  # before planning: a compiled trunk plans for its compiled regions
         start = time.perf_counter()
         plan = t.plan_for(x)  # eagerly, as a compiled trunk's first forward would
         return t, time.perf_counter() - start, sum(s.recompute_flops for s in plan.segments) / forward
@@ -118,15 +121,15 @@ def rows_for(arch: str, x: torch.Tensor, budgets):
         model, compiling = _compiled(t, x)
         rows.append(row(f"trunksplit {b:g} torch.compile(trunk)", "trunksplit torch.compile(trunk)", model, seconds + compiling, recompute))
     for b in budgets:
-        t, seconds, recompute = planned(b)
+        t, seconds, recompute = planned(b, compiled=True)
         rows.append(row(f"trunksplit {b:g} trunk.compile()", "trunksplit trunk.compile()", t, seconds + _compiled_inside(t, x), recompute))
     return rows
 
 
 def _compiled_inside(trunk, x) -> float:
-    """``trunk.compile()``: what runs inside its checkpoints compiled with inductor, the checkpoints
-    eager; compiled by two steps (the second compiles the recomputes' variant). Returns the seconds."""
-    trunk.compile(dynamic=False)
+    """``trunk.compile()`` (called before planning): each unit and each selective region compiled with
+    inductor, the other checkpoints eager; compiled by two steps (the second compiles the recomputes'
+    variant). Returns the seconds."""
     start = time.perf_counter()
     for _ in range(2):
         _step(trunk, x)

@@ -14,7 +14,7 @@ from .planning.peak import GRADIENT_MODES, OBJECTIVES
 from .planning.plan import SplitPlan
 from .planning.search import plan_trunk
 from .planning.vissl import vissl_plan
-from .recompute.checkpoint import map_tensors, run_checkpointed
+from .recompute.checkpoint import SELECTIVE_KEEPS, map_tensors, run_checkpointed
 from .recompute.compiled import compiled_once
 from .recompute.regions import nested_policy, run_region
 
@@ -104,7 +104,7 @@ class CheckpointedTrunk(nn.Module):
     (graph breaks) and each run of units between them compiles as one graph: the plan's
     memory is kept (compiled as torch's checkpoint operator, recompute kept more), and
     the step equals the compiled plain model's within float tolerance. :meth:`compile`
-    compiles what runs inside the checkpointed segments too.
+    compiles each unit inside the checkpoints too, and the selective regions whole: faster.
     """
 
     def __init__(
@@ -242,27 +242,62 @@ class CheckpointedTrunk(nn.Module):
         return [features[k] for k in self.out_feat_keys]
 
     def compile(self, **options) -> None:
-        """Compile the trunk for speed and keep its plan's memory: what runs inside each checkpoint
-        (a checkpointed segment's units; the last segment's units between its regions) is compiled
-        with ``torch.compile(**options)`` (inductor by default), once per segment of each plan, and
-        runs inside torch's own eager checkpoints, which keep only their inputs as planned.
+        """Compile the trunk for speed and keep its plan's memory: each unit is compiled with
+        ``torch.compile(**options)`` (inductor by default) on its own, and runs so inside torch's
+        own eager checkpoints, which keep only their inputs as planned; each selective region of the
+        last segment (``"save_expensive"``, ``"save_heavy"``) is compiled whole as torch's checkpoint
+        operator under the region's policy, so that the cheap ops it runs again fuse into its
+        backward's kernels (on CPU, ResNet-50 at budget 0.5 steps as fast as the compiled plain
+        model: tools/compile_benchmark.py). Other regions run eagerly around compiled units.
 
-        Unlike ``nn.Module.compile``, the trunk's forward, a loop over segments, stays Python,
-        and ``torch.compile(trunk)`` is not the same: there dynamo traces the whole forward, and the
-        checkpointed segments and regions run eagerly at graph breaks (the plan's memory, eager
-        speed for the recompute). Regions still run eagerly here. Exact as eager checkpoints are:
-        BatchNorm statistics move once (the recompute compiles once more, with momentum 0), and a
-        recompute draws the random masks its forward drew (the RNG state is restored before it)."""
+        Sharp edges. Cost-aware plans made before are dropped, for a compiled region's backward
+        returns its weights' gradients together, which with ``gradients="kept"`` the plan must
+        hold at once (the next training forward plans again). With inductor and no ``mode``,
+        ``options={"layout_optimization": False}`` is added unless given: inductor's CPU layout
+        optimisation saves a channels-last copy of every convolution's weight for backward,
+        which the plan does not hold (ResNet-50: 0.28 of the plain step). Unlike
+        ``nn.Module.compile``, the trunk's forward stays Python, and ``torch.compile(trunk)`` is
+        not the same: there dynamo traces the whole forward, and the checkpointed segments and
+        regions run eagerly at graph breaks.
+
+        Exact as eager checkpoints are, within float tolerance of the compiled plain model:
+        BatchNorm statistics move once (a recompute compiles once more, with momentum 0; a
+        compiled region's recompute never writes them), and a recompute draws the random masks
+        its forward drew (the RNG state is restored before an eager recompute; a compiled
+        region saves a random op's output)."""
+        if options.get("backend", "inductor") == "inductor" and "mode" not in options:
+            options["options"] = {"layout_optimization": False, **options.get("options", {})}
         self._compile_options = dict(options)
+        self._plans.clear()
+        self._plan = self._fixed_plan
 
     def _body(self, key: Tuple) -> Callable:
         """What runs the units of a segment ``key = (start, stop, regions, copy_input, checkpointed)``:
-        compiled after :meth:`compile` (but under an outer ``torch.compile``, which traces it)."""
+        compiled as :meth:`compile` says after it (but under an outer ``torch.compile``, which traces it)."""
         _, _, regions, copy_input, checkpointed = key
-        run = _run_layers
-        if self._compile_options is not None and not torch.compiler.is_compiling():
-            run = compiled_once(self, key, _run_layers, self._compile_options)
-        return functools.partial(run, copy_input, regions, checkpointed)
+        if self._compile_options is None or torch.compiler.is_compiling():
+            return functools.partial(_run_layers, copy_input, regions, checkpointed)
+        return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=self._compiled_units,
+                                 region=_run_region if checkpointed else self._compiled_region)
+
+    def _compiled_units(self, x, *layers: nn.Module):
+        """``layers`` run in order, each unit's compiled code on its own: a graph's backward returns
+        the gradients of all its weights together, so one graph per unit holds no more of them at
+        once than eager autograd does (a unit's own, briefly)."""
+        for layer in layers:
+            x = compiled_once(self, ("unit", id(layer)), _run_plain, self._compile_options)(x, layer)
+        return x
+
+    def _compiled_region(self, layers: Sequence[nn.Module], x, policy: str):
+        """A region of the last segment: a selective one compiled whole, as torch's checkpoint
+        operator under its policy; the others eagerly (``"recompute_stages"`` rebuilds its stages
+        eagerly, and a compiled ``"recompute"`` region would leave what it saves to AOT autograd's
+        partitioner). Under dynamo's ``"eager"`` backend, which runs a graph without AOT autograd,
+        nothing would keep a compiled region's recompute from moving BatchNorm's statistics again:
+        regions run eagerly there."""
+        if policy not in SELECTIVE_KEEPS or self._compile_options.get("backend") == "eager":
+            return _run_region(layers, x, policy)
+        return compiled_once(self, ("region", tuple(map(id, layers)), policy), run_region, self._compile_options)(tuple(layers), x, policy)
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
@@ -293,9 +328,10 @@ def _child_name(key: str) -> str:
     return key.replace(".", "_")
 
 
-def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_checkpoint: bool, x: torch.Tensor, *layers: nn.Module) -> torch.Tensor:
+def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_checkpoint: bool, x: torch.Tensor, *layers: nn.Module,
+                plain: Callable = _run_plain, region: Callable = _run_region) -> torch.Tensor:
     """Run ``layers`` in order; each region ``(start, stop, policy)`` of them as one nested
-    checkpoint.
+    checkpoint (``region(layers, x, policy)``), the units between them as ``plain(x, *layers)``.
 
     ``in_checkpoint``: this runs as a checkpointed segment's function, where a selective
     region runs as ``"recompute"`` (see :func:`trunksplit.recompute.regions.nested_policy`), in the
@@ -307,10 +343,10 @@ def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_ch
     while i < len(layers):
         if i in starting:
             stop, policy = starting[i]
-            x = _run_region(layers[i:stop], x, nested_policy(policy) if in_checkpoint else policy)
-        else:  # up to the next region: one graph under torch.compile, not one per unit
+            x = region(layers[i:stop], x, nested_policy(policy) if in_checkpoint else policy)
+        else:  # up to the next region: one graph under torch.compile(trunk), not one per unit
             stop = min([r for r in starting if r > i] + [len(layers)])
-            x = _run_plain(x, *layers[i:stop])
+            x = plain(x, *layers[i:stop])
         i = stop
     return x
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory
-from trunksplit.planning.peak import PeakModel
+from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
 
@@ -100,6 +100,25 @@ def test_under_fsdp2_a_rank_holds_the_gathered_weights_where_fsdp2_does():
     # c's backward as profiled with its gradients made as it goes: 35 bytes at its peak (its 30, and 5 of a kernel's scratch)
     fresh = replace(costs, backward_fresh=(0, 0, 35, 0))
     assert PeakModel(fresh, [3], "kept").peak([0]) == 30 + 35 + 5 + 20
+
+
+def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_passed():
+    """Three units of a selective region, with weights of 10, 20 and 40 bytes and nothing else
+    costing memory but each unit's new gradient during its backward. Eager autograd adds each new
+    gradient into a kept ``.grad`` at once: the region's backward peaks at 40. Compiled, the region
+    is one graph whose backward returns all three together: 70. With gradients allocated by the
+    step both hold them all (70). The cheap ops a compiled region runs again fuse into its backward:
+    it costs no cheap bytes (5 per unit eagerly)."""
+    zeros, params = (0,) * 3, (10, 20, 40)
+    costs = UnitCosts(names=("a", "b", "c"), output=zeros, saved=zeros, saves_input=(False,) * 3, input_from=(-1, 0, 1),
+                      keeps_output=(False,) * 3, forward_peak=zeros, backward_excess=params, flops=(1,) * 3, param_bytes=params,
+                      recompute_bytes=(5,) * 3)
+    costs = replace(costs, policies={"save_expensive": replace(costs, eligible=(True,) * 3)})
+    spans, region = [(0, 1), (1, 2), (2, 3)], [(0, 3, "save_expensive")]
+    peak = {(g, c): PeakModel(costs, [2], g, spans, compiled_regions=c).peak([0], region) for g in GRADIENT_MODES for c in (False, True)}
+    assert peak == {("kept", False): 40, ("kept", True): 70, ("allocated", False): 70, ("allocated", True): 70}
+    [(_, eager)], [(_, compiled)] = (PeakModel(costs, [2], "kept", spans, compiled_regions=c).segments([0], region) for c in (False, True))
+    assert eager[:2] == (0, 15) and compiled[:2] == (0, 0)
 
 
 def _all_plans(n, splittable, forced):

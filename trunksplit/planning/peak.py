@@ -54,10 +54,17 @@ class PeakModel:
     its successor's input) are never held, which is where a region of several blocks
     saves more than each block on its own. A ``"recompute_stages"`` region's backward,
     which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
+
+    ``compiled_regions``: the selective regions run compiled (``CheckpointedTrunk.compile``),
+    whose backward, one graph, returns the gradients of all the region's weights together: with
+    gradients ``"kept"`` the region holds those of the units its backward has passed, as if they
+    were allocated, until it returns; and the cheap ops it runs again cost nothing (they fuse
+    into its backward's kernels: ResNet-50's budget-0.5 plan, all selective regions, steps as fast
+    as the compiled plain model).
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = (),
-                 objective: str = "flops"):
+                 objective: str = "flops", compiled_regions: bool = False):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
         if objective not in OBJECTIVES:
@@ -84,6 +91,8 @@ class PeakModel:
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
+        self.compiled_regions = compiled_regions
+        self._param_prefix = [0] + list(itertools.accumulate(c.param_bytes))
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         self._regions: Dict[Region, tuple] = {}  # see _region
@@ -101,7 +110,7 @@ class PeakModel:
         """Bytes a segment starting at unit ``a`` keeps as its input (the chain's own input is not counted)."""
         return self.costs.output[a - 1] if a > 0 else 0
 
-    def _step(self, state: "_Scan", a: int, i: int, last: bool) -> "_Scan":
+    def _step(self, state: "_Scan", a: int, i: int, last: bool, grads_after: Optional[int] = None) -> "_Scan":
         """The scan of a segment starting at ``a`` extended by unit ``i``, which keeps
         everything; ``last``: the segment is the last, not checkpointed.
 
@@ -116,7 +125,8 @@ class PeakModel:
         if c.saves_input[i] and source >= a and not counted:
             kept, counted = kept + c.output[source], True
         kept += c.saved[i] + (0 if last else g[i])
-        backward = max(backward, kept + c.backward_excess[i] + self._grads_after[i] + self._in_backward(a, i, last))
+        grads_after = self._grads_after[i] if grads_after is None else grads_after
+        backward = max(backward, kept + c.backward_excess[i] + grads_after + self._in_backward(a, i, last))
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -209,7 +219,10 @@ class PeakModel:
             seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
             # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
             # the light ones, or none ("save_expensive"); and its cheap ops
-            alone = self._alone(r, s)
+            compiled = self.compiled_regions and policy in ("save_expensive", "save_heavy")
+            alone = self._alone(r, s, compiled)
+            if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
+                cheap, seconds = 0, 0.0
             again = {"recompute": alone.cost[:2], "recompute_stages": (2 * flops, 2 * cheap),
                      "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap)) + (seconds,)
             if policy == "recompute_stages":
@@ -224,12 +237,14 @@ class PeakModel:
             self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
         return self._regions[region]
 
-    def _alone(self, r: int, s: int) -> "_Scan":
+    def _alone(self, r: int, s: int, compiled: bool = False) -> "_Scan":
         """Units [r, s) scanned as a checkpoint of their own: what its backward runs again
-        (``cost``, see :meth:`_step`) and what it holds."""
+        (``cost``, see :meth:`_step`) and what it holds. ``compiled``: one graph, whose backward
+        holds the gradients of the units it has passed (see ``compiled_regions``)."""
         state = _EMPTY
         for i in range(r, s):
-            state = self._step(state, r, i, last=False)
+            within = self._param_prefix[s] - self._param_prefix[i + 1] if compiled and self.gradients == "kept" else None
+            state = self._step(state, r, i, last=False, grads_after=within)
         return state
 
     def _region_backward(self, state: "_Scan", s: int) -> int:

@@ -86,7 +86,7 @@ class SplitPlan:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
         if regions or any(s.checkpointed for s in self.segments):
             text += ("\nunder torch.compile(trunk) the checkpointed segments and regions run eagerly; the units between them compile "
-                     "(trunk.compile() compiles what runs inside the segments too)")
+                     "(trunk.compile() compiles every unit, and the last segment's selective regions whole)")
         return text
 
 

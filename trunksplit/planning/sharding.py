@@ -73,7 +73,8 @@ def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> P
     """``model`` (a trunk's peak model, profiled unsharded) for one of ``world_size`` FSDP2 ranks."""
     if world_size == 1:
         return model
-    return PeakModel(sharded_costs(model.costs, units, world_size), model.features, model.gradients, model.spans, model.objective)
+    return PeakModel(sharded_costs(model.costs, units, world_size), model.features, model.gradients, model.spans, model.objective,
+                     model.compiled_regions)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ convolutions. ``"save_heavy"`` also recomputes the light convolutions (see
 quarter of the block's FLOPs.
 """
 import contextlib
+import functools
 import math
 import threading
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, InstanceNorm: the norms with running stats
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import flop_registry
 
 _local = threading.local()
@@ -218,14 +219,23 @@ def _selective_contexts(bns: List[_NormBase], written: _WrittenBuffers, keep: Ca
     The guards' own ops (saving and restoring ``num_batches_tracked``, copying buffers)
     must run outside torch's modes, whose recompute replays only the ops the forward ran."""
 
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if keep(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
-
     def contexts():
-        forward, recompute = create_selective_checkpoint_contexts(policy)
+        forward, recompute = create_selective_checkpoint_contexts(_keep_policy(keep))
         return _both(written.first_forward(), forward), _both(_recomputing(bns, written), recompute)
 
     return contexts
+
+
+def _keep_policy(keep: Callable) -> Callable:
+    """The selective-checkpoint policy keeping the outputs of the ops ``keep(func, args)`` picks.
+
+    The rest are ``PREFER_RECOMPUTE``, not ``MUST_RECOMPUTE``: compiled, AOT autograd's partitioner
+    then still saves a random op's output (dropout on CPU would draw another mask if run again)."""
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if keep(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
 @contextlib.contextmanager
@@ -265,14 +275,15 @@ def run_checkpointed(
     :func:`trunksplit.recompute.regions.nested_policy`).
     """
     kwargs = kwargs or {}
-    if torch.compiler.is_compiling() and not use_reentrant and keep is None:
-        # Under torch.compile (a region of the trunk's last segment: checkpointed segments run
-        # eagerly, see trunk._run_segment) the checkpoint is traced once, as torch's checkpoint
+    if torch.compiler.is_compiling() and not use_reentrant:
+        # Under torch.compile (a selective region of the trunk's last segment: see
+        # CheckpointedTrunk.compile) the checkpoint is traced once, as torch's checkpoint
         # higher-order op: AOT autograd reruns in backward only what backward needs, never a
         # buffer's update (functionalized, applied once after the forward), so norm statistics
         # need no guard here; and the guard's call counter is a side effect dynamo cannot trace
         # in that op (it would fall back to eager around it).
-        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False)
+        context_fn = noop_context_fn if keep is None else functools.partial(create_selective_checkpoint_contexts, _keep_policy(keep))
+        return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
     if keep is not None and use_reentrant:
         raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
     # The recompute must see the inputs the forward saw. The lists, tuples and dicts that hold

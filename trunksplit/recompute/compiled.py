@@ -1,10 +1,11 @@
-"""Compiled runs of units inside eager checkpoints: torch.compile's speed at a plan's memory.
+"""Compiled units and regions inside eager checkpoints: torch.compile's speed at a plan's memory.
 
 Compiled as torch's checkpoint operator (``torch.compile`` over a whole planned trunk), AOT
 autograd's partitioner decides what a checkpointed segment keeps, and on ResNet-50 it kept far
 more than the plan (budget 0.3: 0.64 of the plain eager step; the plan, 0.29). Here the opposite
 nesting: the checkpoints stay eager, torch's own, and what runs inside them is compiled, once
-per segment, the way torchtitan compiles each block under its activation checkpoint.
+per unit, the way torchtitan compiles each block under its activation checkpoint; a selective
+region, whose policy names what it keeps, compiles whole (see ``CheckpointedTrunk.compile``).
 """
 import types
 import weakref
@@ -21,9 +22,9 @@ def compiled_once(owner: object, key: Hashable, fn: Callable, options: dict) -> 
 
     Sharp edge: dynamo keeps the graphs it compiles per code object, at most
     ``torch._dynamo.config.recompile_limit`` (8) of them, and past that runs the code eagerly,
-    silently but for a log line. Every segment of a trunk runs the same Python function on other
+    silently but for a log line. Every unit of a trunk runs the same Python function on other
     modules, and once more for its recompute (BatchNorm's momentum is 0 there: a guard fails), so
-    one shared code object would pass the limit on any plan of more than a few segments. Each
+    one shared code object would pass the limit on any trunk of more than a few units. Each
     compiled function gets a code object of its own."""
     compiled = _COMPILED.setdefault(owner, {})
     if key not in compiled:
