@@ -161,17 +161,22 @@ def test_inductor_compiled_trunk_trains_as_the_inductor_compiled_plain_model(nam
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["torch.compile(trunk)", "trunk.compile()"])
 @pytest.mark.parametrize("name", sorted(set(SMALL) - {"resnet18", "vit"}))
-def test_every_family_compiled_trains_as_the_eager_model(name):
-    """The families test's models (small inputs), a balanced plan of 3 segments compiled with
-    aot_eager: the step equals the plain model's eager step (resnet18 and ViT: every plan, above)."""
+def test_every_family_compiled_trains_as_the_eager_model(name, how):
+    """The families test's models (small inputs), a budget plan with regions compiled with
+    aot_eager either way: the step equals the plain model's eager step (resnet18 and ViT: every
+    plan, above)."""
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS["balanced"])
+    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS["budget_regions"])
+    run = torch.compile(trunk, backend="aot_eager") if how == "torch.compile(trunk)" else trunk
+    if how == "trunk.compile()":
+        trunk.compile(backend="aot_eager")
     x = input_for(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for model in (plain, torch.compile(trunk, backend="aot_eager")):
+        for model in (plain, run):
             torch.manual_seed(3)  # stochastic depth and dropout draw the same masks
             loss_of(model(x)).backward()
     for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
