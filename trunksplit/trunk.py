@@ -255,7 +255,7 @@ class CheckpointedTrunk(nn.Module):
         hold at once (the next training forward plans again). With inductor and no ``mode``,
         ``options={"layout_optimization": False}`` is added unless given: inductor's CPU layout
         optimisation saves a channels-last copy of every convolution's weight for backward,
-        which the plan does not hold (ResNet-50: 0.28 of the plain step). Unlike
+        which the plan does not hold (compiled plain ResNet-50 holds 1.17 of the eager step with it, 1.06 without). Unlike
         ``nn.Module.compile``, the trunk's forward stays Python, and ``torch.compile(trunk)`` is
         not the same: there dynamo traces the whole forward, and the checkpointed segments and
         regions run eagerly at graph breaks.
