@@ -164,12 +164,12 @@ def test_inductor_compiled_trunk_trains_as_the_inductor_compiled_plain_model(nam
 @pytest.mark.parametrize("how", ["torch.compile(trunk)", "trunk.compile()"])
 @pytest.mark.parametrize("name", sorted(set(SMALL) - {"resnet18", "vit"}))
 def test_every_family_compiled_trains_as_the_eager_model(name, how):
-    """The families test's models (small inputs), a budget plan with regions compiled with
+    """The families test's models (small inputs), a balanced plan of 3 segments compiled with
     aot_eager either way: the step equals the plain model's eager step (resnet18 and ViT: every
     plan, above)."""
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS["budget_regions"])
+    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS["balanced"])
     run = torch.compile(trunk, backend="aot_eager") if how == "torch.compile(trunk)" else trunk
     if how == "trunk.compile()":
         trunk.compile(backend="aot_eager")
