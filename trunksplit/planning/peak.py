@@ -30,6 +30,7 @@ their own inside a segment (see :class:`PeakModel`); which ones to try comes fro
 import itertools
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from ..recompute.checkpoint import SELECTIVE_KEEPS
 from .profile import UnitCosts
 from .templates import Region, RegionTemplates, _as_run
 
@@ -219,7 +220,7 @@ class PeakModel:
             seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
             # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
             # the light ones, or none ("save_expensive"); and its cheap ops
-            compiled = self.compiled_regions and policy in ("save_expensive", "save_heavy")
+            compiled = self.compiled_regions and policy in SELECTIVE_KEEPS
             alone = self._alone(r, s, compiled)
             if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
                 cheap, seconds = 0, 0.0
