@@ -255,7 +255,9 @@ class CheckpointedTrunk(nn.Module):
         hold at once (the next training forward plans again). With inductor and no ``mode``,
         ``options={"layout_optimization": False}`` is added unless given: inductor's CPU layout
         optimisation saves a channels-last copy of every convolution's weight for backward,
-        which the plan does not hold (compiled plain ResNet-50 holds 1.17 of the eager step with it, 1.06 without). Unlike
+        which the plan does not hold (compiled plain ResNet-50 holds 1.17 of the eager step with it, 1.06 without).
+        ``dynamic=False`` unless given: dynamo learns dynamic sizes per function name, which all
+        units share, and MaxViT's symbolic window reshapes then never finished compiling. Unlike
         ``nn.Module.compile``, the trunk's forward stays Python, and ``torch.compile(trunk)`` is
         not the same: there dynamo traces the whole forward, and the checkpointed segments and
         regions run eagerly at graph breaks.
@@ -267,7 +269,7 @@ class CheckpointedTrunk(nn.Module):
         region saves a random op's output)."""
         if options.get("backend", "inductor") == "inductor" and "mode" not in options:
             options["options"] = {"layout_optimization": False, **options.get("options", {})}
-        self._compile_options = dict(options)
+        self._compile_options = {"dynamic": False, **options}
         self._plans.clear()
         self._plan = self._fixed_plan
 
