@@ -48,7 +48,16 @@ def _run_plain(x, *layers: nn.Module):
     graph's backward for gradients of its outputs' strides, and a ViT block's output is
     transposed in memory while the gradient handed back is not (the backward then fails on a
     view; torch 2.14)."""
-    x = functools.reduce(lambda h, layer: layer(h), layers, x)
+    return _dense(functools.reduce(lambda h, layer: layer(h), layers, x))
+
+
+def _run_region_dense(layers: Sequence[nn.Module], x, policy: str):
+    """A region compiled whole (``trunk.compile()``): its output leaves its graph as a unit's does."""
+    return _dense(run_region(layers, x, policy))
+
+
+def _dense(x):
+    """``x``, contiguous under ``torch.compile`` unless already in a dense layout (see ``_run_plain``)."""
     if torch.compiler.is_compiling() and isinstance(x, torch.Tensor):
         dense = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
         x = x if dense else x.contiguous()
@@ -299,7 +308,7 @@ class CheckpointedTrunk(nn.Module):
         regions run eagerly there."""
         if policy not in SELECTIVE_KEEPS or self._compile_options.get("backend") == "eager":
             return _run_region(layers, x, policy)
-        return compiled_once(self, ("region", tuple(map(id, layers)), policy), run_region, self._compile_options)(tuple(layers), x, policy)
+        return compiled_once(self, ("region", tuple(map(id, layers)), policy), _run_region_dense, self._compile_options)(tuple(layers), x, policy)
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
