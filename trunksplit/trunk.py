@@ -257,7 +257,8 @@ class CheckpointedTrunk(nn.Module):
         last segment (``"save_expensive"``, ``"save_heavy"``) is compiled whole as torch's checkpoint
         operator under the region's policy, so that the cheap ops it runs again fuse into its
         backward's kernels (on CPU, ResNet-50 at budget 0.5 steps as fast as the compiled plain
-        model: tools/compile_benchmark.py). Other regions run eagerly around compiled units.
+        model: tools/compile_benchmark.py). A ``"recompute"`` region is an eager checkpoint around
+        compiled units, as a segment is; ``"recompute_stages"`` runs eagerly.
 
         Sharp edges. Cost-aware plans made before are dropped, for a compiled region's backward
         returns its weights' gradients together, which with ``gradients="kept"`` the plan must
@@ -288,8 +289,7 @@ class CheckpointedTrunk(nn.Module):
         _, _, regions, copy_input, checkpointed = key
         if self._compile_options is None or torch.compiler.is_compiling():
             return functools.partial(_run_layers, copy_input, regions, checkpointed)
-        return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=self._compiled_units,
-                                 region=_run_region if checkpointed else self._compiled_region)
+        return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=self._compiled_units, region=self._compiled_region)
 
     def _compiled_units(self, x, *layers: nn.Module):
         """``layers`` run in order, each unit's compiled code on its own: a graph's backward returns
@@ -300,12 +300,15 @@ class CheckpointedTrunk(nn.Module):
         return x
 
     def _compiled_region(self, layers: Sequence[nn.Module], x, policy: str):
-        """A region of the last segment: a selective one compiled whole, as torch's checkpoint
-        operator under its policy; the others eagerly (``"recompute_stages"`` rebuilds its stages
-        eagerly, and a compiled ``"recompute"`` region would leave what it saves to AOT autograd's
-        partitioner). Under dynamo's ``"eager"`` backend, which runs a graph without AOT autograd,
-        nothing would keep a compiled region's recompute from moving BatchNorm's statistics again:
-        regions run eagerly there."""
+        """A region: a ``"recompute"`` one (and a selective one nested in a checkpointed segment,
+        which runs so) as torch's eager checkpoint around compiled units, as a segment runs, for a
+        compiled ``"recompute"`` region would leave what it saves to AOT autograd's partitioner; a
+        selective one of the last segment compiled whole, as torch's checkpoint operator under its
+        policy; ``"recompute_stages"`` eagerly, for it rebuilds its stages op by op. Under dynamo's
+        ``"eager"`` backend, which runs a graph without AOT autograd, nothing would keep a compiled
+        region's recompute from moving BatchNorm's statistics again: selective regions run eagerly there."""
+        if policy == "recompute":
+            return run_region(layers, x, policy, run=self._compiled_units)
         if policy not in SELECTIVE_KEEPS or self._compile_options.get("backend") == "eager":
             return _run_region(layers, x, policy)
         return compiled_once(self, ("region", tuple(map(id, layers)), policy), _run_region_dense, self._compile_options)(tuple(layers), x, policy)

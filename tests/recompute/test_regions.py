@@ -331,6 +331,8 @@ def test_run_region_refuses_what_it_cannot_do():
     block = torch.nn.Linear(3, 3)
     with pytest.raises(ValueError, match="unknown region policy 'all'"):
         run_region([block], torch.randn(2, 3), "all")
+    with pytest.raises(ValueError, match="only a 'recompute' region runs its layers with a function of its own, not 'save_expensive'"):
+        run_region([block], torch.randn(2, 3), "save_expensive", run=lambda x, *layers: x)  # selective: it must see every op
     with pytest.raises(ValueError, match="needs non-reentrant checkpointing.*use_reentrant=False"):
         run_checkpointed(block, [], (torch.randn(2, 3),), use_reentrant=True, keep=is_expensive)
 

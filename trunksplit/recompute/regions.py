@@ -14,7 +14,7 @@ runs it so. Each policy keeps less than the one before and runs more again:
   its backward reaches it, so that a block's activations are never all held at once.
 """
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
@@ -30,14 +30,19 @@ REGION_POLICIES = {
 }
 
 
-def run_region(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
+def run_region(layers: Sequence[nn.Module], x: Any, policy: str, run: Optional[Callable] = None) -> Any:
     """``layers`` run in order on ``x`` as one checkpoint that keeps, for backward, what
     ``policy`` says (see the module docstring). Inside another checkpoint's function it
     nests (give it ``nested_policy(policy)`` there): the outer recompute holds only the
-    region's input, the region's own backward the rest."""
+    region's input, the region's own backward the rest.
+
+    ``run(x, *layers)``, where given, runs the layers of a ``"recompute"`` region (compiled
+    units: see ``CheckpointedTrunk.compile``); the other policies must see every op run."""
     if policy not in REGION_POLICIES:
         raise ValueError(f"unknown region policy {policy!r}; choose one of {tuple(REGION_POLICIES)}")
-    run = _run_in_stages if policy == "recompute_stages" else _run
+    if run is not None and policy != "recompute":
+        raise ValueError(f"only a 'recompute' region runs its layers with a function of its own, not {policy!r}")
+    run = run or (_run_in_stages if policy == "recompute_stages" else _run)
     return run_checkpointed(run, layers, (x, *layers), keep=SELECTIVE_KEEPS.get(policy))
 
 
