@@ -15,7 +15,7 @@ from .planning.plan import SplitPlan
 from .planning.search import plan_trunk
 from .planning.vissl import vissl_plan
 from .recompute.checkpoint import SELECTIVE_KEEPS, map_tensors, run_checkpointed
-from .recompute.compiled import compiled_once
+from .recompute.compiled import compiled_once, run_plain, run_region_dense, run_units_apart
 from .recompute.regions import nested_policy, run_region
 
 STRATEGIES = ("vissl", "balanced")
@@ -38,47 +38,6 @@ def _run_region(layers: Sequence[nn.Module], x, policy: str):
     checkpoint operators, the regions of ResNet-50's budget-0.5 plan held 0.81 of the plain
     eager step (the plan: 0.49), and selective ones cannot be traced at all."""
     return run_region(layers, x, policy)
-
-
-def _run_plain(x, *layers: nn.Module):
-    """Units that run with nothing checkpointed: under ``torch.compile``, one graph.
-
-    Its output leaves compiled code for eager code (a region, a segment) or another graph.
-    There it is made contiguous, unless it is already in a dense layout: AOT autograd traces a
-    graph's backward for gradients of its outputs' strides, and a ViT block's output is
-    transposed in memory while the gradient handed back is not (the backward then fails on a
-    view; torch 2.14)."""
-    return _dense(functools.reduce(lambda h, layer: layer(h), layers, x))
-
-
-def _run_units_apart(x, *layers: nn.Module):
-    """Units run in order under ``torch.compile(trunk)``, one graph each: a graph's backward returns
-    the gradients of all its weights together, and where gradients are kept (zeroed, not freed)
-    they are held beside the kept ones until it returns, which the plan does not hold (ResNet-50's
-    budget-0.3 plan under ``objective="time"``, whose last segment runs res5 plain: 0.43 of the
-    plain eager step in one graph, 0.31 as planned one graph per unit)."""
-    for layer in layers:
-        x = _graph_break(_run_plain(x, layer))
-    return x
-
-
-@torch.compiler.disable
-def _graph_break(x):
-    """``x``; under ``torch.compile`` the graph ends here (a disabled function is a graph break)."""
-    return x
-
-
-def _run_region_dense(layers: Sequence[nn.Module], x, policy: str):
-    """A region compiled whole (``trunk.compile()``): its output leaves its graph as a unit's does."""
-    return _dense(run_region(layers, x, policy))
-
-
-def _dense(x):
-    """``x``, contiguous under ``torch.compile`` unless already in a dense layout (see ``_run_plain``)."""
-    if torch.compiler.is_compiling() and isinstance(x, torch.Tensor):
-        dense = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
-        x = x if dense else x.contiguous()
-    return x
 
 
 class CheckpointedTrunk(nn.Module):
@@ -306,9 +265,9 @@ class CheckpointedTrunk(nn.Module):
         compiled as :meth:`compile` says after it (but under an outer ``torch.compile``, which traces it)."""
         _, _, regions, copy_input, checkpointed = key
         if torch.compiler.is_compiling():
-            # a budget's promise with gradients kept: see _run_units_apart
+            # a budget's promise with gradients kept: see run_units_apart
             apart = self.memory_budget is not None and self.gradients == "kept" and not checkpointed and self.training and torch.is_grad_enabled()
-            return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=_run_units_apart if apart else _run_plain)
+            return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=run_units_apart if apart else run_plain)
         if self._compile_options is None:
             return functools.partial(_run_layers, copy_input, regions, checkpointed)
         return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=self._compiled_units, region=self._compiled_region)
@@ -318,7 +277,7 @@ class CheckpointedTrunk(nn.Module):
         the gradients of all its weights together, so one graph per unit holds no more of them at
         once than eager autograd does (a unit's own, briefly)."""
         for layer in layers:
-            x = compiled_once(self, ("unit", id(layer)), _run_plain, self._compile_options)(x, layer)
+            x = compiled_once(self, ("unit", id(layer)), run_plain, self._compile_options)(x, layer)
         return x
 
     def _compiled_region(self, layers: Sequence[nn.Module], x, policy: str):
@@ -333,7 +292,7 @@ class CheckpointedTrunk(nn.Module):
             return run_region(layers, x, policy, run=self._compiled_units)
         if policy not in SELECTIVE_KEEPS or self._compile_options.get("backend") == "eager":
             return _run_region(layers, x, policy)
-        return compiled_once(self, ("region", tuple(map(id, layers)), policy), _run_region_dense, self._compile_options)(tuple(layers), x, policy)
+        return compiled_once(self, ("region", tuple(map(id, layers)), policy), run_region_dense, self._compile_options)(tuple(layers), x, policy)
 
     def extra_repr(self) -> str:
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
@@ -365,7 +324,7 @@ def _child_name(key: str) -> str:
 
 
 def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_checkpoint: bool, x: torch.Tensor, *layers: nn.Module,
-                plain: Callable = _run_plain, region: Callable = _run_region) -> torch.Tensor:
+                plain: Callable = run_plain, region: Callable = _run_region) -> torch.Tensor:
     """Run ``layers`` in order; each region ``(start, stop, policy)`` of them as one nested
     checkpoint (``region(layers, x, policy)``), the units between them as ``plain(x, *layers)``.
 

@@ -7,11 +7,15 @@ nesting: the checkpoints stay eager, torch's own, and what runs inside them is c
 per unit, the way torchtitan compiles each block under its activation checkpoint; a selective
 region, whose policy names what it keeps, compiles whole (see ``CheckpointedTrunk.compile``).
 """
+import functools
 import types
 import weakref
-from typing import Callable, Dict, Hashable
+from typing import Callable, Dict, Hashable, Sequence
 
 import torch
+from torch import nn
+
+from .regions import run_region
 
 # owner (a trunk) -> {key: compiled function}; weak, so a trunk's compiled code dies with it
 _COMPILED: "weakref.WeakKeyDictionary[object, Dict[Hashable, Callable]]" = weakref.WeakKeyDictionary()
@@ -31,3 +35,44 @@ def compiled_once(owner: object, key: Hashable, fn: Callable, options: dict) -> 
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         compiled[key] = torch.compile(own, **options)
     return compiled[key]
+
+
+def run_plain(x, *layers: nn.Module):
+    """Units that run with nothing checkpointed: under ``torch.compile``, one graph.
+
+    Its output leaves compiled code for eager code (a region, a segment) or another graph.
+    There it is made contiguous, unless it is already in a dense layout: AOT autograd traces a
+    graph's backward for gradients of its outputs' strides, and a ViT block's output is
+    transposed in memory while the gradient handed back is not (the backward then fails on a
+    view; torch 2.14)."""
+    return dense(functools.reduce(lambda h, layer: layer(h), layers, x))
+
+
+def run_units_apart(x, *layers: nn.Module):
+    """Units run in order under ``torch.compile(trunk)``, one graph each: a graph's backward returns
+    the gradients of all its weights together, and where gradients are kept (zeroed, not freed)
+    they are held beside the kept ones until it returns, which the plan does not hold (ResNet-50's
+    budget-0.3 plan under ``objective="time"``, whose last segment runs res5 plain: 0.43 of the
+    plain eager step in one graph; one graph per unit, 0.33, the plan 0.31)."""
+    for layer in layers:
+        x = graph_break(run_plain(x, layer))
+    return x
+
+
+@torch.compiler.disable
+def graph_break(x):
+    """``x``; under ``torch.compile`` the graph ends here (a disabled function is a graph break)."""
+    return x
+
+
+def run_region_dense(layers: Sequence[nn.Module], x, policy: str):
+    """A region compiled whole (``trunk.compile()``): its output leaves its graph as a unit's does."""
+    return dense(run_region(layers, x, policy))
+
+
+def dense(x):
+    """``x``, contiguous under ``torch.compile`` unless already in a dense layout (see ``run_plain``)."""
+    if torch.compiler.is_compiling() and isinstance(x, torch.Tensor):
+        in_dense_layout = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+        x = x if in_dense_layout else x.contiguous()
+    return x
