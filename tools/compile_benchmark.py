@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--objective", choices=["flops", "time"], default="flops", help="what the budget plans minimise (see trunksplit plan --objective)")
     p.add_argument("--plot", help="also draw every model's rows to this image (peak against step time)")
     return p
 
@@ -83,7 +84,7 @@ def _compiled(model, x, budget=None):
     return compiled, time.perf_counter() - start
 
 
-def rows_for(arch: str, x: torch.Tensor, budgets):
+def rows_for(arch: str, x: torch.Tensor, budgets, objective: str = "flops"):
     """Every row, built, compiled and its peak measured at once (a compiled row measured after
     others compiled can see a graph compiled again under another budget)."""
     torch.manual_seed(0)
@@ -102,7 +103,7 @@ def rows_for(arch: str, x: torch.Tensor, budgets):
         return r
 
     def planned(b, compiled=False):
-        t = trunk(memory_budget=b)
+        t = trunk(memory_budget=b, objective=objective)
         if compiled:
             t.compile(dynamic=False)  # before planning: a compiled trunk plans for its compiled regions
         start = time.perf_counter()
@@ -157,7 +158,7 @@ def measure_times(rows, x, repeats: int) -> None:
                 r["times"].append(time.perf_counter() - start)
 
 
-def table(arch, rows, x) -> str:
+def table(arch, rows, x, objective: str) -> str:
     plain = rows[0]
     compiled_time = statistics.median(next(r for r in rows if r["name"] == "compile plain")["times"])
     meter = "allocator" if x.is_cuda else "profiler"
@@ -167,7 +168,7 @@ def table(arch, rows, x) -> str:
              f"{statistics.median(r['times']) / compiled_time:.2f}", f"{r['seconds']:.1f}"] for r in rows]
     headers = ["row", f"peak MiB ({meter})", f"/ plain eager ({meter})", "/ plain eager (tracker)", "recompute / forward",
                "step time / compiled plain", "plan + compile s"]
-    return f"### {arch}, input {tuple(x.shape)}, {x.device.type}, gradients kept\n\n" + tabulate(body, headers=headers, tablefmt="github")
+    return f"### {arch}, input {tuple(x.shape)}, {x.device.type}, gradients kept, objective {objective}\n\n" + tabulate(body, headers=headers, tablefmt="github")
 
 
 def plot(results, path: str) -> None:
@@ -201,9 +202,9 @@ def main(argv=None) -> int:
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0)).to(device)
     results = []
     for arch in args.arch:
-        rows = rows_for(arch, x, args.budgets)
+        rows = rows_for(arch, x, args.budgets, args.objective)
         measure_times(rows, x, args.repeats)
-        print(table(arch, rows, x) + "\n", flush=True)
+        print(table(arch, rows, x, args.objective) + "\n", flush=True)
         results.append((arch, rows))
     if args.plot:
         plot(results, args.plot)
