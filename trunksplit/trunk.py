@@ -15,7 +15,7 @@ from .planning.plan import SplitPlan
 from .planning.search import plan_trunk
 from .planning.vissl import vissl_plan
 from .recompute.checkpoint import SELECTIVE_KEEPS, map_tensors, run_checkpointed
-from .recompute.compiled import compiled_once, run_plain, run_region_dense, run_units_apart
+from .recompute.compiled import compiled_once, run_plain, run_region_dense, run_units_apart, weight_groups
 from .recompute.regions import nested_policy, run_region
 
 STRATEGIES = ("vissl", "balanced")
@@ -273,11 +273,12 @@ class CheckpointedTrunk(nn.Module):
         return functools.partial(_run_layers, copy_input, regions, checkpointed, plain=self._compiled_units, region=self._compiled_region)
 
     def _compiled_units(self, x, *layers: nn.Module):
-        """``layers`` run in order, each unit's compiled code on its own: a graph's backward returns
-        the gradients of all its weights together, so one graph per unit holds no more of them at
-        once than eager autograd does (a unit's own, briefly)."""
-        for layer in layers:
-            x = compiled_once(self, ("unit", id(layer)), run_plain, self._compile_options)(x, layer)
+        """``layers`` run in order, one compiled graph per unit with weights (and the weightless
+        units beside it: see :func:`weight_groups`): a graph's backward returns the gradients of all
+        its weights together, so one such unit per graph holds no more of them at once than eager
+        autograd does (a unit's own, briefly)."""
+        for group in weight_groups(layers):
+            x = compiled_once(self, ("units", tuple(map(id, group))), run_plain, self._compile_options)(x, *group)
         return x
 
     def _compiled_region(self, layers: Sequence[nn.Module], x, policy: str):

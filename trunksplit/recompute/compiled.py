@@ -10,7 +10,7 @@ region, whose policy names what it keeps, compiles whole (see ``CheckpointedTrun
 import functools
 import types
 import weakref
-from typing import Callable, Dict, Hashable, Sequence
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -35,6 +35,28 @@ def compiled_once(owner: object, key: Hashable, fn: Callable, options: dict) -> 
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         compiled[key] = torch.compile(own, **options)
     return compiled[key]
+
+
+def weight_groups(units: Sequence[nn.Module]) -> List[Tuple[nn.Module, ...]]:
+    """``units`` in order, grouped so that each group holds at most one unit with trainable
+    weights: a weightless unit (an activation, a pooling, a flatten) joins the group before it
+    (the first ones, the group after them). Compiled one graph per group, no graph returns more
+    than one unit's gradients, yet no weightless unit is a graph on its own: on CPU, ResNet-50's
+    stem ReLU (in place, on its graph's input) stepped in 81 ms compiled alone, 4.6 ms eagerly
+    (tools/unit_compile_times.py)."""
+    groups: List[List[nn.Module]] = []
+    pending: List[nn.Module] = []  # weightless units before the first weighted one
+    for unit in units:
+        if any(p.requires_grad for p in unit.parameters()):
+            groups.append(pending + [unit])
+            pending = []
+        elif groups:
+            groups[-1].append(unit)
+        else:
+            pending.append(unit)
+    if pending:
+        groups.append(pending)
+    return [tuple(g) for g in groups]
 
 
 def run_plain(x, *layers: nn.Module):
