@@ -229,7 +229,8 @@ class CheckpointedTrunk(nn.Module):
 
     def compile(self, **options) -> None:
         """Compile the trunk for speed and keep its plan's memory: each unit is compiled with
-        ``torch.compile(**options)`` (inductor by default) on its own, and runs so inside torch's
+        ``torch.compile(**options)`` (inductor by default) on its own (a weightless one with a unit
+        beside it), and runs so inside torch's
         own eager checkpoints, which keep only their inputs as planned; each selective region of the
         last segment (``"save_expensive"``, ``"save_heavy"``) is compiled whole as torch's checkpoint
         operator under the region's policy, so that the cheap ops it runs again fuse into its
@@ -237,7 +238,10 @@ class CheckpointedTrunk(nn.Module):
         model: tools/compile_benchmark.py). A ``"recompute"`` region is an eager checkpoint around
         compiled units, as a segment is; ``"recompute_stages"`` runs eagerly.
 
-        Sharp edges. Cost-aware plans made before are dropped, for a compiled region's backward
+        Sharp edges. On CPU a unit compiled on its own may step slower than eagerly (ResNet-50's
+        bottlenecks 1.2x: tools/unit_compile_times.py): a plan that recomputes much in checkpointed
+        segments (budget 0.3) then steps slower compiled than eagerly; measure both. Cost-aware
+        plans made before are dropped, for a compiled region's backward
         returns its weights' gradients together, which with ``gradients="kept"`` the plan must
         hold at once (the next training forward plans again). With inductor and no ``mode``,
         ``options={"layout_optimization": False}`` is added unless given: inductor's CPU layout
