@@ -230,23 +230,24 @@ class CheckpointedTrunk(nn.Module):
     def compile(self, **options) -> None:
         """Compile the trunk for speed and keep its plan's memory: each unit is compiled with
         ``torch.compile(**options)`` (inductor by default) on its own (a weightless one with a unit
-        beside it), and runs so inside torch's
-        own eager checkpoints, which keep only their inputs as planned; each selective region of the
-        last segment (``"save_expensive"``, ``"save_heavy"``) is compiled whole as torch's checkpoint
-        operator under the region's policy, so that the cheap ops it runs again fuse into its
-        backward's kernels (on CPU, ResNet-50 at budget 0.5 steps as fast as the compiled plain
-        model: tools/compile_benchmark.py). A ``"recompute"`` region is an eager checkpoint around
+        beside it), and runs so inside torch's own eager checkpoints, which keep only their inputs
+        as planned; each selective region of the last segment (``"save_expensive"``,
+        ``"save_heavy"``) is compiled whole as torch's checkpoint operator under the region's
+        policy, so that the cheap ops it runs again fuse into its backward's kernels (on CPU,
+        ResNet-50 at budget 0.5 steps as fast as the compiled plain model:
+        tools/compile_benchmark.py). A ``"recompute"`` region is an eager checkpoint around
         compiled units, as a segment is; ``"recompute_stages"`` runs eagerly.
 
         Sharp edges. On CPU a unit compiled on its own may step slower than eagerly (ResNet-50's
         bottlenecks 1.2x: tools/unit_compile_times.py): a plan that recomputes much in checkpointed
         segments (budget 0.3) then steps slower compiled than eagerly; measure both. Cost-aware
-        plans made before are dropped, for a compiled region's backward
-        returns its weights' gradients together, which with ``gradients="kept"`` the plan must
-        hold at once (the next training forward plans again). With inductor and no ``mode``,
+        plans made before are dropped, for a compiled region's backward returns its weights'
+        gradients together, which with ``gradients="kept"`` the plan must hold at once (the next
+        training forward plans again). With inductor and no ``mode``,
         ``options={"layout_optimization": False}`` is added unless given: inductor's CPU layout
-        optimisation saves a channels-last copy of every convolution's weight for backward,
-        which the plan does not hold (compiled plain ResNet-50 holds 1.17 of the eager step with it, 1.06 without).
+        optimisation saves a channels-last copy of every convolution's weight for backward, which
+        the plan does not hold (compiled plain ResNet-50 holds 1.17 of the eager step with it, 1.06
+        without).
         ``dynamic=False`` unless given: dynamo learns dynamic sizes per function name, which all
         units share, and MaxViT's symbolic window reshapes then never finished compiling. Unlike
         ``nn.Module.compile``, the trunk's forward stays Python, and ``torch.compile(trunk)`` is
