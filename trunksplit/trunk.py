@@ -86,7 +86,7 @@ class CheckpointedTrunk(nn.Module):
     on the plan.
 
     Under ``torch.compile(trunk)`` planning, checkpointed segments and regions run eagerly
-    (graph breaks) and each run of units between them compiles as one graph (one per unit
+    (graph breaks) and each run of units between them compiles as one graph (one per unit with weights
     under a ``memory_budget`` with ``gradients="kept"``, whose gradients one graph would hold
     together): the plan's memory is kept (compiled as torch's checkpoint operator, recompute
     kept more), and the step equals the compiled plain model's within float tolerance.

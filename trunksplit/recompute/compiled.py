@@ -71,13 +71,14 @@ def run_plain(x, *layers: nn.Module):
 
 
 def run_units_apart(x, *layers: nn.Module):
-    """Units run in order under ``torch.compile(trunk)``, one graph each: a graph's backward returns
-    the gradients of all its weights together, and where gradients are kept (zeroed, not freed)
-    they are held beside the kept ones until it returns, which the plan does not hold (ResNet-50's
-    budget-0.3 plan under ``objective="time"``, whose last segment runs res5 plain: 0.43 of the
-    plain eager step in one graph; one graph per unit, 0.33, the plan 0.31)."""
-    for layer in layers:
-        x = graph_break(run_plain(x, layer))
+    """Units run in order under ``torch.compile(trunk)``, one graph per :func:`weight_groups` group,
+    as ``trunk.compile()`` compiles them: a graph's backward returns the gradients of all its
+    weights together, and where gradients are kept (zeroed, not freed) they are held beside the
+    kept ones until it returns, which the plan does not hold (ResNet-50's budget-0.3 plan under
+    ``objective="time"``, whose last segment runs res5 plain: 0.43 of the plain eager step in one
+    graph; one graph per unit, 0.33, the plan 0.31)."""
+    for group in weight_groups(layers):
+        x = graph_break(run_plain(x, *group))
     return x
 
 
