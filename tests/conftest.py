@@ -1,4 +1,14 @@
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Under pytest-xdist (pytest.ini runs one worker per core) each worker gets its share of the
+# cores: every worker taking all of them oversubscribes the machine, and OpenMP kernels then
+# run several times slower. Results do not depend on it: every comparison in the suite runs
+# its reference in the same process, with the same thread count.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _workers))
