@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--objective", choices=["flops", "time"], default="flops", help="what the budget plans minimise (see trunksplit plan --objective)")
+    p.add_argument("--channels-last", action="store_true", help="every row's weights and input in channels-last memory format")
     p.add_argument("--plot", help="also draw every model's rows to this image (peak against step time)")
     return p
 
@@ -84,11 +85,11 @@ def _compiled(model, x, budget=None):
     return compiled, time.perf_counter() - start
 
 
-def rows_for(arch: str, x: torch.Tensor, budgets, objective: str = "flops"):
+def rows_for(arch: str, x: torch.Tensor, budgets, objective: str = "flops", memory_format=torch.contiguous_format):
     """Every row, built, compiled and its peak measured at once (a compiled row measured after
     others compiled can see a graph compiled again under another budget)."""
     torch.manual_seed(0)
-    base = build_backbone(arch, x.shape[-1]).to(x.device)
+    base = build_backbone(arch, x.shape[-1]).to(x.device, memory_format=memory_format)
 
     def trunk(**kw):
         return CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients="kept", **kw)
@@ -202,7 +203,8 @@ def main(argv=None) -> int:
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0)).to(device)
     results = []
     for arch in args.arch:
-        rows = rows_for(arch, x, args.budgets, args.objective)
+        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+        rows = rows_for(arch, x.contiguous(memory_format=fmt), args.budgets, args.objective, fmt)
         measure_times(rows, x, args.repeats)
         print(table(arch, rows, x, args.objective) + "\n", flush=True)
         results.append((arch, rows))

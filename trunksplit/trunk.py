@@ -1,7 +1,7 @@
 """`CheckpointedTrunk`: run a trunk as a plan of checkpoint segments."""
 import functools
 from collections import OrderedDict
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -13,10 +13,11 @@ from .planning.memory import tensors_in
 from .planning.peak import GRADIENT_MODES, OBJECTIVES
 from .planning.plan import SplitPlan
 from .planning.search import plan_trunk
+from .planning.timing import faster_eagerly
 from .planning.vissl import vissl_plan
 from .recompute.checkpoint import SELECTIVE_KEEPS, map_tensors, run_checkpointed
-from .recompute.compiled import compiled_once, run_plain, run_region_dense, run_units_apart, weight_groups
-from .recompute.regions import nested_policy, run_region
+from .recompute.compiled import compiled_once, run_plain, run_region_dense, run_units_apart, weight_group_bounds, weight_groups
+from .recompute.regions import nested_policy, run_region, runs
 
 STRATEGIES = ("vissl", "balanced")
 
@@ -142,6 +143,8 @@ class CheckpointedTrunk(nn.Module):
         self._fixed_plan = vissl_plan(self._blocks(), list(ends), 1 if self._cost_aware else (num_splits or 1))
         self._plan: SplitPlan = self._fixed_plan
         self._compile_options: Optional[dict] = None  # see compile()
+        self._eager_groups: Dict[Tuple, FrozenSet[Tuple[int, ...]]] = {}  # plan key -> compiled groups (ids) run eagerly: see compile()
+        self._eagerly: FrozenSet[Tuple[int, ...]] = frozenset()  # those of the last training forward
 
     def _blocks(self) -> FeatureBlocks:
         return FeatureBlocks([(k, self._modules[_child_name(k)]) for k in self._keys], stages=self._stages & set(self._keys))
@@ -185,11 +188,14 @@ class CheckpointedTrunk(nn.Module):
         dtype, and cached. Call it with a sample batch to plan up front (before wrapping
         in DDP, say); otherwise the first training forward does. Under ``torch.compile`` it
         runs eagerly (a graph break), so a compiled trunk plans as an eager one does."""
-        if not self._cost_aware:
+        if not self._cost_aware and self._compile_options is None:
             return self._fixed_plan
         key = self._plan_key(x)
         if key not in self._plans:
-            self._plans[key] = _agreed(plan_trunk(self, x), sharded=isinstance(self, FSDPModule))
+            plan = _agreed(plan_trunk(self, x), sharded=isinstance(self, FSDPModule)) if self._cost_aware else self._fixed_plan
+            if self._compile_options is not None:
+                self._eager_groups[key] = self._faster_eagerly(plan, x)
+            self._plans[key] = plan
         return self._plans[key]
 
     @staticmethod
@@ -207,6 +213,7 @@ class CheckpointedTrunk(nn.Module):
         plan = self._fixed_plan
         if checkpointing:
             plan = self._plan = self.plan_for(x)
+            self._eagerly = self._eager_groups.get(self._plan_key(x), frozenset()) if self._compile_options is not None else frozenset()
         stops = {stop: name for name, stop in self._ends.items()}
         features = {}
         for seg in plan.segments:
@@ -230,37 +237,36 @@ class CheckpointedTrunk(nn.Module):
     def compile(self, **options) -> None:
         """Compile the trunk for speed and keep its plan's memory: each unit is compiled with
         ``torch.compile(**options)`` (inductor by default) on its own (a weightless one with a unit
-        beside it), and runs so inside torch's own eager checkpoints, which keep only their inputs
-        as planned; each selective region of the last segment (``"save_expensive"``,
-        ``"save_heavy"``) is compiled whole as torch's checkpoint operator under the region's
-        policy, so that the cheap ops it runs again fuse into its backward's kernels (on CPU,
-        ResNet-50 at budget 0.5 steps as fast as the compiled plain model:
-        tools/compile_benchmark.py). A ``"recompute"`` region is an eager checkpoint around
-        compiled units, as a segment is; ``"recompute_stages"`` runs eagerly.
+        beside it) and runs so inside torch's own eager checkpoints, which keep only their inputs
+        as planned; each selective region of the last segment is compiled whole as torch's
+        checkpoint operator under its policy, so that the cheap ops it runs again fuse into its
+        backward's kernels. A ``"recompute"`` region is an eager checkpoint around compiled units,
+        as a segment is; ``"recompute_stages"`` runs eagerly. The next training forward plans
+        again (plans made before are dropped: a compiled region's backward returns its weights'
+        gradients together), on CPU from the allocator's figures, which are what a compiled step's
+        memory is measured by, and with inductor times each unit's step compiled and eagerly, and
+        runs eagerly those faster so (on CPU, inductor's batch-norm kernels make most ResNet-50
+        bottlenecks slower compiled alone: tools/unit_compile_times.py).
 
-        Sharp edges. On CPU a unit compiled on its own may step slower than eagerly (ResNet-50's
-        bottlenecks 1.2x: tools/unit_compile_times.py): a plan that recomputes much in checkpointed
-        segments (budget 0.3) then steps slower compiled than eagerly; measure both. Cost-aware
-        plans made before are dropped, for a compiled region's backward returns its weights'
-        gradients together, which with ``gradients="kept"`` the plan must hold at once (the next
-        training forward plans again). With inductor and no ``mode``,
-        ``options={"layout_optimization": False}`` is added unless given: inductor's CPU layout
-        optimisation saves a channels-last copy of every convolution's weight for backward, which
-        the plan does not hold (compiled plain ResNet-50 holds 1.17 of the eager step with it, 1.06
-        without).
-        ``dynamic=False`` unless given: dynamo learns dynamic sizes per function name, which all
-        units share, and MaxViT's symbolic window reshapes then never finished compiling. Unlike
-        ``nn.Module.compile``, the trunk's forward stays Python, and ``torch.compile(trunk)`` is
-        not the same: there dynamo traces the whole forward, and the checkpointed segments and
-        regions run eagerly at graph breaks.
+        With inductor and no ``mode`` nor ``layout_optimization`` option, inductor's layout
+        optimisation is done once, ahead of time: the trunk's convolution weights are stored
+        channels-last (``self.to(memory_format=torch.channels_last)``, the model's own parameters,
+        in place) and ``options={"layout_optimization": False}`` is passed. Inductor's own saves
+        a channels-last copy of every convolution weight for backward, which no plan holds
+        (compiled plain ResNet-50: 1.17 of the eager step's memory). ``dynamic=False`` unless
+        given: dynamo learns dynamic sizes per function name, which all units share (MaxViT's
+        symbolic window reshapes never finished compiling). Unlike ``nn.Module.compile``, the
+        trunk's forward stays Python; under ``torch.compile(trunk)`` dynamo traces the forward
+        and the checkpointed segments and regions run eagerly at graph breaks.
 
         Exact as eager checkpoints are, within float tolerance of the compiled plain model:
         BatchNorm statistics move once (a recompute compiles once more, with momentum 0; a
         compiled region's recompute never writes them), and a recompute draws the random masks
         its forward drew (the RNG state is restored before an eager recompute; a compiled
-        region saves a random op's output)."""
-        if options.get("backend", "inductor") == "inductor" and "mode" not in options:
+        region saves a random op's output). Measured: docs/benchmarks.md#torchcompile."""
+        if options.get("backend", "inductor") == "inductor" and "mode" not in options and "layout_optimization" not in options.get("options", {}):
             options["options"] = {"layout_optimization": False, **options.get("options", {})}
+            self.to(memory_format=torch.channels_last)
         self._compile_options = {"dynamic": False, **options}
         self._plans.clear()
         self._plan = self._fixed_plan
@@ -283,8 +289,28 @@ class CheckpointedTrunk(nn.Module):
         its weights together, so one such unit per graph holds no more of them at once than eager
         autograd does (a unit's own, briefly)."""
         for group in weight_groups(layers):
-            x = compiled_once(self, ("units", tuple(map(id, group))), run_plain, self._compile_options)(x, *group)
+            ids = tuple(map(id, group))
+            x = run_plain(x, *group) if ids in self._eagerly else self._compiled_group(group)(x, *group)
         return x
+
+    def _compiled_group(self, group: Sequence[nn.Module]) -> Callable:
+        return compiled_once(self, ("units", tuple(map(id, group))), run_plain, self._compile_options)
+
+    def _faster_eagerly(self, plan: SplitPlan, x) -> FrozenSet[Tuple[int, ...]]:
+        """The unit groups that ``plan`` runs compiled one by one (see :meth:`_compiled_units`) and
+        that step faster eagerly, measured on ``x``: they run eagerly (ids of their units). Inductor
+        only: another backend (``"aot_eager"``, a custom one) is there to be run as given."""
+        if self._compile_options.get("backend", "inductor") != "inductor":
+            return frozenset()
+        units = [m for _, m in expand_units(self._blocks())]
+        groups = []
+        for seg in plan.segments:
+            for a, b, policy in runs(len(seg), [(r - seg.start, s - seg.start, p) for r, s, p in seg.regions]):
+                if policy is None or (nested_policy(policy) if seg.checkpointed else policy) == "recompute":
+                    first = seg.start + a
+                    groups += [(first + i, first + j) for i, j in weight_group_bounds(units[first : seg.start + b])]
+        slower = faster_eagerly(units, x, groups, lambda a, b: self._compiled_group(units[a:b]))
+        return frozenset(tuple(map(id, units[a:b])) for a, b in slower)
 
     def _compiled_region(self, layers: Sequence[nn.Module], x, policy: str):
         """A region: a ``"recompute"`` one (and a selective one nested in a checkpointed segment,
@@ -339,16 +365,11 @@ def _run_layers(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_ch
     first forward and in the recompute alike."""
     if copy_input:
         x = map_tensors(torch.clone, x)
-    starting = {r: (s, p) for r, s, p in regions}
-    i = 0
-    while i < len(layers):
-        if i in starting:
-            stop, policy = starting[i]
-            x = region(layers[i:stop], x, nested_policy(policy) if in_checkpoint else policy)
-        else:  # up to the next region: one graph under torch.compile(trunk), not one per unit
-            stop = min([r for r in starting if r > i] + [len(layers)])
-            x = plain(x, *layers[i:stop])
-        i = stop
+    for start, stop, policy in runs(len(layers), regions):
+        if policy is not None:
+            x = region(layers[start:stop], x, nested_policy(policy) if in_checkpoint else policy)
+        else:  # the units up to the next region: one graph under torch.compile(trunk), not one per unit
+            x = plain(x, *layers[start:stop])
     return x
 
 

@@ -115,9 +115,9 @@ def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_pa
                       recompute_bytes=(5,) * 3)
     costs = replace(costs, policies={"save_expensive": replace(costs, eligible=(True,) * 3)})
     spans, region = [(0, 1), (1, 2), (2, 3)], [(0, 3, "save_expensive")]
-    peak = {(g, c): PeakModel(costs, [2], g, spans, compiled_regions=c).peak([0], region) for g in GRADIENT_MODES for c in (False, True)}
+    peak = {(g, c): PeakModel(costs, [2], g, spans, compiled=c).peak([0], region) for g in GRADIENT_MODES for c in (False, True)}
     assert peak == {("kept", False): 40, ("kept", True): 70, ("allocated", False): 70, ("allocated", True): 70}
-    [(_, eager)], [(_, compiled)] = (PeakModel(costs, [2], "kept", spans, compiled_regions=c).segments([0], region) for c in (False, True))
+    [(_, eager)], [(_, compiled)] = (PeakModel(costs, [2], "kept", spans, compiled=c).segments([0], region) for c in (False, True))
     assert eager[:2] == (0, 15) and compiled[:2] == (0, 0)
 
 

@@ -56,16 +56,17 @@ class PeakModel:
     saves more than each block on its own. A ``"recompute_stages"`` region's backward,
     which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
 
-    ``compiled_regions``: the selective regions run compiled (``CheckpointedTrunk.compile``),
-    whose backward, one graph, returns the gradients of all the region's weights together: with
-    gradients ``"kept"`` the region holds those of the units its backward has passed, as if they
-    were allocated, until it returns; and the cheap ops it runs again cost nothing (they fuse
-    into its backward's kernels: ResNet-50's budget-0.5 plan, all selective regions, steps as fast
-    as the compiled plain model).
+    ``compiled``: the trunk runs compiled (``CheckpointedTrunk.compile``): each unit one graph,
+    each selective region one graph. A graph's backward returns the gradients of all its weights
+    together: with gradients ``"kept"`` a unit holds all of its own as its backward makes them
+    (``backward_fresh``, not ``backward_excess``: eager autograd adds each into its ``.grad`` at once),
+    and a region those of the units its backward has passed, until it returns; and the cheap ops
+    a selective region runs again cost nothing (they fuse into its backward's kernels: ResNet-50's
+    budget-0.5 plan, all selective regions, steps as fast as the compiled plain model).
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = (),
-                 objective: str = "flops", compiled_regions: bool = False):
+                 objective: str = "flops", compiled: bool = False):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
         if objective not in OBJECTIVES:
@@ -92,7 +93,10 @@ class PeakModel:
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
-        self.compiled_regions = compiled_regions
+        self.compiled = compiled
+        # a unit's backward beyond what its forward left: see ``compiled``
+        whole_grads = compiled and gradients == "kept" and c.backward_fresh and not c.gathered
+        self._backward_excess = c.backward_fresh if whole_grads else c.backward_excess
         self._param_prefix = [0] + list(itertools.accumulate(c.param_bytes))
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
@@ -127,7 +131,7 @@ class PeakModel:
             kept, counted = kept + c.output[source], True
         kept += c.saved[i] + (0 if last else g[i])
         grads_after = self._grads_after[i] if grads_after is None else grads_after
-        backward = max(backward, kept + c.backward_excess[i] + grads_after + self._in_backward(a, i, last))
+        backward = max(backward, kept + self._backward_excess[i] + grads_after + self._in_backward(a, i, last))
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -220,7 +224,7 @@ class PeakModel:
             seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
             # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
             # the light ones, or none ("save_expensive"); and its cheap ops
-            compiled = self.compiled_regions and policy in SELECTIVE_KEEPS
+            compiled = self.compiled and policy in SELECTIVE_KEEPS
             alone = self._alone(r, s, compiled)
             if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
                 cheap, seconds = 0, 0.0
@@ -241,7 +245,7 @@ class PeakModel:
     def _alone(self, r: int, s: int, compiled: bool = False) -> "_Scan":
         """Units [r, s) scanned as a checkpoint of their own: what its backward runs again
         (``cost``, see :meth:`_step`) and what it holds. ``compiled``: one graph, whose backward
-        holds the gradients of the units it has passed (see ``compiled_regions``)."""
+        holds the gradients of the units it has passed (see ``compiled``)."""
         state = _EMPTY
         for i in range(r, s):
             within = self._param_prefix[s] - self._param_prefix[i + 1] if compiled and self.gradients == "kept" else None

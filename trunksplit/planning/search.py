@@ -168,9 +168,9 @@ def peak_model(trunk, x, regions: bool = False, world_size: Optional[int] = None
     world_size = world_size or sharded_world_size([m for _, m in units])
     spans = region_spans(units) if regions else []
     timed = trunk.objective == "time"
-    costs = profile_units(units, x, spans, timed, allocator=measured_by_allocator(world_size, next(iter(tensors_in(x))).device))
+    costs = profile_units(units, x, spans, timed, allocator=measured_by_allocator(world_size, next(iter(tensors_in(x))).device, compiled=trunk._compile_options is not None))
     model = PeakModel(costs, [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective,
-                      compiled_regions=trunk._compile_options is not None)
+                      compiled=trunk._compile_options is not None)
     return per_rank(model, [m for _, m in units], world_size)
 
 

@@ -62,11 +62,12 @@ def reduce_scatter_copies() -> int:
     return int(dist.is_initialized() and dist.get_backend() == "gloo")
 
 
-def measured_by_allocator(world_size: int, device: torch.device) -> bool:
+def measured_by_allocator(world_size: int, device: torch.device, compiled: bool = False) -> bool:
     """Whether one rank's step is measured by the allocator, so that its units must be profiled by
-    it (``profile_units(..., allocator=True)``): FSDP2 on CPU, where only torch.profiler's allocation
-    events see the gathered weights (see :class:`trunksplit.planning.memory.ProfiledPeak`)."""
-    return world_size > 1 and torch.device(device).type == "cpu"
+    it (``profile_units(..., allocator=True)``): on CPU, FSDP2, where only torch.profiler's allocation
+    events see the gathered weights (see :class:`trunksplit.planning.memory.ProfiledPeak`), and a
+    compiled trunk, whose step only they see (a tracker around compiled code stops dynamo compiling)."""
+    return (world_size > 1 or compiled) and torch.device(device).type == "cpu"
 
 
 def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> PeakModel:
@@ -74,7 +75,7 @@ def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> P
     if world_size == 1:
         return model
     return PeakModel(sharded_costs(model.costs, units, world_size), model.features, model.gradients, model.spans, model.objective,
-                     model.compiled_regions)
+                     model.compiled)
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,16 @@ vary from run to run by a few percent, so a ``"time"`` plan may too where two ch
 are that close.
 """
 import time
-from typing import Any, Callable
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..recompute.checkpoint import map_tensors
+from ..recompute.compiled import run_plain
 from ..recompute.regions import run_region
 from .memory import tensors_in
+from .unit_copies import private_copy
 
 REPEATS = 2
 # How many times a region's backward reruns its forward at least, per policy: a floor under
@@ -45,7 +47,7 @@ def forward_seconds(m: nn.Module, h: Any, input_needs_grad: bool) -> float:
 
 def step_seconds(m: nn.Module, h: Any, input_needs_grad: bool, policy: str) -> float:
     """Seconds of one forward and backward of ``m`` (an ``nn.Sequential`` of a span's units
-    under a region ``policy``, or any module with ``"keep"``) on ``h``."""
+    under a region ``policy``, or any module or function of one input with ``"keep"``) on ``h``."""
 
     def step():
         out = m(_input(h, input_needs_grad)) if policy == "keep" else run_region(list(m), _input(h, input_needs_grad), policy)
@@ -54,6 +56,48 @@ def step_seconds(m: nn.Module, h: Any, input_needs_grad: bool, policy: str) -> f
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
     return fastest(step, _device(h))
+
+
+def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[int, int]],
+                   compiled: Callable[[int, int], Callable]) -> List[Tuple[int, int]]:
+    """The groups ``[start, stop)`` of ``units`` (in order) whose training step, forward and
+    backward on the input the chain hands them, is faster eagerly than compiled as
+    ``compiled(start, stop)(x, *layers)`` runs them: what ``CheckpointedTrunk.compile`` runs
+    eagerly on this device.
+
+    Why measure: whether a unit compiled on its own beats eager kernels depends on the device.
+    On this project's CPU, ResNet-50's bottlenecks step 1.03-1.33x slower compiled alone
+    (inductor's batch-norm kernels; tools/unit_compile_times.py), while a selective region
+    compiled whole, whose cheap recompute fuses into its backward, is nearly free.
+    Runs on private copies (the model, its gradients, statistics and RNG untouched); a compiled
+    function keeps the graph it traced for them, and the trunk's own units reuse it (their
+    parameters are the graph's inputs), so measuring compiles nothing the first step would not."""
+    device = _device(x)
+    slower = []
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        h, at = map_tensors(torch.Tensor.detach, x), 0
+        for start, stop in groups:
+            with torch.no_grad():
+                h = run_plain(h, *map(private_copy, units[at:start]))
+            layers = [private_copy(u) for u in units[start:stop]]
+            runs = (run_plain, compiled(start, stop))
+            seconds = [float("inf")] * len(runs)
+            for repeat in range(3):  # interleaved; the first round warms up (the compiled one compiles)
+                for i, run in enumerate(runs):
+                    t = group_step_seconds(run, layers, h, start > 0)
+                    if repeat:
+                        seconds[i] = min(seconds[i], t)
+            if seconds[0] < seconds[1]:
+                slower.append((start, stop))
+            with torch.no_grad():
+                h = run_plain(h, *layers)
+            at = stop
+    return slower
+
+
+def group_step_seconds(run: Callable, layers: Sequence[nn.Module], h: Any, input_needs_grad: bool) -> float:
+    """Seconds of one forward and backward of ``run(h, *layers)`` (eager or compiled units)."""
+    return step_seconds(lambda inp: run(inp, *layers), h, input_needs_grad, "keep")
 
 
 def _input(h: Any, needs_grad: bool) -> Any:

@@ -59,6 +59,15 @@ def weight_groups(units: Sequence[nn.Module]) -> List[Tuple[nn.Module, ...]]:
     return [tuple(g) for g in groups]
 
 
+def weight_group_bounds(units: Sequence[nn.Module]) -> List[Tuple[int, int]]:
+    """:func:`weight_groups` of ``units`` as index ranges ``[start, stop)`` into them."""
+    bounds: List[Tuple[int, int]] = []
+    for group in weight_groups(units):
+        start = bounds[-1][1] if bounds else 0
+        bounds.append((start, start + len(group)))
+    return bounds
+
+
 def run_plain(x, *layers: nn.Module):
     """Units that run with nothing checkpointed: under ``torch.compile``, one graph.
 

@@ -14,7 +14,7 @@ runs it so. Each policy keeps less than the one before and runs more again:
   its backward reaches it, so that a block's activations are never all held at once.
 """
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -57,6 +57,18 @@ def nested_policy(policy: str) -> str:
     forward to the backward; run as ``"recompute"`` instead, its backward recomputes it
     whole. ``"recompute_stages"`` nests as it is: its stages are plain checkpoints."""
     return "recompute" if policy in SELECTIVE_KEEPS else policy
+
+
+def runs(n: int, regions: Sequence[Tuple[int, int, str]]) -> List[Tuple[int, int, Optional[str]]]:
+    """Units ``[0, n)`` as the consecutive runs a segment executes: each region ``(start, stop,
+    policy)`` as it is, and the units between two regions as one run ``(start, stop, None)``."""
+    starting = {r: (s, p) for r, s, p in regions}
+    out, i = [], 0
+    while i < n:
+        stop, policy = starting.get(i, (min([r for r in starting if r > i] + [n]), None))
+        out.append((i, stop, policy))
+        i = stop
+    return out
 
 
 def _run(x: Any, *layers: nn.Module) -> Any:
