@@ -211,22 +211,26 @@ def test_trunk_compile_compiles_the_last_segments_selective_regions_as_checkpoin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,plan", [("resnet18", "budget_regions"), ("resnet18", "balanced"), ("vit", "balanced")])
-def test_inductor_compiled_trunk_trains_as_the_inductor_compiled_plain_model(name, plan):
+@pytest.mark.parametrize("how", ["torch.compile(trunk)", "trunk.compile()"])
+@pytest.mark.parametrize("name,plan", [("resnet18", "budget_regions"), ("resnet18", "balanced"), ("vit", "balanced"), ("vit", "budget_regions")])
+def test_inductor_compiled_trunk_trains_as_the_inductor_compiled_plain_model(name, plan, how):
     """Inductor's code generation, as users compile: the planned trunk's step equals the
     compiled plain model's (float tolerance: the two graphs fuse differently), BatchNorm
     statistics move once, and dropout draws the same masks (inductor falls back to torch's
-    RNG here, as torch's own compile tests do to compare runs)."""
+    RNG here, as torch's own compile tests do to compare runs). trunk.compile() also stores
+    the convolution weights channels-last and runs eagerly the units it measures faster so."""
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))
     trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
     x = input_for(name)
-    trunk.plan_for(x)
+    if how == "trunk.compile()":
+        trunk.compile()
     with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True):  # private: no public switch
         warnings.simplefilter("ignore")
-        for model in (plain, trunk):
+        trunk.plan_for(x)
+        for model in (torch.compile(plain), trunk if how == "trunk.compile()" else torch.compile(trunk)):
             torch.manual_seed(3)
-            loss_of(torch.compile(model)(x)).backward()
+            loss_of(model(x)).backward()
     for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):  # relative to the gradient's norm: fused sums round differently
         assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), (n, ((a.grad - b.grad).norm() / a.grad.norm()).item())
     for (n, a), b in zip(plain.named_buffers(), trunk.buffers()):

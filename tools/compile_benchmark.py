@@ -7,13 +7,15 @@ Rows, each a training step of the same trunk on the same batch (gradients kept):
 trunksplit eager at each budget, the plain trunk compiled with inductor, compiled with
 ``activation_memory_budget`` at each budget, and the budget-planned trunk compiled two ways:
 ``torch.compile(trunk)`` (dynamo traces the trunk; checkpointed segments and regions run eagerly
-at graph breaks) and ``trunk.compile()`` (each unit compiled, and each selective region of the last
-segment compiled whole as torch's checkpoint operator; the other checkpoints eager). Peaks are the
+at graph breaks) and ``trunk.compile()`` (each unit compiled, or run eagerly where its step measured
+faster so, and each selective region of the last segment compiled whole as torch's checkpoint
+operator; the other checkpoints eager; convolution weights stored channels-last). Peaks are the
 step's beyond what was live before it. On CPU every row is metered by ``torch.profiler``'s memory
 events (``trunksplit.planning.memory.profiled_peak``: the only meter that sees inside compiled code;
 it reads a few percent above the exact tensor tracker), and the eager rows by the tracker too; on
 CUDA by the allocator's statistics. Ratios are to the plain eager step under the same meter; step
-times are medians of interleaved repeats, as ratios to the compiled plain trunk.
+times are medians of interleaved repeats, as ratios to the compiled plain trunk. ``--channels-last``
+stores every row's model and input channels-last first (the baseline a user of that layout compiles).
 """
 import argparse
 import copy

@@ -187,7 +187,8 @@ class CheckpointedTrunk(nn.Module):
         Cost-aware plans are measured once per input shape, dtype, device and autocast
         dtype, and cached. Call it with a sample batch to plan up front (before wrapping
         in DDP, say); otherwise the first training forward does. Under ``torch.compile`` it
-        runs eagerly (a graph break), so a compiled trunk plans as an eager one does."""
+        runs eagerly (a graph break), so a compiled trunk plans as an eager one does. After
+        :meth:`compile` it also times the units here, once per input key, vissl's plan too."""
         if not self._cost_aware and self._compile_options is None:
             return self._fixed_plan
         key = self._plan_key(x)
@@ -269,6 +270,7 @@ class CheckpointedTrunk(nn.Module):
             self.to(memory_format=torch.channels_last)
         self._compile_options = {"dynamic": False, **options}
         self._plans.clear()
+        self._eager_groups.clear()
         self._plan = self._fixed_plan
 
     def _body(self, key: Tuple) -> Callable:
@@ -309,7 +311,7 @@ class CheckpointedTrunk(nn.Module):
                 if policy is None or (nested_policy(policy) if seg.checkpointed else policy) == "recompute":
                     first = seg.start + a
                     groups += [(first + i, first + j) for i, j in weight_group_bounds(units[first : seg.start + b])]
-        slower = faster_eagerly(units, x, groups, lambda a, b: self._compiled_group(units[a:b]))
+        slower = _agreed(faster_eagerly(units, x, groups, lambda a, b: self._compiled_group(units[a:b])), isinstance(self, FSDPModule))
         return frozenset(tuple(map(id, units[a:b])) for a, b in slower)
 
     def _compiled_region(self, layers: Sequence[nn.Module], x, policy: str):
@@ -330,10 +332,11 @@ class CheckpointedTrunk(nn.Module):
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
 
 
-def _agreed(plan: SplitPlan, sharded: bool) -> SplitPlan:
-    """Under FSDP every rank runs rank 0's plan: a unit's recompute all-gathers its weights, so
-    ranks whose plans differ would all-gather a different number of times and hang. (Profiling
-    a sharded trunk is exact tensor accounting on CPU, but a CUDA allocator's figures may differ.)"""
+def _agreed(plan, sharded: bool):
+    """Under FSDP every rank runs rank 0's plan (and its choice of units run eagerly: timings differ
+    between ranks): a unit's recompute all-gathers its weights, so ranks whose plans differ would
+    all-gather a different number of times and hang. (Profiling a sharded trunk is exact tensor
+    accounting on CPU, but a CUDA allocator's figures may differ.)"""
     if not sharded or not dist.is_initialized() or dist.get_world_size() == 1:
         return plan
     box = [plan]
