@@ -75,7 +75,7 @@ def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[in
     device = _device(x)
     slower = []
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        h, at = map_tensors(torch.Tensor.detach, x), 0
+        h, at = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x), 0  # inference tensors cannot enter autograd
         for start, stop in groups:
             with torch.no_grad():
                 h = run_plain(h, *map(private_copy, units[at:start]))
