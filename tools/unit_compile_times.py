@@ -41,10 +41,10 @@ def _median_times(fns, x, repeats: int):
     return [statistics.median(ts) for ts in times]
 
 
-def unit_rows(arch: str, x: torch.Tensor, repeats: int):
+def unit_rows(arch: str, x: torch.Tensor, repeats: int, memory_format=torch.contiguous_format):
     """(name, eager s, compiled s) per unit, and (eager s, whole-compiled s) for the whole trunk."""
     torch.manual_seed(0)
-    trunk = CheckpointedTrunk(build_backbone(arch, x.shape[-1]), gradients="kept")
+    trunk = CheckpointedTrunk(build_backbone(arch, x.shape[-1]).to(memory_format=memory_format), gradients="kept")
     rows, h = [], x
     for name, unit in expand_units(trunk._blocks()):
         inp = h.detach().requires_grad_()
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--resolution", type=int, default=224)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--channels-last", action="store_true", help="weights and input channels-last, as trunk.compile() stores convolution weights")
     return p
 
 
@@ -70,12 +71,13 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     torch._dynamo.config.recompile_limit = 64  # private: every unit is a module of its own, some of one class
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0))
-    rows, (eager_whole, compiled_whole) = unit_rows(args.arch, x, args.repeats)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    rows, (eager_whole, compiled_whole) = unit_rows(args.arch, x.contiguous(memory_format=fmt), args.repeats, fmt)
     body = [[n, f"{e * 1e3:.1f}", f"{c * 1e3:.1f}", f"{c / e:.2f}"] for n, e, c in rows]
     eager, compiled = sum(r[1] for r in rows), sum(r[2] for r in rows)
     body.append(["sum over units", f"{eager * 1e3:.1f}", f"{compiled * 1e3:.1f}", f"{compiled / eager:.2f}"])
     body.append(["whole trunk, one graph", f"{eager_whole * 1e3:.1f}", f"{compiled_whole * 1e3:.1f}", f"{compiled_whole / eager_whole:.2f}"])
-    print(f"### {args.arch}, input {tuple(x.shape)}, training step per unit, {torch.get_num_threads()} threads\n")
+    print(f"### {args.arch}, input {tuple(x.shape)}{', channels-last' if args.channels_last else ''}, training step per unit, {torch.get_num_threads()} threads\n")
     print(tabulate(body, headers=["unit", "eager ms", "compiled ms", "compiled / eager"], tablefmt="github"))
     return 0
 
