@@ -1,5 +1,4 @@
 """Explicit plans installed on a trunk, for tests that choose the cuts and regions themselves."""
-from trunksplit.chains.blocks import expand_units
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.profile import profile_units
 from trunksplit.planning.search import Cuts, plan_from_cuts, region_spans
@@ -10,10 +9,11 @@ def _with_plan(trunk, x, starts, regions):
 
     Only the spans inside the chosen regions are profiled under the region policies (all of
     them would take several times as long, for annotations nobody reads)."""
-    units = expand_units(trunk._blocks())
+    units = trunk.units
     spans = [s for s in region_spans(units) if any(a <= s[0] and s[1] <= b for a, b, _ in regions)]
-    model = PeakModel(profile_units(units, x, spans), [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans)
+    request = trunk.plan_request()
+    model = PeakModel(profile_units(units, x, spans), request.feature_units, trunk.gradients, spans)
     names = [n for n, _ in units]
-    plan = plan_from_cuts(names, Cuts(list(starts), frozenset(regions)), trunk._ends, "budget", model)
-    trunk._plans[trunk._plan_key(x)] = plan
+    plan = plan_from_cuts(names, Cuts(list(starts), frozenset(regions)), request.stops, "budget", model)
+    trunk.store_plan(trunk.key_for(x), plan)
     return plan

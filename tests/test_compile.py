@@ -30,7 +30,7 @@ CASES = [("resnet18", plan) for plan in PLANS] + [("vit", plan) for plan in PLAN
 def test_a_compiled_trunk_trains_as_the_eager_model(name, plan):
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))  # one unsplit segment: the plain model's forward
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    trunk = CheckpointedTrunk(copy.deepcopy(plain.feature_blocks), **PLANS[plan])
     _steps_equal(plain, trunk, torch.compile(trunk, backend="aot_eager"), input_for(name))
     assert "under torch.compile(trunk) the checkpointed segments and regions run eagerly" in str(trunk.plan)
     if plan == "budget_regions":
@@ -82,7 +82,7 @@ def test_trunk_compile_trains_as_the_eager_model(name, plan, backend):
     Dynamo's ``"eager"`` backend (no AOT autograd) runs the regions eagerly, and trains as exactly."""
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    trunk = CheckpointedTrunk(copy.deepcopy(plain.feature_blocks), **PLANS[plan])
     trunk.compile(backend=backend)
     _steps_equal(plain, trunk, trunk, input_for(name))
     assert len(trunk.plan.segments) > 1 or trunk.plan.regions
@@ -101,7 +101,7 @@ def test_trunk_compile_compiles_every_unit_however_many():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loss_of(trunk(x)).backward()
-    units = [m for _, m in expand_units(trunk._blocks())]
+    units = [m for _, m in trunk.units]
     weighted = [u for u in units if any(True for _ in u.parameters())]
     unit_of = {id(p): i for i, u in enumerate(weighted) for p in u.parameters()}
     per_graph = [{unit_of[id(t)] for t in gm.example_inputs if id(t) in unit_of} for gm in graphs]
@@ -128,7 +128,7 @@ def test_trunk_compile_compiles_every_unit_for_its_own_static_shapes():
         warnings.simplefilter("ignore")
         loss_of(trunk(input_for("resnet18"))).backward()
     symbolic = [gm for gm in graphs for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymInt)]
-    assert len(graphs) > len(expand_units(trunk._blocks())) // 2 and not symbolic, (len(graphs), len(symbolic))
+    assert len(graphs) > len(trunk.units) // 2 and not symbolic, (len(graphs), len(symbolic))
 
 
 def test_trunk_compile_compiles_the_units_of_recompute_regions_inside_their_eager_checkpoints():
@@ -139,13 +139,13 @@ def test_trunk_compile_compiles_the_units_of_recompute_regions_inside_their_eage
     torch._dynamo.reset()
     graphs = []
     plain = CheckpointedTrunk(small("resnet18"))
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), memory_budget=0.8, gradients="kept")
+    trunk = CheckpointedTrunk(copy.deepcopy(plain.feature_blocks), memory_budget=0.8, gradients="kept")
     trunk.compile(backend=_counting_backend(graphs, aot=True))
     x = input_for("resnet18")
     regions = [(4, 5, "save_expensive"), (5, 6, "recompute"), (9, 11, "recompute")]  # nested selective, nested, in the last segment
     _with_plan(trunk, x, [0, 7], regions)
     _steps_equal(plain, trunk, trunk, x)
-    units = [m for _, m in expand_units(trunk._blocks())]
+    units = [m for _, m in trunk.units]
     compiled = {id(t) for gm in graphs for t in gm.example_inputs}
     eager = [i for i, u in enumerate(units) if not {id(p) for p in u.parameters()} <= compiled]
     assert not eager, eager  # every unit's weights went into a compiled graph
@@ -221,7 +221,7 @@ def test_inductor_compiled_trunk_trains_as_the_inductor_compiled_plain_model(nam
     the convolution weights channels-last and runs eagerly the units it measures faster so."""
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    trunk = CheckpointedTrunk(copy.deepcopy(plain.feature_blocks), **PLANS[plan])
     x = input_for(name)
     if how == "trunk.compile()":
         trunk.compile()
@@ -247,7 +247,7 @@ def test_every_family_compiled_trains_as_the_eager_model(name, plan, how):
     plan, above)."""
     torch._dynamo.reset()
     plain = CheckpointedTrunk(small(name))
-    trunk = CheckpointedTrunk(copy.deepcopy(plain._blocks()), **PLANS[plan])
+    trunk = CheckpointedTrunk(copy.deepcopy(plain.feature_blocks), **PLANS[plan])
     # dynamic=False: the plain units resume at graph breaks in one function, whose sizes dynamo would
     # learn as symbolic, and on MaxViT the symbolic guards never finished (trunk.compile() does so itself)
     run = torch.compile(trunk, backend="aot_eager", dynamic=False) if how == "torch.compile(trunk)" else trunk
@@ -287,7 +287,7 @@ def test_trunk_compile_runs_eagerly_the_units_that_step_faster_eagerly(monkeypat
     torch._dynamo.reset()
     plain, trunk = CheckpointedTrunk(_conv_blocks()), CheckpointedTrunk(_conv_blocks())
     eager_calls = []
-    for name, unit in trunk._blocks().items():
+    for name, unit in trunk.feature_blocks.items():
         unit.register_forward_pre_hook(lambda m, args, name=name: None if torch.compiler.is_compiling() else eager_calls.append(name))
     trunk.compile()
     x = torch.randn(2, 3, 8, 8)
@@ -295,7 +295,7 @@ def test_trunk_compile_runs_eagerly_the_units_that_step_faster_eagerly(monkeypat
         warnings.simplefilter("ignore")
         for model in (plain, trunk):
             loss_of(model(x)).backward()
-    assert len(trunk._eagerly) == 2  # the groups bn1 + relu1 and bn2
+    assert len(trunk._compiled.eagerly) == 2  # the groups bn1 + relu1 and bn2
     assert eager_calls == ["bn1", "relu1", "bn2"], eager_calls
     for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
         assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), n
@@ -310,13 +310,13 @@ def test_trunk_compile_stores_convolution_weights_channels_last_as_inductor_woul
     1.03x the compiled plain model, against 1.22-1.37x), and leaves them where told how to lay out."""
     trunk = CheckpointedTrunk(_conv_blocks())
     trunk.compile()
-    assert trunk._blocks()["conv1"].weight.is_contiguous(memory_format=torch.channels_last)
-    assert not trunk._blocks()["conv1"].weight.is_contiguous()
-    assert trunk._compile_options["options"] == {"layout_optimization": False}
+    assert trunk.feature_blocks["conv1"].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not trunk.feature_blocks["conv1"].weight.is_contiguous()
+    assert trunk.compile_options["options"] == {"layout_optimization": False}
     for options in (dict(options={"layout_optimization": True}), dict(mode="max-autotune-no-cudagraphs"), dict(backend="aot_eager")):
         other = CheckpointedTrunk(_conv_blocks())
         other.compile(**options)
-        assert other._blocks()["conv1"].weight.is_contiguous(), options
+        assert other.feature_blocks["conv1"].weight.is_contiguous(), options
 
 
 def test_a_compiled_trunk_on_cpu_plans_from_the_allocators_figures():

@@ -15,6 +15,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "trunksplit"
 LAYERS = ["chains", "recompute", "planning", "trunk", "distributed", "lars", "fit", "ssl", "cli"]
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 45  # a function's body, its docstring not counted: one screen
+MAX_CLASS_LINES = 250
+MAX_TRUNK_LINES = 300  # trunk.py runs a plan; planning, compiling and names live below it
+TOOLS = PACKAGE.parent / "tools"
 
 
 def _modules():
@@ -116,6 +119,45 @@ def test_modules_and_functions_fit_a_reader():
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{module}.{node.name}: a body of {length} lines")
     assert too_long == [], "split these:\n" + "\n".join(too_long)
+
+
+def test_classes_fit_a_reader_and_the_trunk_only_runs_its_plan():
+    too_long = []
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == [], "split these classes:\n" + "\n".join(too_long)
+    lines = (PACKAGE / "trunk.py").read_text().count("\n")
+    assert lines <= MAX_TRUNK_LINES, f"trunk.py has {lines} lines: move what is not running a plan below it"
+
+
+def _trunk_private_names() -> set:
+    """The private attributes and methods of ``CheckpointedTrunk``, read from trunk.py."""
+    tree = ast.parse((PACKAGE / "trunk.py").read_text())
+    trunk = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointedTrunk")
+    names = set()
+    for node in ast.walk(trunk):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("_") and not node.name.startswith("__"):
+            names.add(node.name)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                names.add(node.attr)
+    return names
+
+
+def test_no_module_but_the_trunk_reads_the_trunks_private_names():
+    """Data flows down: the planner, fit, the CLI, FSDP and the tools get what they need from the
+    trunk's public names (``plan_request()``, ``units``, ``store_plan``), never its insides."""
+    private = _trunk_private_names()
+    assert {"_plans", "_ends", "_fixed_plan"} <= private  # the reader finds them
+    reads = []
+    paths = [p for _, p in _modules() if p.name != "trunk.py"] + sorted(TOOLS.glob("*.py"))
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                reads.append(f"{path.relative_to(PACKAGE.parent)} line {node.lineno}: .{node.attr}")
+    assert reads == [], "private names of CheckpointedTrunk read outside trunk.py:\n" + "\n".join(reads)
 
 
 def test_the_checker_sees_an_upward_import():

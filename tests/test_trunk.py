@@ -316,7 +316,7 @@ def test_a_list_input_is_planned_on_the_tensors_inside_it(how):
     assert torch.equal(got, plain(xs))
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
-    if trunk._cost_aware:
+    if trunk.cost_aware:
         assert trunk.plan.predicted_peak_bytes is not None
         assert trunk.plan_for([torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)]) is not trunk.plan  # keyed by the shapes inside
 

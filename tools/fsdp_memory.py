@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torchvision
 
 from trunksplit import CheckpointedTrunk, PeakMemory, fit, shard_trunk
-from trunksplit.fit import parse_bytes
+from trunksplit.planning.budget import parse_memory_size
 from trunksplit.planning.memory import profiled_peak
 from trunksplit.planning.search import peak_model, plan_trunk
 
@@ -101,15 +101,16 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = torchvision.models.get_model(args.arch)
     if args.fit:
-        fitted(model, tuple(int(d) for d in args.input.split("x")[-3:]), parse_bytes(args.fit), args.gradients, args.repeats)
+        fitted(model, tuple(int(d) for d in args.input.split("x")[-3:]), parse_memory_size(args.fit, "--fit"), args.gradients, args.repeats)
         dist.destroy_process_group()
         return 0
     x = torch.randn(*(int(d) for d in args.input.split("x")))
     reference = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients)
-    plan = plan_trunk(reference, x, peak_model(reference, x, world_size=world))
+    request = reference.plan_request()
+    plan = plan_trunk(request, x, peak_model(request, x, world_size=world))
     predicted = plan.predicted_peak_bytes
     trunk = shard_trunk(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced", gradients=args.gradients))
-    trunk._plans[trunk._plan_key(x)] = plan  # the predicted plan, not the one rank 0 would measure and broadcast
+    trunk.store_plan(trunk.key_for(x), plan)  # the predicted plan, not the one rank 0 would measure and broadcast
     everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(everyone, torch.tensor([float(m) for m in measured_peaks(trunk, x, args.gradients, args.repeats)], dtype=torch.float64))
     if dist.get_rank() == 0:

@@ -18,7 +18,6 @@ import torch
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.chains import expand_units
 from trunksplit.ssl.backbones import build_backbone
 
 OPTIONS = dict(dynamic=False, options={"layout_optimization": False})  # as trunk.compile() compiles
@@ -46,7 +45,7 @@ def unit_rows(arch: str, x: torch.Tensor, repeats: int, memory_format=torch.cont
     torch.manual_seed(0)
     trunk = CheckpointedTrunk(build_backbone(arch, x.shape[-1]).to(memory_format=memory_format), gradients="kept")
     rows, h = [], x
-    for name, unit in expand_units(trunk._blocks()):
+    for name, unit in trunk.units:
         inp = h.detach().requires_grad_()
         eager, compiled = _median_times([unit, torch.compile(unit, **OPTIONS)], inp, repeats)
         rows.append((name, eager, compiled))

@@ -17,16 +17,16 @@ cuDNN workspaces are not modelled; leave a margin.
 """
 import copy
 import math
-import re
 import warnings
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from .chains import expand_units, feature_blocks, layer_splittable_before
+from .chains import feature_blocks
 from .lars import LARS
+from .planning.budget import format_bytes, parse_memory_size
 from .planning.memory import PeakMemory
 from .planning.peak import PeakModel
 from .planning.profile import UnitCosts, profile_units
@@ -61,25 +61,6 @@ class Fit:
         )
 
 
-def parse_bytes(text: Union[str, int, float]) -> int:
-    """``16GiB``, ``500MiB``, ``2GB``, ``2e9`` or a number: bytes."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
-        if not match:
-            raise ValueError(f"cannot read a memory size from {text!r}; write 16GiB, 500MiB, 2GB or bytes")
-        try:
-            value = float(match.group(1))
-        except ValueError:
-            raise ValueError(f"cannot read a memory size from {text!r}; write 16GiB, 500MiB, 2GB or bytes") from None
-        unit = match.group(2) or ""
-    scale = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}")
-    return int(value * scale)
-
-
 def fit(
     model: nn.Module,
     input_shape: Sequence[int],
@@ -91,6 +72,7 @@ def fit(
     use_reentrant: bool = False,
     verify: bool = True,
     world_size: int = 1,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> Fit:
     """The largest batch of ``input_shape`` images (C, H, W) whose training step fits ``memory``.
 
@@ -109,20 +91,21 @@ def fit(
     (:func:`trunksplit.shard_trunk`): ``memory`` and the batch are per rank, parameters,
     gradients and optimizer state count as this rank's shards, and the step's peak holds the
     whole parameters the rank gathers to run each unit (see :mod:`trunksplit.planning.sharding`). That is a
-    prediction only: one process cannot run the sharded step to check it.
+    prediction only: one process cannot run the sharded step to check it. ``progress(unit name)``
+    is called as each unit is profiled (twice per unit: at two batches).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if len(input_shape) != 3 or not all(isinstance(d, int) and d > 0 for d in input_shape):
         raise ValueError(f"input_shape is one image's (C, H, W), got {tuple(input_shape)}")
-    memory = parse_bytes(memory)
+    memory = parse_memory_size(memory)
     device = next(model.parameters()).device
     blocks = feature_blocks(model)
 
     def trunk(**kw) -> CheckpointedTrunk:
         return CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant, **kw)
 
-    chain = _ScaledChain(trunk(), input_shape, device, world_size)
+    chain = _ScaledChain(trunk(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
     optimizer_peak = _optimizer_peak(chain, rank, _optimizer_step_transient(chain.trunk, optimizer))
@@ -132,8 +115,8 @@ def fit(
 
     if total(1) > memory:
         raise ValueError(
-            f"memory {memory} bytes ({gib(memory)}) is too small for a batch of 1: the smallest that fits is "
-            f"{total(1)} bytes ({gib(total(1))}: {gib(resident)} resident and the step's peak)"
+            f"memory {format_bytes(memory)} is too small for a batch of 1: the smallest that fits is "
+            f"{format_bytes(total(1))} ({gib(resident)} resident and the step's peak)"
         )
     batch = _largest(lambda b: total(b) <= memory)
     measured, verify = None, verify and world_size == 1  # one process cannot run a sharded step
@@ -141,7 +124,7 @@ def fit(
         plan = chain.plan(batch, budget=memory - resident)
         fitted = trunk(memory_budget=memory - resident)
         # planned from the scaled profile: no profiling, and no allocation, at this batch
-        fitted._plans[plan_key([((batch, *input_shape), torch.get_default_dtype())], device)] = plan
+        fitted.store_plan(plan_key([((batch, *input_shape), torch.get_default_dtype())], device), plan)
         predicted = max(plan.predicted_peak_bytes, optimizer_peak)
         if not verify:
             break
@@ -175,7 +158,7 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     ``world_sizes``, for each of :data:`SCALING_PLANS`: the arithmetic of :func:`fit`
     (``verify=False``), from one profile of the trunk at two small batches, shards
     counted for each world size. A prediction: nothing runs sharded here."""
-    memory = parse_bytes(memory)
+    memory = parse_memory_size(memory)
     device = next(model.parameters()).device
     base = _ScaledChain(CheckpointedTrunk(feature_blocks(model), gradients=gradients), input_shape, device)
     transient = _optimizer_step_transient(base.trunk, optimizer)
@@ -206,16 +189,18 @@ class _ScaledChain:
     """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
     any batch from costs scaled linearly (see :func:`_scaled`), for one of ``world_size`` ranks."""
 
-    def __init__(self, trunk: CheckpointedTrunk, input_shape: Sequence[int], device: torch.device, world_size: int = 1):
-        units = expand_units(trunk._blocks())
+    def __init__(self, trunk: CheckpointedTrunk, input_shape: Sequence[int], device: torch.device, world_size: int = 1,
+                 progress: Optional[Callable[[str], None]] = None):
+        self.request = request = trunk.plan_request()
         self.trunk = trunk
-        self.names = [n for n, _ in units]
-        self.units = [m for _, m in units]
-        self.splittable = [layer_splittable_before(m) for _, m in units]
-        self.forced = [stop for stop in trunk._ends.values() if stop < len(units)]
-        self.features = [stop - 1 for stop in trunk._ends.values()]
+        self.names = list(request.names)
+        self.units = list(request.modules)
+        self.splittable = request.splittable
+        self.forced = request.forced
+        self.features = request.feature_units
+        units = list(request.units)
         allocator = measured_by_allocator(world_size, device)
-        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator) for b in PROFILE_BATCHES]
+        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress) for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
         self.small = self._costs_for(world_size)
 
@@ -261,7 +246,7 @@ class _ScaledChain:
     def plan(self, batch: int, budget: int):
         """The least-recompute plan at ``batch`` whose peak fits ``budget``."""
         peaks, cuts = self._cuts(batch, budget)
-        return plan_from_cuts(self.names, cuts, self.trunk._ends, "budget", peaks)
+        return plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks)
 
 
 def _check_input(batch: int, input_shape: Sequence[int], device: torch.device) -> torch.Tensor:

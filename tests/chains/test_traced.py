@@ -308,7 +308,7 @@ def _unit_outputs(trunk, x):
 
     outs = []
     with torch.no_grad():
-        for _, unit in expand_units(trunk._blocks()):
+        for _, unit in trunk.units:
             x = unit(x)
             outs.append(x)
     return outs

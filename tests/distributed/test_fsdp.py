@@ -147,7 +147,7 @@ def test_a_rank_holds_the_shards_the_per_rank_model_predicts(sharded):
     # predicted from the unsharded model alone (no process group): FSDP2's dim-0 chunks, the first rank's the largest
     name, how, _ = CASES[list(CASES)[-1]]
     model = _model(name)
-    units = [m for _, m in expand_units(CheckpointedTrunk(model, **how)._blocks())]
+    units = [m for _, m in CheckpointedTrunk(model, **how).units]
     predicted = rank_memory(model, units, WORLD, "adamw", 0, "kept")
     first = torch.load(sharded / "held0.pt")
     assert first == {"parameters": predicted.parameters, "gradients": predicted.gradients, "optimizer": predicted.optimizer}

@@ -57,7 +57,7 @@ def test_units_profiled_by_the_allocator_predict_the_step_the_allocator_measures
     torch.manual_seed(0)
     trunk = CheckpointedTrunk(torchvision.models.resnet18(), num_splits=3, strategy="balanced", gradients="kept")
     x = torch.randn(4, 3, 32, 32)
-    units = expand_units(trunk._blocks())
+    units = trunk.units
     starts = [s.start for s in trunk.plan_for(x).segments]
     predicted = PeakModel(profile_units(units, x, allocator=True), [len(units) - 1], "kept").peak(starts)
     step = lambda: trunk(x)[0].pow(2).mean().backward()  # noqa: E731

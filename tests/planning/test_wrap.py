@@ -139,7 +139,7 @@ def test_an_impossible_budget_names_the_smallest_feasible_and_leaves_the_model_a
     torch.manual_seed(0)
     model = Untraceable()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"smallest feasible budget found is \d+ bytes \(0\.\d+ of unwrapped\)"):
+    with pytest.raises(ValueError, match=r"smallest feasible budget found is [\d.]+ MiB \(\d+ bytes\) \(0\.\d+ of unwrapped\)"):
         apply_activation_checkpointing(model, memory_budget=0.01, example_inputs=torch.randn(4, 3, 32, 32))
     assert not any(is_checkpoint_wrapped(m) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # measuring trained nothing

@@ -121,7 +121,7 @@ def test_regions_replay_dropout_and_stochastic_depth(name):
     model = copy.deepcopy(plain)
     trunk = CheckpointedTrunk(model, ["flatten"], memory_budget=0.9)
     x = input_for(name)
-    costs = peak_model(trunk, x, regions=True)
+    costs = peak_model(trunk.plan_request(), x, regions=True)
     spans = costs.spans
     # EfficientNet's squeeze-excitation changes a conv output in place: such spans cannot run under
     # SE; a span with no convolution or matmul has no stages
@@ -154,8 +154,8 @@ def test_a_budget_below_the_block_level_floor_is_met_with_regions():
     x = torch.randn(2, 3, 96, 96)  # at 64 pixels the fixed part of the floor leaves regions little to win
     kw = dict(gradients="kept")
     blocks_only = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], **kw)
-    costs = peak_model(blocks_only, x)  # no regions
-    units = expand_units(blocks_only._blocks())
+    costs = peak_model(blocks_only.plan_request(), x)  # no regions
+    units = blocks_only.units
     splittable = [layer_splittable_before(m) for _, m in units]
     floor = costs.peak(best_plan(costs, splittable, []).starts)
     budget = int(0.9 * floor)
@@ -179,8 +179,9 @@ def test_regions_meet_a_budget_with_fewer_convolution_flops_run_again():
         profiled = None  # one measurement serves both budgets
         for b in budgets:
             trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=b, gradients="kept", use_reentrant=not regions)
-            profiled = profiled or peak_model(trunk, x, regions=regions)
-            plan = trunk._plans[trunk._plan_key(x)] = plan_trunk(trunk, x, profiled)
+            profiled = profiled or peak_model(trunk.plan_request(), x, regions=regions)
+            plan = plan_trunk(trunk.plan_request(), x, profiled)
+            trunk.store_plan(trunk.key_for(x), plan)
             recompute[regions, b] = sum(s.recompute_flops for s in plan.segments)
             if regions:
                 assert _measured_peak(trunk, x) <= 1.02 * plan.predicted_peak_bytes
@@ -208,8 +209,8 @@ def test_regions_across_an_in_place_relu_are_measured_whole_and_predicted():
     profiler measures such spans whole, and the model predicts the peak they give."""
     trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.9, gradients="kept")
     x = X()
-    model = peak_model(trunk, x, regions=True)
-    names = [n for n, _ in expand_units(trunk._blocks())]
+    model = peak_model(trunk.plan_request(), x, regions=True)
+    names = [n for n, _ in trunk.units]
     assert [names[r:s] for r, s in model.spans[:5]] == [["conv1"], ["bn1", "conv1_relu"], ["maxpool"], ["res2.0"], ["res2.1"]]
     assert all(model.costs.under(p).eligible[:4] == (True,) * 4 for p in (SE, RC))
     peaks = {}
@@ -250,12 +251,12 @@ def test_save_heavy_meets_a_budget_with_fewer_convolution_flops_than_save_expens
     model = build("resnet50")
     x = torch.randn(2, 3, 96, 96)
     plans = {}
-    profiled = peak_model(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=0.5, gradients="kept"), x, regions=True)
+    profiled = peak_model(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=0.5, gradients="kept").plan_request(), x, regions=True)
     for allowed in ((SE, RC), (SE, SH, RC)):
         trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=0.5, gradients="kept")
         model_ = _only(profiled, allowed)
-        plans[allowed] = plan = plan_trunk(trunk, x, model_)
-        trunk._plans[trunk._plan_key(x)] = plan
+        plans[allowed] = plan = plan_trunk(trunk.plan_request(), x, model_)
+        trunk.store_plan(trunk.key_for(x), plan)
         assert _measured_peak(trunk, x) <= 1.02 * plan.predicted_peak_bytes <= 1.02 * 0.5 * model_.peak([0])
     flops = {k: sum(s.recompute_flops for s in p.segments) for k, p in plans.items()}
     assert any(p == SH for _, _, p in plans[(SE, SH, RC)].regions)
@@ -275,15 +276,15 @@ def test_recompute_stages_goes_below_the_floor_of_whole_block_recompute():
     model = build("resnet50")
     x = torch.randn(2, 3, 160, 160)  # smaller, a floor is set by what every plan keeps, not by a block's backward
     floors = {}
-    profiled = peak_model(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=1.0, gradients="kept"), x, regions=True)
+    profiled = peak_model(CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=1.0, gradients="kept").plan_request(), x, regions=True)
     for allowed in ((SE, SH, RC), (SE, SH, RC, RS)):
         trunk = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], memory_budget=1.0, gradients="kept")
         costs = _only(profiled, allowed)
-        units = expand_units(trunk._blocks())
+        units = trunk.units
         lowest = best_plan(costs, [layer_splittable_before(m) for _, m in units], [])
         names = [n for n, _ in units]
-        plan = plan_from_cuts(names, lowest, trunk._ends, "budget", costs)
-        trunk._plans[trunk._plan_key(x)] = plan
+        plan = plan_from_cuts(names, lowest, trunk.plan_request().stops, "budget", costs)
+        trunk.store_plan(trunk.key_for(x), plan)
         floors[allowed] = measured = _measured_peak(trunk, x)
         assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes, allowed
         assert (RS in allowed) == any(p == RS for _, _, p in plan.regions)

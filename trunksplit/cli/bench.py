@@ -22,11 +22,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 from tqdm import tqdm
 
-from ..chains.blocks import expand_units, layer_splittable_before
 from ..planning.memory import PeakMemory
 from ..planning.peak import PeakModel
 from ..planning.plan import policy_counts
-from ..planning.search import annotate, best_plan, budget_in_bytes, peak_model, plan_from_cuts, plan_trunk
+from ..planning.budget import MemoryBudget
+from ..planning.search import annotate, best_plan, peak_model, plan_from_cuts, plan_trunk
 from ..recompute.select import every_k, wrap_selected
 from ..ssl.backbones import build_backbone
 from ..trunk import CheckpointedTrunk
@@ -57,7 +57,7 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
 
     plain = trunk(objective="time" if "time" in objectives else "flops")  # profiled with timings where a plan needs them
     start = time.perf_counter()
-    model = peak_model(plain, x, regions=True)  # what a budget plan measures, once per input shape
+    model = peak_model(plain.plan_request(), x, regions=True)  # what a budget plan measures, once per input shape
     profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
     # the same measurements, priced per objective, and without regions
@@ -65,8 +65,9 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
     cuts_only = PeakModel(model.costs, model.features, gradients, objective=objectives[0])
 
     def trunk_row(name, strategy, trunk):
-        if trunk._cost_aware:  # planned from the measurement above, not measured again per row
-            plan = trunk._plans[trunk._plan_key(x)] = plan_trunk(trunk, x, priced[trunk.objective] if trunk.memory_budget is not None else cuts_only)
+        if trunk.cost_aware:  # planned from the measurement above, not measured again per row
+            plan = plan_trunk(trunk.plan_request(), x, priced[trunk.objective] if trunk.memory_budget is not None else cuts_only)
+            trunk.store_plan(trunk.key_for(x), plan)
         else:
             plan = annotate(trunk.plan_for(x), model)
         return _plan_row(arch, name, strategy, trunk, plan, total_flops)
@@ -95,11 +96,17 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
 
 def _budget_row(arch, budget, objective, labelled, trunk_row, trunk) -> Row:
     """The budget plan under ``objective`` (named for it where several are compared)."""
-    name, strategy = (f"budget {budget:g}, {objective}", f"budget ({objective})") if labelled else (f"budget {budget:g}", "budget")
+    name, strategy = (f"budget {_label(budget)}, {objective}", f"budget ({objective})") if labelled else (f"budget {_label(budget)}", "budget")
     try:
         return trunk_row(name, strategy, trunk(memory_budget=budget, objective=objective))
     except ValueError as e:
         return Row(arch, name, strategy, None, note=str(e).split("; ")[-1])
+
+
+def _label(budget) -> str:
+    """A budget as a row names it: ``0.5``, or bytes (``2e+09``)."""
+    budget = MemoryBudget.parse(budget)
+    return f"{budget.fraction:g}" if budget.fraction is not None else f"{budget.bytes:g}"
 
 
 def _plan_row(arch, name, strategy, trunk, plan, total_flops) -> Row:
@@ -111,31 +118,32 @@ def _plan_row(arch, name, strategy, trunk, plan, total_flops) -> Row:
 
 
 def _splittable(trunk: CheckpointedTrunk) -> List[bool]:
-    return [layer_splittable_before(m) for _, m in expand_units(trunk._blocks())]
+    return list(trunk.plan_request().splittable)
 
 
 def _cuts_only_row(arch, trunk, x, cuts_only, model, total_flops) -> Row:
     """A budget met by cuts alone (no regions): the block-level plan, for comparison."""
-    name = f"budget {trunk.memory_budget:g}, cuts only"
-    cuts = best_plan(cuts_only, _splittable(trunk), [], budget=budget_in_bytes(trunk.memory_budget, cuts_only.peak([0])))
+    name = f"budget {_label(trunk.memory_budget)}, cuts only"
+    cuts = best_plan(cuts_only, _splittable(trunk), [], budget=trunk.memory_budget.in_bytes(cuts_only.peak([0])))
     if cuts is None:
         floor = cuts_only.peak(best_plan(cuts_only, _splittable(trunk), []).starts)
         return Row(arch, name, "cuts only", None, note=f"cuts alone reach {floor / cuts_only.peak([0]):.3f} of unsplit")
-    plan = plan_from_cuts([n for n, _ in expand_units(trunk._blocks())], cuts, trunk._ends, "budget", model)
-    trunk._plans[trunk._plan_key(x)] = plan
+    request = trunk.plan_request()
+    plan = plan_from_cuts(list(request.names), cuts, request.stops, "budget", model)
+    trunk.store_plan(trunk.key_for(x), plan)
     return _plan_row(arch, name, "cuts only", trunk, plan, total_flops)
 
 
 def _block_type(trunk: CheckpointedTrunk) -> type:
     """The class the trunk's stages are made of (Bottleneck, CNBlock, EncoderBlock ...): the most common one."""
-    stages = trunk._blocks().stages
-    kinds = [type(m) for name, stage in trunk._blocks().items() if name in stages for m in stage]
+    blocks = trunk.feature_blocks
+    kinds = [type(m) for name, stage in blocks.items() if name in blocks.stages for m in stage]
     return max(set(kinds), key=kinds.count)
 
 
 def _sequential_row(arch, trunk, x, k, model, total_flops) -> Row:
     """torch's checkpoint_sequential with k equal segments over the flattened trunk."""
-    chain = nn.Sequential(*[m for _, m in expand_units(trunk._blocks())])
+    chain = nn.Sequential(*[m for _, m in trunk.units])
     n = len(chain)
     if k > n:
         return Row(arch, f"checkpoint_sequential k={k}", "checkpoint_sequential", None, note=f"only {n} layers")

@@ -2,6 +2,7 @@
 ``fit`` finds the largest batch whose training step fits a memory size, ``bench-data`` measures
 the recipes' input pipelines."""
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -10,13 +11,14 @@ from typing import List, Optional
 
 import torch
 
-from ..fit import fit, parse_bytes
-from ..chains import expand_units
-from ..planning.peak import OBJECTIVES
+from tqdm import tqdm
+
+from ..fit import fit
+from ..planning.budget import MemoryBudget, parse_memory_size
+from ..planning.request import GRADIENT_MODES, OBJECTIVES
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
 from ..ssl.backbones import build_backbone
-from ..ssl.config import budget_bytes
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
 from .bench_data import run_data_benchmark
@@ -44,14 +46,13 @@ def _image_shape(text: str):
     return _dims(text, 3, "3x224x224 (one image)")
 
 
-def _budget(text: str):
-
+def _budget(text: str) -> MemoryBudget:
     try:
-        value = budget_bytes(float(text))
+        value = MemoryBudget.parse(text, "a budget")
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("MEMORY_BUDGET", "a budget")) from None
+        raise argparse.ArgumentTypeError(str(e)) from None
     if value is None:
-        raise argparse.ArgumentTypeError("a budget must be above 0: a fraction in (0, 1] or bytes")
+        raise argparse.ArgumentTypeError("a budget must be above 0: a fraction in (0, 1], bytes (2e9) or a size (2GiB)")
     return value
 
 
@@ -92,10 +93,11 @@ def _plan(args) -> int:
             model = build_backbone(args.arch, args.input[-1])
             trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
                                      objective=args.objective)
-            units = [m for _, m in expand_units(trunk._blocks())]
+            request = trunk.plan_request()
             # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
-            costs = peak_model(trunk, x, regions=args.budget is not None, world_size=args.world_size)
-            plan = plan_trunk(trunk, x, costs) if trunk._cost_aware else annotate(trunk.plan_for(x), costs)
+            with _progress(len(request.units), "profiling units") as step:
+                costs = peak_model(request, x, regions=args.budget is not None, world_size=args.world_size, progress=step)
+            plan = plan_trunk(request, x, costs) if request.cost_aware else annotate(trunk.plan_for(x), costs)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
             return 2
@@ -108,7 +110,8 @@ def _plan(args) -> int:
     print(plan)
     print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit ({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, args.input))}")
     optimizer = None if args.optimizer == "none" else args.optimizer
-    print(rank_memory(model, units, args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
+    # the trunk, not the model: blocks after the last requested feature, and the classifier, are not trained
+    print(rank_memory(trunk, list(request.modules), args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
     return 0
 
 
@@ -135,20 +138,18 @@ def _bench(args) -> int:
 
 
 def _memory(text: str) -> int:
-
     try:
-        return parse_bytes(text)
+        return parse_memory_size(text, "--memory")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fit(args) -> int:
-
-
     try:
         model = build_backbone(args.arch, args.input[-1]).to(args.device)
-        found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
-                    num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size)
+        with _progress(2 * len(CheckpointedTrunk(model).units), "profiling units at two batches") as step:
+            found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
+                        num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size, progress=step)
     except ValueError as e:
         print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
         return 2
@@ -163,48 +164,62 @@ def _fit(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _progress(total: int, what: str):
+    """A progress bar on stderr (the table goes to stdout), stepped once per call of what it yields."""
+    with tqdm(total=total, desc=what, file=sys.stderr, leave=False, disable=None) as bar:
+        yield lambda _name: bar.update(1)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     return args.fn(args)
 
 
+class _ParserWithDefaults(argparse.ArgumentParser):
+    """A subcommand's parser whose ``--help`` shows every option's default beside its help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's arguments (``main`` runs what they ask; the docs test parses the documented calls)."""
     parser = argparse.ArgumentParser(prog="trunksplit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
     p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
-    p.add_argument("--arch", default="resnet50")
-    p.add_argument("--splits", type=_positive, default=None)
-    p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl")
-    p.add_argument("--budget", type=_budget, default=None, help="bytes, or a fraction of the unsplit peak")
-    p.add_argument("--features", nargs="+", default=["flatten"])
+    p.add_argument("--arch", default="resnet50", help="a torchvision classification model name")
+    p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
+    p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
+    p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
+    p.add_argument("--features", nargs="+", default=["flatten"], help="feature blocks the trunk returns (res4 res5 ...)")
     p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
-    p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
     p.add_argument("--objective", choices=OBJECTIVES, default="flops", help=OBJECTIVE_HELP)
     p.set_defaults(fn=_plan)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
-    b.add_argument("--arch", nargs="+", default=["resnet50"])
-    b.add_argument("--batch", type=_positive, default=4)
-    b.add_argument("--resolution", type=_positive, default=224)
-    b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6])
-    b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="fractions of the unsplit peak, or bytes (2e9)")
-    b.add_argument("--repeats", type=_positive, default=5)
-    b.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    b.add_argument("--out", type=_writable_dir, default="output/bench")
+    b.add_argument("--arch", nargs="+", default=["resnet50"], help="torchvision model names, one table row group each")
+    b.add_argument("--batch", type=_positive, default=4, help="images per step")
+    b.add_argument("--resolution", type=_positive, default=224, help="image height and width")
+    b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6], help="segment counts of the vissl and balanced rows")
+    b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="budget rows: fractions of the unsplit peak, bytes (2e9) or sizes (2GiB)")
+    b.add_argument("--repeats", type=_positive, default=5, help="timed steps per row (the median is reported)")
+    b.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu, cuda or cuda:N")
+    b.add_argument("--out", type=_writable_dir, default="output/bench", help="where benchmark.md and benchmark.png are written")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
-    b.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
+    b.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["flops"], help=OBJECTIVE_HELP + "; several: budget rows for each")
     b.set_defaults(fn=_bench)
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
-    f.add_argument("--arch", default="resnet50")
+    f.add_argument("--arch", default="resnet50", help="a torchvision classification model name")
     f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
     f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
-    f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd")
+    f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state is resident (sgd, lars: one buffer per parameter; adamw: two)")
     f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
-    f.add_argument("--gradients", choices=["allocated", "kept"], default="allocated", help=GRADIENTS_HELP)
-    f.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    f.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
+    f.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu, cuda or cuda:N: where the checking step runs")
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
     f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
     f.set_defaults(fn=_fit)
@@ -215,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench_data_parser(sub) -> None:
     d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
     d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
-    d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4])
+    d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4], help="DataLoader worker counts, one table row each")
     d.add_argument("--steps", type=_positive, default=8, help="timed steps per run, after one untimed step per worker")
     d.add_argument("--batch", type=_positive, default=16, help="images per step")
     d.add_argument("--folder", default="", help="an ImageFolder root of JPEGs; default: synthetic images written as JPEGs")
@@ -233,7 +248,6 @@ def _bench_data(args) -> int:
 
 
 def _cuda() -> bool:
-
     return torch.cuda.is_available()
 
 

@@ -8,11 +8,13 @@ unit does). Checkpointed segments and regions recompute units, so a unit's weigh
 all-gathered again for its recompute, as for its backward: the same as checkpointing every
 block and sharding it, torchtitan's layout, with the cuts trunksplit plans.
 """
+import functools
+
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ..chains import expand_units
 from ..trunk import CheckpointedTrunk
+from .agree import rank0_decides
 
 
 def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> CheckpointedTrunk:
@@ -23,7 +25,7 @@ def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> Ch
     arguments (``mp_policy``, ``reshard_after_forward``, ``offload_policy``) go to each
     ``fully_shard`` call. Any strategy works, planned before or after sharding: after it,
     planning profiles full copies of the sharded units (all-gathered, on every rank at once)
-    and counts each rank's gradient shards, and every rank takes rank 0's plan, since a
+    and counts each rank's gradient shards, and every rank takes rank 0's plan (``trunk.agreement``), since a
     different recompute on one rank would all-gather a different number of times.
 
     Exact: each rank's gradients are its shard of the mean over ranks, as under DDP;
@@ -39,8 +41,9 @@ def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> Ch
         raise ValueError("shard_trunk needs a process group: run under torchrun and call torch.distributed.init_process_group() first")
     if trunk.use_reentrant:
         raise ValueError("FSDP2 runs its hooks inside the checkpointed forward, which needs use_reentrant=False; build the trunk with it")
-    for _, unit in expand_units(trunk._blocks()):
+    for _, unit in trunk.units:
         if not isinstance(unit, FSDPModule) and any(p.requires_grad for p in unit.parameters()):
             fully_shard(unit, mesh=mesh, **fully_shard_kwargs)  # a unit run twice (shared weights) is sharded once
     fully_shard(trunk, mesh=mesh, **fully_shard_kwargs)
+    trunk.agreement = functools.partial(rank0_decides, group=mesh.get_group()) if mesh is not None else rank0_decides
     return trunk

@@ -26,43 +26,49 @@ features and no cut before an in-place op (:mod:`trunksplit.planning.search`).
 Regions (budget plans) go below the block level: runs of units checkpointed on
 their own inside a segment (see :class:`PeakModel`); which ones to try comes from
 :mod:`trunksplit.planning.templates`.
+
+Regions in the model. A run of consecutive ``spans`` (``[start, stop)`` runs of units that may
+run under their own checkpoint, measured so in ``costs.policies``: see
+:func:`region_spans`) may form a region, checkpointed inside its segment. Under
+``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
+``"save_heavy"`` only its heavy ones', under ``"recompute"`` and
+``"recompute_stages"`` only its input. In the last segment that is what backward
+finds; in a checkpointed segment, what the segment's recompute holds, and there a
+selective region is a ``"recompute"`` one (see :func:`nested_policy`). The region's
+own backward then recomputes it, like a checkpointed segment of its own, on top of
+what is kept before it: the outputs it does not keep (a bottleneck block's output is
+its successor's input) are never held, which is where a region of several blocks
+saves more than each block on its own. A ``"recompute_stages"`` region's backward,
+which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
+
+Compiled trunks (``compiled``): the trunk runs compiled (``CheckpointedTrunk.compile``): each unit one graph,
+each selective region one graph. A graph's backward returns the gradients of all its weights
+together: with gradients ``"kept"`` a unit holds all of its own as its backward makes them
+(``backward_fresh``, not ``backward_excess``: eager autograd adds each into its ``.grad`` at once),
+and a region those of the units its backward has passed, until it returns; and the cheap ops
+a selective region runs again cost nothing (they fuse into its backward's kernels: ResNet-50's
+budget-0.5 plan, all selective regions, steps as fast as the compiled plain model).
 """
 import itertools
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..recompute.checkpoint import SELECTIVE_KEEPS
 from .profile import UnitCosts
+from .request import GRADIENT_MODES, OBJECTIVES
 from .templates import Region, RegionTemplates, _as_run
 
-GRADIENT_MODES = ("allocated", "kept")
-OBJECTIVES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
+
+
+def _prefix(values: Sequence) -> list:
+    """Prefix sums, starting at 0: ``out[b] - out[a]`` sums ``values[a:b]``."""
+    return [values[0] * 0 if len(values) else 0] + list(itertools.accumulate(values))
 
 
 class PeakModel:
     """Predicts a step's peak bytes for any cut of a chain: what the step allocates beyond
     what was live before it (parameters, and in ``"kept"`` mode their gradients).
 
-    Regions. A run of consecutive ``spans`` (``[start, stop)`` runs of units that may
-    run under their own checkpoint, measured so in ``costs.policies``: see
-    :func:`region_spans`) may form a region, checkpointed inside its segment. Under
-    ``"save_expensive"`` it keeps its input and its expensive ops' outputs, under
-    ``"save_heavy"`` only its heavy ones', under ``"recompute"`` and
-    ``"recompute_stages"`` only its input. In the last segment that is what backward
-    finds; in a checkpointed segment, what the segment's recompute holds, and there a
-    selective region is a ``"recompute"`` one (see :func:`nested_policy`). The region's
-    own backward then recomputes it, like a checkpointed segment of its own, on top of
-    what is kept before it: the outputs it does not keep (a bottleneck block's output is
-    its successor's input) are never held, which is where a region of several blocks
-    saves more than each block on its own. A ``"recompute_stages"`` region's backward,
-    which rebuilds one stage at a time, is measured whole (see :meth:`_region`).
-
-    ``compiled``: the trunk runs compiled (``CheckpointedTrunk.compile``): each unit one graph,
-    each selective region one graph. A graph's backward returns the gradients of all its weights
-    together: with gradients ``"kept"`` a unit holds all of its own as its backward makes them
-    (``backward_fresh``, not ``backward_excess``: eager autograd adds each into its ``.grad`` at once),
-    and a region those of the units its backward has passed, until it returns; and the cheap ops
-    a selective region runs again cost nothing (they fuse into its backward's kernels: ResNet-50's
-    budget-0.5 plan, all selective regions, steps as fast as the compiled plain model).
+    Regions (``spans``) and compiled trunks (``compiled``): see the module docstring.
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = (),
@@ -82,14 +88,14 @@ class PeakModel:
         if self.spans and costs.policies is None:
             raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")
         c = costs
-        self._flops_prefix = [0] + list(itertools.accumulate(c.flops))
+        self._flops_prefix = _prefix(c.flops)
         self._cheap = c.recompute_bytes or (0,) * self.n
-        self._cheap_prefix = [0] + list(itertools.accumulate(self._cheap))
+        self._cheap_prefix = _prefix(self._cheap)
         self._seconds = c.forward_seconds or (0.0,) * self.n  # what running each unit again takes, where timed
-        self._seconds_prefix = [0.0] + list(itertools.accumulate(self._seconds))
-        self._light_prefix = [0] + list(itertools.accumulate(c.light_flops or (0,) * self.n))
+        self._seconds_prefix = _prefix(self._seconds)
+        self._light_prefix = _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
-        self._gathered_prefix = [0] + list(itertools.accumulate(self._gathered))
+        self._gathered_prefix = _prefix(self._gathered)
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
@@ -97,7 +103,7 @@ class PeakModel:
         # a unit's backward beyond what its forward left: see ``compiled``
         whole_grads = compiled and gradients == "kept" and c.backward_fresh and not c.gathered
         self._backward_excess = c.backward_fresh if whole_grads else c.backward_excess
-        self._param_prefix = [0] + list(itertools.accumulate(c.param_bytes))
+        self._param_prefix = _prefix(c.param_bytes)
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         self._regions: Dict[Region, tuple] = {}  # see _region
@@ -125,13 +131,13 @@ class PeakModel:
         c, g = self.costs, self._gathered
         kept, forward, backward, counted, cost, pending = state
         source = c.input_from[i]
-        forward = max(forward, kept + max(c.forward_peak[i] + g[i], 2 * g[i]))  # FSDP2: see _in_backward
-        backward = max(backward, kept + self._at_reduce(a, i, last))  # FSDP2: after its backward, before what it keeps is counted
+        forward = max(forward, kept + max(c.forward_peak[i] + g[i], 2 * g[i]))  # FSDP2: see _fsdp_in_backward
+        backward = max(backward, kept + _fsdp_at_reduce(self, a, i, last))  # FSDP2: after its backward, before what it keeps is counted
         if c.saves_input[i] and source >= a and not counted:
             kept, counted = kept + c.output[source], True
         kept += c.saved[i] + (0 if last else g[i])
         grads_after = self._grads_after[i] if grads_after is None else grads_after
-        backward = max(backward, kept + self._backward_excess[i] + grads_after + self._in_backward(a, i, last))
+        backward = max(backward, kept + self._backward_excess[i] + grads_after + _fsdp_in_backward(self, a, i, last))
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -146,44 +152,6 @@ class PeakModel:
                 cost, pending = add_costs(cost, pending), NOTHING
         return _Scan(kept, forward, backward, counted, cost, pending)
 
-    def _in_backward(self, a: int, i: int, last: bool) -> int:
-        """Under FSDP2, what a rank holds beyond the unsharded model's figures while unit ``i``
-        of a segment starting at ``a`` runs its backward (0 unsharded).
-
-        Measured on gloo ranks (torch.profiler's allocation events around FSDP2's own
-        record_function marks), as FSDP2's source says: a unit's forward all-gathers its weights
-        into a flat buffer, then copies them out to each parameter (twice its weights for a
-        moment), and frees them after the forward, except in a checkpoint's recompute, which
-        runs in backward: there they stay until the unit's own backward (``_step`` keeps them).
-        A unit's backward holds its weights (gathered again, in the last segment), its whole
-        gradients as its backward makes them until they are reduce-scattered (``backward_fresh``,
-        with the scratch a CPU convolution's weight-gradient kernel holds beside each), the
-        reduce-scatter input of the unit before
-        it in backward (kept until this unit's own reduce), and the flat buffer of the next
-        unit's weights, prefetched (already held inside a recomputed segment, but for its first)."""
-        g, c = self._gathered, self.costs
-        if not c.gathered:
-            return 0
-        after = g[i + 1] if i + 1 < self.n else 0
-        prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
-        # its whole gradients, as its backward makes them (the profiled ones already hold theirs)
-        grads = c.backward_fresh[i] - c.backward_excess[i] if c.backward_fresh else g[i]
-        return (g[i] if last else 0) + grads + after + prefetched
-
-    def _at_reduce(self, a: int, i: int, last: bool) -> int:
-        """Under FSDP2, what a rank holds beyond the units before ``i`` while unit ``i``'s gradients
-        are reduce-scattered (0 unsharded): its activations and gathered weights are freed by then;
-        the gradients of the units after it, the next unit's prefetched weights, its whole
-        gradients copied into the reduce-scatter input (both for a moment), then that input, the
-        backend's own copy of it (gloo clones it; ``reduce_scatter_copies``) and the rank's shard
-        of the result."""
-        c, g = self.costs, self._gathered
-        if not c.gathered:
-            return 0
-        prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
-        reduce = max(2 * g[i], (1 + c.reduce_scatter_copies) * g[i] + c.param_bytes[i])
-        return self._grads_after[i] + prefetched + reduce
-
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.
 
@@ -191,7 +159,7 @@ class PeakModel:
         step = self._region_steps.get((region, last))
         if step is None:
             r, s, _ = region
-            gathered = (self._gathered_prefix[s] - self._gathered_prefix[r], max(self._gathered[r:s]))  # FSDP2: see _in_backward
+            gathered = (self._gathered_prefix[s] - self._gathered_prefix[r], max(self._gathered[r:s]))  # FSDP2: see _fsdp_in_backward
             step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[r], *gathered)
         held, region_forward, backward_peak, output_counted, again, body, source, gathered, largest = step
         kept, forward, backward, counted, cost, pending = state
@@ -235,7 +203,7 @@ class PeakModel:
                     raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
                 # measured whole: its recompute's holdings and its stages' backward, beyond its input
                 gathered = self._gathered_prefix[s] - self._gathered_prefix[r]
-                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r] + gathered + self._in_backward(r, r, False)
+                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
             else:
                 backward = self._region_backward(alone, s)
             body = (flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])
@@ -319,6 +287,45 @@ class PeakModel:
     def total_recompute(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
         """The FLOPs a step runs again (see :meth:`_step`)."""
         return sum(cost[0] for _, cost in self.segments(starts, regions))
+
+
+def _fsdp_in_backward(self: "PeakModel", a: int, i: int, last: bool) -> int:
+    """Under FSDP2, what a rank holds beyond the unsharded model's figures while unit ``i``
+    of a segment starting at ``a`` runs its backward (0 unsharded).
+
+    Measured on gloo ranks (torch.profiler's allocation events around FSDP2's own
+    record_function marks), as FSDP2's source says: a unit's forward all-gathers its weights
+    into a flat buffer, then copies them out to each parameter (twice its weights for a
+    moment), and frees them after the forward, except in a checkpoint's recompute, which
+    runs in backward: there they stay until the unit's own backward (``PeakModel._step`` keeps them).
+    A unit's backward holds its weights (gathered again, in the last segment), its whole
+    gradients as its backward makes them until they are reduce-scattered (``backward_fresh``,
+    with the scratch a CPU convolution's weight-gradient kernel holds beside each), the
+    reduce-scatter input of the unit before
+    it in backward (kept until this unit's own reduce), and the flat buffer of the next
+    unit's weights, prefetched (already held inside a recomputed segment, but for its first)."""
+    g, c = self._gathered, self.costs
+    if not c.gathered:
+        return 0
+    after = g[i + 1] if i + 1 < self.n else 0
+    prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
+    # its whole gradients, as its backward makes them (the profiled ones already hold theirs)
+    grads = c.backward_fresh[i] - c.backward_excess[i] if c.backward_fresh else g[i]
+    return (g[i] if last else 0) + grads + after + prefetched
+
+def _fsdp_at_reduce(self: "PeakModel", a: int, i: int, last: bool) -> int:
+    """Under FSDP2, what a rank holds beyond the units before ``i`` while unit ``i``'s gradients
+    are reduce-scattered (0 unsharded): its activations and gathered weights are freed by then;
+    the gradients of the units after it, the next unit's prefetched weights, its whole
+    gradients copied into the reduce-scatter input (both for a moment), then that input, the
+    backend's own copy of it (gloo clones it; ``reduce_scatter_copies``) and the rank's shard
+    of the result."""
+    c, g = self.costs, self._gathered
+    if not c.gathered:
+        return 0
+    prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
+    reduce = max(2 * g[i], (1 + c.reduce_scatter_copies) * g[i] + c.param_bytes[i])
+    return self._grads_after[i] + prefetched + reduce
 
 
 class _Scan(NamedTuple):

@@ -104,7 +104,7 @@ class UnitCosts:
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,
-                  allocator: bool = False) -> UnitCosts:
+                  allocator: bool = False, progress: Optional[Callable[[str], None]] = None) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
@@ -127,7 +127,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     scratch counts (oneDNN's reordered weights and gradients, im2col buffers; 8% of ResNet-50's
     step at 16x96), and what backward frees of the forward's saved tensors counts against it.
     The figures a step measured by the allocator needs (FSDP2 on CPU); about twice the profiling.
-    CPU only: torch.profiler's CPU memory events.
+    CPU only: torch.profiler's CPU memory events. ``progress(name)`` is called as each unit is done
+    (a command line's progress bar: profiling a big trunk takes tens of seconds).
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
     fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
@@ -167,6 +168,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if not isinstance(next_h, torch.Tensor) or not isinstance(h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
+            if progress is not None:
+                progress(units[i][0])
     plain = {k: tuple(v) for k, v in fields.items()}
     costs = UnitCosts(tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), **plain)
     if not spans:

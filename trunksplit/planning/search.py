@@ -9,7 +9,7 @@ plans for a segment count, budget plans (with regions) for a memory budget.
 import functools
 import warnings
 from dataclasses import replace
-from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,11 +17,13 @@ from torch import nn
 from ..chains.blocks import expand_units, layer_splittable_before
 from .memory import tensors_in
 from .peak import NOTHING, PeakModel, add_costs
+from .budget import format_bytes
 from .plan import Segment, SplitPlan
 from .profile import profile_units
-from .sharding import measured_by_allocator, per_rank, sharded_world_size
+from .request import PlanRequest
+from .sharding import measured_by_allocator, per_rank
 from .templates import Region, _as_run
-from .vissl import vissl_plan
+from .vissl import vissl_segments
 
 PEAK_TOLERANCE = 0.02  # balanced plans: predicted peaks this close count as equal
 RECOMPUTE_SLACK = 0.10  # balanced plans recompute at most this much more than vissl's plan of the same count
@@ -156,52 +158,46 @@ def region_spans(units: Sequence[Tuple[str, nn.Module]]) -> List[Tuple[int, int]
     return [(r, s) for r, s in zip(bounds, bounds[1:])]
 
 
-def peak_model(trunk, x, regions: bool = False, world_size: Optional[int] = None) -> PeakModel:
-    """Profile a :class:`CheckpointedTrunk`'s units at inputs shaped like ``x`` and model its peaks.
+def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optional[int] = None,
+               progress: Optional[Callable[[str], None]] = None) -> PeakModel:
+    """Profile the request's units at inputs shaped like ``x`` and model its peaks.
 
     ``regions``: also measure the units under the region policies, and let the model
     plan regions (about three times the profiling). ``world_size``: model one of that many
-    FSDP2 ranks (see :func:`trunksplit.planning.sharding.per_rank`); by default, as many as the
-    trunk is sharded over (1 if it is not). A rank's step on CPU is measured by the allocator
-    (see :class:`trunksplit.planning.memory.ProfiledPeak`), so its units are profiled by it too."""
-    units = expand_units(trunk._blocks())
-    world_size = world_size or sharded_world_size([m for _, m in units])
+    FSDP2 ranks (see :func:`trunksplit.planning.sharding.per_rank`); by default the request's.
+    A rank's step on CPU is measured by the allocator (see
+    :class:`trunksplit.planning.memory.ProfiledPeak`), so its units are profiled by it too.
+    ``progress(unit name)`` is called as each unit is profiled."""
+    units = list(request.units)
+    world_size = world_size or request.world_size
     spans = region_spans(units) if regions else []
-    timed = trunk.objective == "time"
-    costs = profile_units(units, x, spans, timed, allocator=measured_by_allocator(world_size, next(iter(tensors_in(x))).device, compiled=trunk._compile_options is not None))
-    model = PeakModel(costs, [stop - 1 for stop in trunk._ends.values()], trunk.gradients, spans, trunk.objective,
-                      compiled=trunk._compile_options is not None)
-    return per_rank(model, [m for _, m in units], world_size)
+    timed = request.objective == "time"
+    allocator = measured_by_allocator(world_size, next(iter(tensors_in(x))).device, compiled=request.compiled)
+    costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress)
+    model = PeakModel(costs, request.feature_units, request.gradients, spans, request.objective, compiled=request.compiled)
+    return per_rank(model, list(request.modules), world_size)
 
 
-def budget_in_bytes(budget, unsplit: int) -> int:
-    """A memory budget in bytes: a float is a fraction of the ``unsplit`` peak."""
-    return int(budget * unsplit) if isinstance(budget, float) else int(budget)
-
-
-def plan_trunk(trunk, x, model: Optional[PeakModel] = None) -> SplitPlan:
-    """The cost-aware plan of a :class:`CheckpointedTrunk` for inputs shaped like ``x``.
+def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None) -> SplitPlan:
+    """The cost-aware plan that ``request`` asks for, for inputs shaped like ``x``.
 
     Balanced plans cut at unit boundaries only. Budget plans also place regions
     (nested checkpoints under a region policy of :func:`trunksplit.recompute.regions.run_region`; non-reentrant
     trunks only: torch's selective checkpointing has no reentrant form), which reach
-    below the block-level floor at less recompute. ``model``: the trunk's peak model at
+    below the block-level floor at less recompute. ``model``: the request's peak model at
     ``x`` if already measured (with regions exactly where this plan may use them), so
     that several plans of one trunk share one measurement."""
-    units = expand_units(trunk._blocks())
-    names = [n for n, _ in units]
-    budgeted = trunk.memory_budget is not None
-    model = model or peak_model(trunk, x, regions=budgeted and not trunk.use_reentrant)
-    splittable = [layer_splittable_before(m) for _, m in units]
-    forced = [stop for stop in trunk._ends.values() if stop < len(units)]
+    names = list(request.names)
+    budgeted = request.budget is not None
+    model = model or peak_model(request, x, regions=budgeted and not request.use_reentrant)
     strategy = "budget" if budgeted else "balanced"
     unsplit = model.peak([0])
-    if budgeted and budget_in_bytes(trunk.memory_budget, unsplit) >= unsplit:
-        return unsplit_plan(names, trunk._ends, strategy, unsplit, "the budget is at or above the unsplit step")
-    cuts = _budget_cuts(trunk, x, model, splittable, forced) if budgeted else _balanced_cuts(trunk, model, splittable, forced)
-    plan = plan_from_cuts(names, cuts, trunk._ends, strategy, model)
+    if budgeted and request.budget.in_bytes(unsplit) >= unsplit:
+        return unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step")
+    cuts = _budget_cuts(request, x, model) if budgeted else _balanced_cuts(request, model)
+    plan = plan_from_cuts(names, cuts, request.stops, strategy, model)
     if not budgeted and plan.predicted_peak_bytes > unsplit:
-        return unsplit_plan(names, trunk._ends, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
+        return unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
     return plan
 
 
@@ -214,47 +210,62 @@ def unsplit_plan(units: Sequence[str], feature_stops: Dict[str, int], strategy: 
     return SplitPlan(tuple(units), segments, strategy, unsplit, note=f"runs unsplit: {why}")
 
 
-def _balanced_cuts(trunk, model: PeakModel, splittable: Sequence[bool], forced: Sequence[int]) -> Cuts:
-    """The lowest-peak cuts into ``trunk.num_splits`` segments (fewer, with a warning, where
+def _balanced_cuts(request: PlanRequest, model: PeakModel) -> Cuts:
+    """The lowest-peak cuts into ``request.num_splits`` segments (fewer, with a warning, where
     fewer valid cuts exist), recomputing no more than vissl's plan of the same count."""
-    k = max(trunk.num_splits or 1, len(forced) + 1)  # the cuts after requested features always exist
+    splittable, forced = request.splittable, request.forced
+    k = max(request.num_splits or 1, len(forced) + 1)  # the cuts after requested features always exist
     cuts = best_plan(model, splittable, forced, num_segments=k)
     while cuts is None:  # fewer valid cuts than asked for
         k -= 1
         cuts = best_plan(model, splittable, forced, num_segments=k)
-    if k < (trunk.num_splits or 0):
-        warnings.warn(f"asked for {trunk.num_splits} checkpoint segments but only {k} can be made", UserWarning, stacklevel=5)
+    if k < (request.num_splits or 0):
+        warnings.warn(f"asked for {request.num_splits} checkpoint segments but only {k} can be made", UserWarning, stacklevel=5)
     # Switching from vissl to balanced must not cost compute: cap the recompute at vissl's
     # (plus RECOMPUTE_SLACK), where a plan under the cap exists.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        vissl = vissl_plan(trunk._blocks(), list(trunk._ends), k)
-    cap = int(model.total_recompute([s.start for s in vissl.segments]) * (1 + RECOMPUTE_SLACK))
+        vissl = vissl_segments(splittable, request.stops, k)
+    cap = int(model.total_recompute([s.start for s in vissl]) * (1 + RECOMPUTE_SLACK))
     if best_plan(model, splittable, forced, num_segments=k, max_recompute=cap) is None:
         cap = None
     lowest = best_plan(model, splittable, forced, num_segments=k, max_recompute=cap)
     # Peaks within the model's own accuracy are a tie: take the least recompute among them,
     # but never a plan predicted to peak above vissl's.
-    lowest_peak, vissl_peak = model.peak(lowest.starts), model.peak([s.start for s in vissl.segments])
+    lowest_peak, vissl_peak = model.peak(lowest.starts), model.peak([s.start for s in vissl])
     near_best = min(int(lowest_peak * (1 + PEAK_TOLERANCE)), max(lowest_peak, vissl_peak))
     return best_plan(model, splittable, forced, num_segments=k, budget=near_best, max_recompute=cap)
 
 
-def _budget_cuts(trunk, x, model: PeakModel, splittable: Sequence[bool], forced: Sequence[int]) -> Cuts:
-    """The least-recompute cuts and regions whose predicted peak meets ``trunk.memory_budget``;
-    a ``ValueError`` naming the smallest feasible budget where none does."""
+def _budget_cuts(request: PlanRequest, x, model: PeakModel) -> Cuts:
+    """The least-recompute cuts and regions whose predicted peak meets ``request.budget``;
+    a ``ValueError`` naming the smallest feasible budget where none does, and why."""
+    splittable, forced = request.splittable, request.forced
     unsplit = model.peak([0])
-    budget_bytes = budget_in_bytes(trunk.memory_budget, unsplit)
-    cuts = best_plan(model, splittable, forced, max_segments=trunk.num_splits, budget=budget_bytes)
+    budget_bytes = request.budget.in_bytes(unsplit)
+    cuts = best_plan(model, splittable, forced, max_segments=request.num_splits, budget=budget_bytes)
     if cuts is None:
-        smallest = model.peak(*best_plan(model, splittable, forced, max_segments=trunk.num_splits))
+        smallest = model.peak(*best_plan(model, splittable, forced, max_segments=request.num_splits))
         raise ValueError(
-            f"no plan meets the memory budget of {budget_bytes} bytes ({budget_bytes / unsplit:.2f} of the unsplit "
-            f"{unsplit} bytes) for input {_shapes(x)}; the smallest feasible budget is {smallest} bytes "
-            f"({smallest / unsplit:.3f} of unsplit)" + (f" with at most {trunk.num_splits} segments" if trunk.num_splits else "")
-            + ("; use_reentrant=False lets the planner recompute cheap ops only, which goes lower" if trunk.use_reentrant else "")
+            f"no plan meets the memory budget of {format_bytes(budget_bytes)}, {budget_bytes / unsplit:.2f} of the unsplit "
+            f"step's {format_bytes(unsplit)}, for input {_shapes(x)}; the smallest feasible budget is {format_bytes(smallest)}, "
+            f"{smallest / unsplit:.3f} of unsplit" + (f", with at most {request.num_splits} segments" if request.num_splits else "")
+            + ("; use_reentrant=False lets the planner recompute cheap ops only, which goes lower" if request.use_reentrant else "")
+            + _what_would_help(request, model, unsplit, smallest)
         )
     return cuts
+
+
+def _what_would_help(request: PlanRequest, model: PeakModel, unsplit: int, smallest: int) -> str:
+    """Why no plan goes lower, where the parameters' gradients are much of the step: they are
+    allocated by it in torch's default mode, and no checkpoint frees them."""
+    gradients = sum(model.costs.param_bytes)
+    if request.gradients != "allocated" or gradients < 0.25 * smallest:
+        return ""
+    return (f". The parameters' gradients, which this step allocates (gradients=\"allocated\"), are {format_bytes(gradients)}, "
+            f"{gradients / unsplit:.2f} of the step at this input, and no checkpoint frees them: a larger batch makes activations "
+            "the larger share, gradients=\"kept\" leaves them out of the step when the loop keeps them (zero_grad(set_to_none=False)), "
+            "and trunksplit.fit finds the batch and budget that fit a memory size")
 
 
 def _shapes(x) -> str:

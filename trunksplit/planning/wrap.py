@@ -41,9 +41,10 @@ import torch
 from torch import nn
 
 from ..recompute.select import Condition, wrap_selected
-from ..recompute.wrapper import checkpoint_wrapper, unwrap_checkpoint
+from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
+from .budget import MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
-from .peak import GRADIENT_MODES
+from .request import GRADIENT_MODES
 from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
 
 
@@ -81,6 +82,7 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
     ``nn.Module``, traceable or not, and returns a :class:`WrapPlan` (see
     :func:`wrap_for_budget`); ``condition``, if given, limits the candidates.
     """
+    memory_budget = MemoryBudget.parse(memory_budget)  # 0 is no budget, as everywhere
     if memory_budget is None:
         if condition is None:
             raise TypeError("apply_activation_checkpointing needs a condition (by_type(Block), ...), or memory_budget= with example_inputs=")
@@ -104,12 +106,21 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     """
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
+    memory_budget = MemoryBudget.parse(memory_budget)
+    if memory_budget is None:
+        raise ValueError("wrap_for_budget needs a memory budget above 0: a fraction in (0, 1], bytes or a size (2GiB)")
+    wrapped = [name for name, m in model.named_modules() if is_checkpoint_wrapped(m)]
+    if wrapped:
+        raise ValueError(
+            f"{type(model).__name__} is already wrapped ({len(wrapped)} checkpointed blocks: {', '.join(wrapped[:3])}{' ...' if len(wrapped) > 3 else ''}): "
+            "a budget is planned from the unwrapped model's step. Plan a fresh copy of the model, or unwrap these first "
+            "(trunksplit.recompute.wrapper.unwrap_checkpoint on each); nothing was changed")
     if example_inputs is None:
         raise ValueError("a memory budget is measured on example inputs: pass example_inputs=(batch,) shaped as in training")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     step = _Step(model, inputs, gradients)
     unwrapped = step.peak()
-    budget = _budget_bytes(memory_budget, unwrapped)
+    budget = memory_budget.in_bytes(unwrapped)
     blocks, forward_flops = measure_blocks(model, inputs, condition)
     ladder = [[]] + _ladder(blocks)
     peaks: Dict[int, int] = {0: unwrapped}
@@ -123,8 +134,8 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     if k is None:
         smallest = min(peaks.values())
         raise ValueError(
-            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {budget} bytes ({budget / unwrapped:.2f} of the "
-            f"unwrapped {unwrapped} bytes): the smallest feasible budget found is {smallest} bytes ({smallest / unwrapped:.3f} of unwrapped), "
+            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
+            f"unwrapped {format_bytes(unwrapped)}): the smallest feasible budget found is {format_bytes(smallest)} ({smallest / unwrapped:.3f} of unwrapped), "
             f"among {len(peaks)} measured wrappings of its {len(blocks)} candidate blocks"
         )
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
@@ -133,16 +144,6 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
         checkpoint_wrapper(c.block.module, policy=c.policy)
     recompute_flops = sum(c.block.flops for c in chosen if c.policy == "recompute")  # the selective ones rerun no counted FLOP
     return WrapPlan(tuple(c.name for c in chosen), tuple(c.policy for c in chosen), peaks[k], unwrapped, recompute_flops, forward_flops)
-
-
-def _budget_bytes(budget, unwrapped: int) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"memory_budget must be bytes (int) or a fraction in (0, 1], got {budget!r}")
-    if isinstance(budget, float):
-        if budget > 1:
-            raise ValueError(f"a fractional memory_budget must be in (0, 1], got {budget}")
-        return int(budget * unwrapped)
-    return budget
 
 
 LADDER_PROBES = 6  # rungs measured across the ladder to find where it measures lowest

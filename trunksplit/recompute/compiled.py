@@ -10,12 +10,13 @@ region, whose policy names what it keeps, compiles whole (see ``CheckpointedTrun
 import functools
 import types
 import weakref
-from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .regions import run_region
+from .checkpoint import SELECTIVE_KEEPS, run_checkpointed
+from .regions import nested_policy, run_region, runs
 
 # owner (a trunk) -> {key: compiled function}; weak, so a trunk's compiled code dies with it
 _COMPILED: "weakref.WeakKeyDictionary[object, Dict[Hashable, Callable]]" = weakref.WeakKeyDictionary()
@@ -108,3 +109,94 @@ def dense(x):
         in_dense_layout = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
         x = x if in_dense_layout else x.contiguous()
     return x
+
+
+@torch.compiler.disable
+def eager_segment(run: Callable, layers: Sequence[nn.Module], x, use_reentrant: bool):
+    """A checkpointed segment, run eagerly even inside ``torch.compile`` (a graph break):
+    compiled as torch's checkpoint operator, AOT autograd's backward keeps far more than the
+    plan (docs/benchmarks.md#torchcompile)."""
+    return run_checkpointed(run, layers, (x, *layers), use_reentrant=use_reentrant)
+
+
+@torch.compiler.disable
+def eager_region(layers: Sequence[nn.Module], x, policy: str):
+    """A region, run eagerly even inside ``torch.compile``, as segments are: compiled as a
+    checkpoint operator it keeps more than the plan, and a selective one cannot be traced."""
+    return run_region(layers, x, policy)
+
+
+def default_compile_options(options: dict) -> Tuple[dict, bool]:
+    """(the options ``CheckpointedTrunk.compile`` compiles units with, whether to store the
+    weights channels-last first): inductor's layout optimisation is done once, ahead of time,
+    where no ``mode`` nor ``layout_optimization`` says otherwise, for inductor's own saves a
+    channels-last copy of every convolution weight for backward, which no plan holds; and
+    ``dynamic=False`` unless given, for dynamo learns dynamic sizes per function name, which all
+    units share."""
+    options = dict(options)
+    ahead = options.get("backend", "inductor") == "inductor" and "mode" not in options and "layout_optimization" not in options.get("options", {})
+    if ahead:
+        options["options"] = {"layout_optimization": False, **options.get("options", {})}
+    return {"dynamic": False, **options}, ahead
+
+
+def compiled_apart(segments, units: Sequence[nn.Module]) -> List[Tuple[int, int]]:
+    """The unit groups ``[start, stop)`` that a plan's ``segments`` run compiled one by one
+    (:meth:`CompiledUnits.units`): outside regions, and in ``"recompute"`` regions (a selective
+    region nested in a checkpointed segment runs so); not selective regions, compiled whole."""
+    groups = []
+    for seg in segments:
+        for a, b, policy in runs(len(seg), [(r - seg.start, s - seg.start, p) for r, s, p in seg.regions]):
+            if policy is None or (nested_policy(policy) if seg.checkpointed else policy) == "recompute":
+                first = seg.start + a
+                groups += [(first + i, first + j) for i, j in weight_group_bounds(units[first : seg.start + b])]
+    return groups
+
+
+class CompiledUnits:
+    """How a compiled trunk runs what its segments hold (see ``CheckpointedTrunk.compile``).
+
+    ``options``: what ``torch.compile`` gets. ``eager``: per plan key, the unit groups (ids of
+    their units) that run eagerly, for they step faster so; ``select(key)`` picks a key's set
+    before a forward. Compiled functions are made once per group and kept for this object's
+    life (see :func:`compiled_once`)."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.eager: Dict[Hashable, FrozenSet[Tuple[int, ...]]] = {}
+        self.eagerly: FrozenSet[Tuple[int, ...]] = frozenset()
+
+    @property
+    def times_units(self) -> bool:
+        """Inductor only: another backend (``"aot_eager"``, a custom one) is there to be run as given."""
+        return self.options.get("backend", "inductor") == "inductor"
+
+    def select(self, key: Optional[Hashable]) -> None:
+        self.eagerly = self.eager.get(key, frozenset())
+
+    def group(self, group: Sequence[nn.Module]) -> Callable:
+        """The compiled function of one group of units (called ``f(x, *group)``)."""
+        return compiled_once(self, ("units", tuple(map(id, group))), run_plain, self.options)
+
+    def units(self, x, *layers: nn.Module):
+        """``layers`` run in order, one compiled graph per :func:`weight_groups` group: a graph's
+        backward returns the gradients of all its weights together, so one such unit per graph
+        holds no more of them at once than eager autograd does (a unit's own, briefly)."""
+        for group in weight_groups(layers):
+            ids = tuple(map(id, group))
+            x = run_plain(x, *group) if ids in self.eagerly else self.group(group)(x, *group)
+        return x
+
+    def region(self, layers: Sequence[nn.Module], x, policy: str):
+        """A region: a ``"recompute"`` one (and a selective one nested in a checkpointed segment,
+        which runs so) as torch's eager checkpoint around compiled units, as a segment runs, for a
+        compiled ``"recompute"`` region would leave what it saves to AOT autograd's partitioner; a
+        selective one of the last segment compiled whole, as torch's checkpoint operator under its
+        policy; ``"recompute_stages"`` eagerly, for it rebuilds its stages op by op. Under dynamo's
+        ``"eager"`` backend, which runs a graph without AOT autograd, nothing would keep a compiled
+        region's recompute from moving BatchNorm's statistics again: selective regions run eagerly there."""
+        if policy == "recompute":
+            return run_region(layers, x, policy, run=self.units)
+        if policy not in SELECTIVE_KEEPS or self.options.get("backend") == "eager":
+            return eager_region(layers, x, policy)
+        return compiled_once(self, ("region", tuple(map(id, layers)), policy), run_region_dense, self.options)(tuple(layers), x, policy)

@@ -16,10 +16,11 @@ runs it so. Each policy keeps less than the one before and runs more again:
 import functools
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .stages import run_in_stages
-from .checkpoint import SELECTIVE_KEEPS, run_checkpointed
+from .checkpoint import SELECTIVE_KEEPS, map_tensors, run_checkpointed
 
 # the region policies and what each keeps, as a plan table says it
 REGION_POLICIES = {
@@ -77,3 +78,25 @@ def _run(x: Any, *layers: nn.Module) -> Any:
 
 def _run_in_stages(x: Any, *layers: nn.Module) -> Any:
     return functools.reduce(lambda h, layer: run_in_stages(layer, h), layers, x)
+
+
+def run_units(copy_input: bool, regions: Sequence[Tuple[int, int, str]], in_checkpoint: bool, x: Any, *layers: nn.Module,
+              plain: Callable = _run, region: Callable = run_region) -> Any:
+    """Run ``layers`` in order; each region ``(start, stop, policy)`` of them as one nested
+    checkpoint (``region(layers, x, policy)``), the units between them as ``plain(x, *layers)``:
+    the body of one segment of a plan.
+
+    ``copy_input``: run on a copy of ``x``, for a segment whose first op is in place (a cut
+    forced after a requested feature, such as ``bn1`` before ``ReLU(inplace=True)``): the feature
+    stays as its block left it, and a checkpoint's input stays intact for the recompute.
+    ``in_checkpoint``: this runs as a checkpointed segment's function, where a selective
+    region runs as ``"recompute"`` (see :func:`nested_policy`), in the first forward and in the
+    recompute alike."""
+    if copy_input:
+        x = map_tensors(torch.clone, x)
+    for start, stop, policy in runs(len(layers), regions):
+        if policy is not None:
+            x = region(layers[start:stop], x, nested_policy(policy) if in_checkpoint else policy)
+        else:  # the units up to the next region: one graph under torch.compile(trunk), not one per unit
+            x = plain(x, *layers[start:stop])
+    return x

@@ -12,6 +12,7 @@ from typing import Sequence
 import yaml
 from fvcore.common.config import CfgNode as CN
 
+from ..planning.budget import MemoryBudget
 from ..recompute.select import condition_from_config
 from .backbones import check_backbone_name, fixed_resolution
 from .optim import OPTIMIZERS
@@ -103,6 +104,14 @@ def default_config() -> CN:
 
 
 SELECT_KEY = "MODEL.ACTIVATION_CHECKPOINTING.SELECT"
+# keys that take a memory size or budget: written as numbers (0.5, 2.0e+9) or size strings (2GiB)
+SIZE_KEYS = ("MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "TRAIN.MEMORY_LIMIT")
+
+
+def _size_as_float(key: str, value) -> float:
+    """A size or budget as the config stores it: a float (a fraction, or bytes; 0: none)."""
+    budget = MemoryBudget.parse(value, key)
+    return 0.0 if budget is None else float(budget.fraction if budget.fraction is not None else budget.bytes)
 
 
 def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
@@ -126,7 +135,9 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
             if not isinstance(node, CN) or part not in node:
                 raise ValueError(f"unknown config key: {key}")
             node = node[part]
-        if isinstance(node, float) and re.fullmatch(r"[+-]?\d+", value.strip()):
+        if key in SIZE_KEYS:
+            value = str(_size_as_float(key, value))  # "2GiB", as every entry point takes a size
+        elif isinstance(node, float) and re.fullmatch(r"[+-]?\d+", value.strip()):
             value = str(float(value))  # "MEMORY_BUDGET 0" means 0.0; yacs would refuse an int for a float key
         if isinstance(node, list) and re.fullmatch(r"[+-]?[\d.]+(e[+-]?\d+)?", value.strip()):
             value = f"[{value}]"  # "BLUR_PROB 0.5": one value for every crop
@@ -146,7 +157,15 @@ def _merge_file(cfg: CN, path: str) -> None:
     if not os.path.isfile(path):
         raise ValueError(f"config file not found: {path}")
     try:
-        cfg.merge_from_file(path)
+        loaded = cfg.load_yaml_with_base(path, allow_unsafe=False)
+        for key in SIZE_KEYS:  # "MEMORY_BUDGET: 2GiB": a size string, read as the command line reads it
+            section, name = key.rsplit(".", 1)
+            node = loaded
+            for part in section.split("."):
+                node = node.get(part, {}) if isinstance(node, dict) else {}
+            if isinstance(node, dict) and isinstance(node.get(name), str):
+                node[name] = _size_as_float(key, node[name])
+        cfg.merge_from_other_cfg(CN(loaded))
     except KeyError as e:  # fvcore: "Non-existent config key: A.B"
         raise ValueError(f"unknown config key in {path}: {str(e.args[0]).split(': ')[-1]}") from None
     except FileNotFoundError as e:  # the file exists, so its _BASE_ does not
@@ -182,7 +201,7 @@ def _check(cfg: CN) -> None:
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if ac.STRATEGY not in ("vissl", "balanced"):
         raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.STRATEGY must be vissl or balanced, got {ac.STRATEGY!r}")
-    budget_bytes(ac.MEMORY_BUDGET)  # validates
+    MemoryBudget.parse(ac.MEMORY_BUDGET, "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET")  # validates
     if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS < 1:
         raise ValueError(f"MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS must be >= 1, got {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS}")
     if len(ac.SELECT):
@@ -280,24 +299,6 @@ def _check_dino(cfg: CN) -> None:
         raise ValueError(f"METHOD.DINO.TEACHER_MOMENTUM and CENTER_MOMENTUM are in [0, 1] (DINO: 0.996 and 0.9), got {d.TEACHER_MOMENTUM} and {d.CENTER_MOMENTUM}")
     if cfg.METHOD.NUM_PROTOTYPES < 1:
         raise ValueError(f"METHOD.NUM_PROTOTYPES (DINO's output dimension) must be >= 1, got {cfg.METHOD.NUM_PROTOTYPES}")
-
-
-def budget_bytes(value: float):
-    """MEMORY_BUDGET as ``CheckpointedTrunk`` takes it: None (0, off), a fraction in (0, 1], or whole bytes.
-
-    YAML has no separate integer type for a float key, so bytes are written as a
-    float (``2.0e+9``); a value above 1 that is not a whole number (``1.5``) is
-    most likely a fraction gone wrong and is refused, as are negative, infinite
-    and NaN values."""
-    if value is None or value == 0:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"MEMORY_BUDGET must be 0 (off), a fraction in (0, 1] or a whole number of bytes, got {value!r}")
-    if value <= 1:
-        return float(value)
-    if value != int(value):
-        raise ValueError(f"MEMORY_BUDGET {value!r} is neither a fraction in (0, 1] nor a whole number of bytes (did you mean {value / 100:g}?)")
-    return int(value)
 
 
 def _say_which_wins(ac: CN) -> None:

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fit import fit
+from ..planning.budget import MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
 from ..recompute.wrapper import unwrap_checkpoint
 from ..trunk import CheckpointedTrunk
 from .backbones import build_backbone
-from .config import budget_bytes
 
 
 def build_trunk(cfg) -> CheckpointedTrunk:
@@ -31,7 +31,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         keys,
         num_splits=ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
         strategy=ac.STRATEGY,
-        memory_budget=budget_bytes(ac.MEMORY_BUDGET),
+        memory_budget=MemoryBudget.parse(ac.MEMORY_BUDGET, "MEMORY_BUDGET"),
         use_reentrant=ac.USE_REENTRANT,
         gradients=cfg.TRAIN.GRADIENTS,
     )
@@ -140,7 +140,7 @@ def student_copy(model: SSLModel, plain: bool) -> SSLModel:
     if plain:
         for sub in m.modules():
             unwrap_checkpoint(sub)
-        m.trunk = CheckpointedTrunk(m.trunk._blocks(), m.trunk.out_feat_keys)
+        m.trunk = CheckpointedTrunk(m.trunk.feature_blocks, m.trunk.out_feat_keys)
     return m
 
 

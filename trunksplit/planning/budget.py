@@ -1,0 +1,106 @@
+"""Memory budgets and memory sizes: one parser for every entry point.
+
+The trunk, ``apply_activation_checkpointing``, ``fit``, the CLI and the launcher's config all
+take a budget or a size written one of several ways; :meth:`MemoryBudget.parse` reads them all
+with one rule, so the same value means the same thing everywhere:
+
+==========================================  =============================================
+value                                       meaning
+==========================================  =============================================
+``None``, ``0``, ``0.0``, ``"0"``           no budget (off), as vissl's configs write it
+a float in (0, 1], or such a string         a fraction of the step's peak without checkpointing
+an int >= 1, or a whole float above 1       bytes (YAML writes bytes as a float: ``2.0e+9``)
+a size string: ``"2GiB"``, ``"500MB"``      bytes
+a float above 1 that is not whole (1.5)     refused: most likely a percentage (did you mean 0.015?)
+negative, NaN, infinite                     refused (``ValueError``)
+``True``/``False``, other types             refused (``TypeError``): a bool is no size
+==========================================  =============================================
+
+A memory *size* (``fit``'s memory) is the same with fractions and "off" refused.
+"""
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = re.compile(r"\s*([+-]?(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf|infinity))\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+WRITE = "a fraction in (0, 1], bytes (2e9) or a size (2GiB, 500MiB)"
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as people read them, beside the exact count: ``512.0 MiB (536870912 bytes)``."""
+    readable = f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{readable} ({n} bytes)"
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A training step's memory budget: a ``fraction`` of the step's peak without checkpointing,
+    or ``bytes``; exactly one is set. Build it with :meth:`parse` (which also accepts a
+    ``MemoryBudget``); ``in_bytes`` resolves it against the unsplit peak once that is measured.
+
+    Example::
+
+        MemoryBudget.parse(0.5).in_bytes(400 * 2**20)   # 200 MiB
+        MemoryBudget.parse("2GiB").bytes                # 2147483648
+        MemoryBudget.parse(0)                           # None: no budget
+    """
+
+    fraction: Optional[float] = None
+    bytes: Optional[int] = None
+
+    def __post_init__(self):
+        if (self.fraction is None) == (self.bytes is None):
+            raise ValueError("a MemoryBudget is a fraction or bytes, exactly one of them")
+
+    @classmethod
+    def parse(cls, value: Union[None, int, float, str, "MemoryBudget"], name: str = "memory_budget") -> Optional["MemoryBudget"]:
+        """``value`` read by the rule in this module's docstring; None where it means no budget.
+        ``name`` is what error messages call the value (``MEMORY_BUDGET``, ``--budget``)."""
+        if isinstance(value, MemoryBudget):
+            return value
+        number, unit = _number_and_unit(value, name)
+        if number == 0 and not unit:
+            return None
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"{name} must be 0 (off), {WRITE}; got {value!r}")
+        if unit:
+            return cls(bytes=max(1, int(number * _UNITS[unit])))
+        if isinstance(number, int):
+            return cls(bytes=number)
+        if number <= 1:
+            return cls(fraction=float(number))
+        if number != int(number):
+            raise ValueError(f"{name} {value!r} is neither a fraction in (0, 1] nor a whole number of bytes (did you mean {number / 100:g}?)")
+        return cls(bytes=int(number))
+
+    def in_bytes(self, unsplit: int) -> int:
+        """The budget in bytes, a fraction taken of ``unsplit`` (the step's peak without checkpointing)."""
+        return int(self.fraction * unsplit) if self.fraction is not None else self.bytes
+
+    def __str__(self) -> str:
+        return f"{self.fraction:g} of the unsplit step" if self.fraction is not None else format_bytes(self.bytes)
+
+
+def parse_memory_size(value: Union[int, float, str], name: str = "memory size") -> int:
+    """A memory size in bytes (``16GiB``, ``500MiB``, ``2e9``, ``2147483648``), by the budget's rule,
+    with fractions and 0 refused: a size is absolute."""
+    budget = MemoryBudget.parse(value, name)
+    if budget is None or budget.bytes is None:
+        raise ValueError(f"{name} must be a positive size in bytes (2e9) or with a unit (16GiB, 500MiB), got {value!r}")
+    return budget.bytes
+
+
+def _number_and_unit(value, name: str):
+    """(a number, the unit written after it or ""): ints stay ints, a string's number is a float."""
+    if isinstance(value, bool) or not isinstance(value, (type(None), int, float, str)):
+        raise TypeError(f"{name} must be {WRITE} (or 0 for none), got {type(value).__name__} {value!r}")
+    if value is None:
+        return 0, ""
+    if not isinstance(value, str):
+        return value, ""
+    match = _SIZE.fullmatch(value)
+    if not match or (match.group(2) or "B") not in _UNITS:  # the units' case matters: mb is no MB
+        raise ValueError(f"cannot read {name} from {value!r}: write {WRITE}")
+    return float(match.group(1)), match.group(2) or ""

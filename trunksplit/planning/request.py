@@ -1,0 +1,100 @@
+"""What the planner is asked: a :class:`PlanRequest`, built by the trunk, read by planning.
+
+Planning is a function of a request and an example input (:func:`trunksplit.planning.search.plan_trunk`):
+the request carries everything of the trunk that a plan depends on, so the planner never
+reaches back into the trunk that asked.
+"""
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..chains.blocks import layer_splittable_before
+from .budget import MemoryBudget
+
+STRATEGIES = ("vissl", "balanced")
+GRADIENT_MODES = ("allocated", "kept")
+OBJECTIVES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One trunk's planning question, frozen.
+
+    ``units``: the chain's ``(name, module)`` pairs in execution order (the modules are the
+    trunk's own: profiling runs copies of them). ``feature_stops``: each requested feature and
+    the unit index just past it, in chain order. ``strategy``: ``"vissl"`` or ``"balanced"``;
+    a ``budget`` wins over it (least recompute that fits). ``num_splits``: the segment count
+    (an upper bound under a budget). ``gradients``, ``objective``, ``use_reentrant``: as
+    :class:`trunksplit.CheckpointedTrunk` takes them. ``compiled``: the trunk runs its units
+    compiled. ``world_size``: plan one of that many FSDP2 ranks (1: unsharded).
+
+    Sharp edge: it holds the modules, so it is not a cache key; :func:`trunksplit.trunk.plan_key`
+    is (what the plan depends on besides the request: the input's shapes, device, autocast).
+    """
+
+    units: Tuple[Tuple[str, nn.Module], ...]
+    feature_stops: Tuple[Tuple[str, int], ...]
+    num_splits: Optional[int] = None
+    strategy: str = "vissl"
+    budget: Optional[MemoryBudget] = None
+    gradients: str = "allocated"
+    objective: str = "flops"
+    use_reentrant: bool = False
+    compiled: bool = False
+    world_size: int = 1
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {STRATEGIES}")
+        if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int) or self.num_splits < 1):
+            raise ValueError(f"num_splits must be an integer >= 1 or None, got {self.num_splits!r}")
+        if self.gradients not in GRADIENT_MODES:
+            raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them), got {self.gradients!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.budget is not None and not isinstance(self.budget, MemoryBudget):
+            raise TypeError(f"a PlanRequest's budget is a MemoryBudget (MemoryBudget.parse(value)), got {self.budget!r}")
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(n for n, _ in self.units)
+
+    @property
+    def modules(self) -> Tuple[nn.Module, ...]:
+        return tuple(m for _, m in self.units)
+
+    @property
+    def splittable(self) -> Tuple[bool, ...]:
+        """Where a segment may start: False before a unit whose first op is in-place."""
+        return tuple(layer_splittable_before(m) for _, m in self.units)
+
+    @property
+    def stops(self) -> Dict[str, int]:
+        """``feature_stops`` as an ordered dict."""
+        return dict(self.feature_stops)
+
+    @property
+    def forced(self) -> Tuple[int, ...]:
+        """The cuts a plan must make: after every requested feature but the last unit."""
+        return tuple(stop for _, stop in self.feature_stops if stop < len(self.units))
+
+    @property
+    def feature_units(self) -> Tuple[int, ...]:
+        """The unit whose output each requested feature is."""
+        return tuple(stop - 1 for _, stop in self.feature_stops)
+
+    @property
+    def cost_aware(self) -> bool:
+        """Planned from measured costs (balanced, or a budget), not by module count as vissl did."""
+        return self.strategy != "vissl" or self.budget is not None
+
+
+def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device) -> Tuple:
+    """The key of a cost-aware plan for inputs of these (shape, dtype) on ``device``, in the
+    current autocast state: what ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
+    tensor, so a plan for a batch too big to allocate can be stored (``fit``)."""
+    device = torch.device(device).type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return (tuple((tuple(s), d) for s, d in shapes), device, autocast)
