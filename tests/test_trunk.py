@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, feature_blocks
@@ -325,3 +326,36 @@ def test_an_input_without_tensors_is_a_clear_error_for_a_cost_aware_plan():
     trunk = CheckpointedTrunk(_TwoInputs(), num_splits=2, strategy="balanced")
     with pytest.raises(TypeError, match="holds no tensor"):
         trunk.plan_for([1.0, 2.0])
+
+
+def test_a_plain_models_checkpoint_loads_strictly_into_the_trunk_even_inside_a_wrapper():
+    """Checkpointing turned on mid-project: what the plain model saved loads, strict, into a model that
+    holds the trunk (the model's names are mapped as model_state_dict maps them out), also where the
+    trunk stands in for lightly's ``nn.Sequential(*children)`` backbone."""
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18()
+    saved = {k: v for k, v in plain.state_dict().items() if not k.startswith("fc.")}
+    torch.manual_seed(1)
+    trunk = CheckpointedTrunk(torchvision.models.resnet18())
+    trunk.load_state_dict(saved)  # strict
+    out = trunk.model_state_dict()
+    assert set(out) == set(saved) and all(torch.equal(out[k], v) for k, v in saved.items())
+
+    class Wrapper(nn.Module):
+        def __init__(self, backbone):
+            super().__init__()
+            self.backbone, self.head = backbone, nn.Linear(512, 4)
+
+    def children():
+        return nn.Sequential(*list(torchvision.models.resnet18().children())[:-1])
+
+    torch.manual_seed(2)
+    before = Wrapper(children())
+    torch.manual_seed(3)
+    after = Wrapper(CheckpointedTrunk(children()))
+    after.load_state_dict(before.state_dict())  # strict
+    x = torch.randn(2, 3, 64, 64)
+    before.eval(), after.eval()
+    assert torch.equal(before.backbone(x).flatten(1), after.backbone(x)[0].flatten(1))
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # the classifier is not the trunk's: strict says so
+        CheckpointedTrunk(torchvision.models.resnet18()).load_state_dict(plain.state_dict())

@@ -117,3 +117,28 @@ def test_plan_for_one_of_several_fsdp_ranks_prints_the_breakdown(capsys):
 
     assert mib(sharded, "parameters") < mib(single, "parameters") / 2  # the trunk's weights in quarters, the classifier whole
     assert mib(sharded, "optimizer") > 0 and mib(single, "optimizer") > 0
+
+
+def test_plan_counts_only_the_parameters_the_trunk_trains(capsys):
+    """--features res4: res5 and the classifier are not in the trunk, so not in its per-rank breakdown."""
+    import torchvision
+
+    from trunksplit.planning.sharding import gib
+
+    assert main(["plan", "--arch", "resnet18", "--features", "res4", "--input", "2x3x64x64"]) == 0
+    model = torchvision.models.resnet18()
+    trained = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith(("layer4", "fc")))
+    assert f"parameters {gib(trained)}," in capsys.readouterr().out
+
+
+def test_every_option_of_every_subcommand_says_what_it_is_and_its_default(capsys):
+    from trunksplit.cli.main import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "plan" in a.choices).choices  # argparse keeps them here
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help"
+        text = sub.format_help()
+        assert "(default:" in text, name

@@ -165,3 +165,19 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(TypeError, match="needs a condition"):
         apply_activation_checkpointing(model)
     assert not any(is_checkpoint_wrapped(m) for m in model.modules())
+
+
+def test_a_model_already_wrapped_is_named_and_left_as_it_was():
+    """Budget wrapping plans from the unwrapped step: on a model it already wrapped it would call the
+    wrapped peak "unwrapped" and name 1.000 as the smallest feasible budget. It says so instead."""
+    torch.manual_seed(0)
+    model = Untraceable()
+    x = torch.randn(2, 3, 32, 32)
+    first = apply_activation_checkpointing(model, memory_budget=0.8, example_inputs=x, gradients="kept")
+    assert first.names
+    wrapped = [n for n, m in model.named_modules() if is_checkpoint_wrapped(m)]
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=rf"already wrapped \({len(wrapped)} checkpointed blocks: {wrapped[0]}.*nothing was changed"):
+        apply_activation_checkpointing(model, memory_budget=0.5, example_inputs=x, gradients="kept")
+    assert [n for n, m in model.named_modules() if is_checkpoint_wrapped(m)] == wrapped
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
