@@ -2,6 +2,7 @@
 import json
 import os
 
+import numpy
 import pytest
 import torch
 
@@ -84,3 +85,48 @@ def test_lossless_files_decode_to_their_exact_pixels_through_decode_image_or_pil
     # larger images: shorter side resized to the size, then centre-cropped
     Image.fromarray(torch.zeros(30, 60, 3, dtype=torch.uint8).numpy()).save(tmp_path / "wide.png")
     assert read_image(str(tmp_path / "wide.png"), 20).shape == (3, 20, 20)
+
+
+def _odd_files(root):
+    """A folder of the files scraped sets hold: an animated GIF named .jpg, a .gif, and a
+    decompression bomb (a tiny BMP that claims 30000x30000 pixels), beside two plain JPEGs."""
+    from PIL import Image
+
+    (root / "odd").mkdir(parents=True)
+    g = torch.Generator().manual_seed(1)
+    frames = [Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()) for _ in range(3)]
+    frames[0].save(root / "odd" / "animated.jpg", format="GIF", save_all=True, append_images=frames[1:])
+    frames[1].save(root / "odd" / "still.gif")
+    for i in range(2):
+        frames[i].save(root / "odd" / f"plain{i}.jpg", quality=95)
+    header = b"BM" + (54).to_bytes(4, "little") + bytes(4) + (54).to_bytes(4, "little")
+    info = (40).to_bytes(4, "little") + (30000).to_bytes(4, "little") + (30000).to_bytes(4, "little") + (1).to_bytes(2, "little") + (24).to_bytes(2, "little") + bytes(24)
+    (root / "odd" / "bomb.bmp").write_bytes(header + info)
+    return frames
+
+
+def test_gifs_are_listed_an_animated_one_gives_its_first_frame_and_a_bomb_is_skipped_by_name(tmp_path):
+    from PIL import Image
+
+    frames = _odd_files(tmp_path)
+    cfg = load_config(QUICK, ["DATA.PATH", str(tmp_path), "DATA.IMAGE_SIZE", "40"])
+    dataset = image_dataset(cfg)
+    names = sorted(os.path.basename(dataset.name(i)) for i in range(len(dataset)))
+    assert names == ["animated.jpg", "bomb.bmp", "plain0.jpg", "plain1.jpg", "still.gif"]
+    with Image.open(tmp_path / "odd" / "animated.jpg") as gif:  # PIL opens an animated GIF at its first frame
+        assert gif.n_frames == 3
+        first = torch.from_numpy(numpy.asarray(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
+    animated = read_image(str(tmp_path / "odd" / "animated.jpg"), 40)
+    assert animated.shape == (3, 40, 40) and (animated - first).abs().max() < 1e-6
+    images = [dataset[i] for i in range(len(dataset))]  # the bomb's index gives the next readable image
+    assert all(img.shape == (3, 40, 40) for img in images)
+    assert [os.path.basename(dataset.name(i)) for i in dataset.unreadable] == ["bomb.bmp"]
+    assert Image.MAX_IMAGE_PIXELS is not None  # the guard stays on: the file is skipped, not decoded
+
+
+def test_bench_data_on_a_folder_with_a_bomb_and_gifs_measures_instead_of_crashing(tmp_path, capsys):
+    from trunksplit.cli import main
+
+    _odd_files(tmp_path)
+    assert main(["bench-data", "--recipes", "simclr", "--workers", "0", "--steps", "1", "--batch", "4", "--folder", str(tmp_path), "--jpegs", "4"]) == 0
+    assert "images/s, 0 workers" in capsys.readouterr().out

@@ -9,15 +9,19 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop
+from trunksplit.ssl import model as model_module
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.model import fit_config_batch
+from trunksplit.ssl import strategy
 
 from distributed_harness import run_processes
 
@@ -156,6 +160,13 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
         (["DISTRIBUTED.STRATEGY", "fsdp", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"], "cannot run under FSDP"),
         (["DISTRIBUTED.STRATEGY", "zero3"], "DISTRIBUTED.STRATEGY must be ddp or fsdp"),
         (["DATA.NUM_WORKERS", "-2"], "DATA.NUM_WORKERS must be >= 0"),
+        (["OPTIM.WEIGHT_DECAY_END", "nan"], "WEIGHT_DECAY_END must be finite numbers >= 0"),
+        (["OPTIM.WEIGHT_DECAY_END", "abc"], "WEIGHT_DECAY_END must be finite numbers >= 0"),
+        (["OPTIM.WEIGHT_DECAY_END", "[0.4]"], "WEIGHT_DECAY_END must be finite numbers >= 0"),
+        (["OPTIM.WEIGHT_DECAY_END", "float('inf')"], "WEIGHT_DECAY_END must be finite numbers >= 0"),
+        (["OPTIM.NAME", "adamw", "OPTIM.BETAS", "[0.9]"], "OPTIM.BETAS are AdamW's two coefficients"),
+        (["OPTIM.NAME", "adamw", "OPTIM.BETAS", "[0.9, 1.5]"], "OPTIM.BETAS are AdamW's two coefficients"),
+        (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "1.5"], "neither a fraction in (0, 1] nor a whole number of bytes"),
     ],
 )
 def test_values_that_would_train_nonsense_are_refused_when_the_config_loads(args, message):
@@ -499,8 +510,51 @@ def test_an_fsdp_run_saved_on_two_ranks_resumes_on_four(tmp_path):
 def test_batch_size_zero_under_fsdp_fits_one_rank_of_the_world():
     # fit_config_batch predicts per rank: sharded weights, gradients and momentum leave room for more images
     overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20))]
-    one, _ = fit_config_batch(load_config(QUICK, overrides), torch.device("cpu"))
-    sharded, budget = fit_config_batch(load_config(QUICK, [*overrides, "DISTRIBUTED.STRATEGY", "fsdp"]), torch.device("cpu"), world=4)
-    ddp, _ = fit_config_batch(load_config(QUICK, overrides), torch.device("cpu"), world=4)
-    assert ddp == one  # a DDP rank holds the whole model, whatever the world size
+    cpu = torch.device("cpu")
+    one, _ = fit_config_batch(load_config(QUICK, overrides), cpu)
+    fsdp, ddp = (load_config(QUICK, [*overrides, "DISTRIBUTED.STRATEGY", name]) for name in ("fsdp", "ddp"))
+    sharded, budget = fit_config_batch(fsdp, cpu, world=strategy.FSDP(0, 4, cpu).fit_world_size)
+    replica, _ = fit_config_batch(ddp, cpu, world=strategy.DDP(0, 4, cpu).fit_world_size)
+    assert replica == one  # a DDP rank holds the whole model, whatever the world size
     assert sharded > one and 0 < budget < 220 * 2**20
+
+
+def test_a_resumed_run_counts_skipped_images_as_the_uninterrupted_run(tmp_path, monkeypatch):
+    from PIL import Image
+
+    root = tmp_path / "images" / "only"
+    root.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        Image.fromarray((torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()).save(root / f"{i}.jpg")
+    (root / "broken.jpg").write_bytes(b"not an image")
+    overrides = [*SMALL, "DATA.PATH", str(tmp_path / "images"), "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", "TRAIN.BATCH_SIZE_PER_RANK", "2"]
+    rows = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
+        cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
+        _interrupt_at_step_3(cfg, monkeypatch)
+        train(cfg, resume=True)
+    for run in ("a", "b"):
+        rows[run] = [json.loads(line)["skipped_images"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert rows["a"][-1] >= 1 and rows["b"] == rows["a"]
+
+
+def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch(tmp_path, monkeypatch):
+    """TRAIN.BATCH_SIZE_PER_RANK 0: the fit is measured, and a second measurement may answer otherwise;
+    --resume takes the batch and budget the checkpoint was trained with, never fits again."""
+    overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20)), "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2"]
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
+    _interrupt_at_step_3(cfg, monkeypatch)
+    fitted = yaml.safe_load(torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["config"])["TRAIN"]["BATCH_SIZE_PER_RANK"]
+    assert fitted >= 1
+
+    def another_answer(*args, **kwargs):
+        raise AssertionError("a resumed run fitted its batch again")
+
+    monkeypatch.setattr(model_module, "fit_config_batch", another_answer)
+    resumed, last = train(cfg, resume=True)
+    assert last["step"] == 4 and last["images_per_sec"] > 0
+    saved = yaml.safe_load(torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["config"])
+    assert saved["TRAIN"]["BATCH_SIZE_PER_RANK"] == fitted

@@ -59,5 +59,5 @@ def run_data_benchmark(recipes: Sequence[str], workers: Sequence[int], steps: in
         sources = [("synthetic", ""), ("jpeg folder", folder or write_jpegs(scratch, jpegs, 256))]
         rows = [[source, recipe, *(images_per_second(recipe, w, steps, batch, path) for w in workers)]
                 for source, path in sources for recipe in recipes]
-    print(tabulate(rows, headers=["images from", "recipe", *(f"{w} workers" for w in workers)], floatfmt=".1f", tablefmt="github"))
+    print(tabulate(rows, headers=["images from", "recipe", *(f"images/s, {w} workers" for w in workers)], floatfmt=".1f", tablefmt="github"))
     return rows

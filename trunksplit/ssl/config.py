@@ -16,6 +16,7 @@ from ..planning.budget import MemoryBudget
 from ..recompute.select import condition_from_config
 from .backbones import check_backbone_name, fixed_resolution
 from .optim import OPTIMIZERS
+from .strategy import check_strategy
 
 _C = CN()
 _C.OUTPUT_DIR = "output/run"
@@ -236,21 +237,9 @@ def _check(cfg: CN) -> None:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
     if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
         raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
-    _check_strategy(cfg)
+    check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
-
-
-def _check_strategy(cfg: CN) -> None:
-    strategy = cfg.DISTRIBUTED.STRATEGY
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"DISTRIBUTED.STRATEGY must be ddp or fsdp, got {strategy!r}")
-    if strategy == "fsdp" and cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION:
-        raise ValueError("DISTRIBUTED.MANUAL_GRADIENT_REDUCTION is DDP-only (vissl's no_sync path); FSDP reduce-scatters its own gradients: set it False")
-    if strategy == "fsdp" and cfg.METHOD.NAME == "dino":
-        raise ValueError("METHOD.NAME dino runs under DISTRIBUTED.STRATEGY ddp: its EMA teacher is not sharded yet")
-    if strategy == "fsdp" and cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
-        raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
 
 
 def _check_method_and_head(cfg: CN) -> None:
@@ -276,8 +265,14 @@ def _check_method_and_head(cfg: CN) -> None:
         raise ValueError(f"METHOD.TEMPERATURE must be a positive number (0.1 is usual), got {cfg.METHOD.TEMPERATURE}")
     if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0:
         raise ValueError(f"OPTIM.LR must be >= 0 and OPTIM.WARMUP_STEPS >= 0, got {cfg.OPTIM.LR} and {cfg.OPTIM.WARMUP_STEPS}")
-    if cfg.OPTIM.WEIGHT_DECAY < 0 or (cfg.OPTIM.WEIGHT_DECAY_END is not None and not cfg.OPTIM.WEIGHT_DECAY_END >= 0):
-        raise ValueError(f"OPTIM.WEIGHT_DECAY and WEIGHT_DECAY_END must be >= 0 (WEIGHT_DECAY_END None: constant), got {cfg.OPTIM.WEIGHT_DECAY} and {cfg.OPTIM.WEIGHT_DECAY_END}")
+    end = cfg.OPTIM.WEIGHT_DECAY_END
+    end_is_number = end is None or (isinstance(end, (int, float)) and not isinstance(end, bool) and math.isfinite(end) and end >= 0)
+    if not (math.isfinite(cfg.OPTIM.WEIGHT_DECAY) and cfg.OPTIM.WEIGHT_DECAY >= 0) or not end_is_number:
+        raise ValueError(f"OPTIM.WEIGHT_DECAY and WEIGHT_DECAY_END must be finite numbers >= 0 (WEIGHT_DECAY_END None: constant; DINO: 0.04 to 0.4), "
+                         f"got {cfg.OPTIM.WEIGHT_DECAY!r} and {end!r}")
+    betas = cfg.OPTIM.BETAS
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"OPTIM.BETAS are AdamW's two coefficients, each in [0, 1) (torch's default: [0.9, 0.999]), got {list(betas)!r}")
     if cfg.METHOD.NAME == "swav":
         if cfg.METHOD.NUM_PROTOTYPES < 1:
             raise ValueError(f"METHOD.NUM_PROTOTYPES must be >= 1 for SwAV, got {cfg.METHOD.NUM_PROTOTYPES}")

@@ -10,6 +10,7 @@ from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
+import PIL.Image
 import torchvision
 from torchvision.transforms.v2 import functional as TF
 
@@ -31,13 +32,17 @@ class SyntheticImages(torch.utils.data.Dataset):
         return F.interpolate(coarse, size=(self.size, self.size), mode="bicubic", align_corners=False)[0].clamp(0, 1)
 
 
+# ImageFolder's extensions and GIF, which decode_image reads (ImageFolder would not list it)
+IMAGE_EXTENSIONS = tuple(torchvision.datasets.folder.IMG_EXTENSIONS) + (".gif",)
+
+
 def image_dataset(cfg) -> torch.utils.data.Dataset:
     if not cfg.DATA.PATH:
         return SyntheticImages(cfg.DATA.NUM_IMAGES, cfg.DATA.IMAGE_SIZE, cfg.SEED)
     if not os.path.isdir(cfg.DATA.PATH):
         raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} is not a directory; give an ImageFolder root (class folders of images) or leave it empty for synthetic data")
     try:
-        folder = torchvision.datasets.ImageFolder(cfg.DATA.PATH, loader=functools.partial(read_image, size=cfg.DATA.IMAGE_SIZE))
+        folder = torchvision.datasets.DatasetFolder(cfg.DATA.PATH, loader=functools.partial(read_image, size=cfg.DATA.IMAGE_SIZE), extensions=IMAGE_EXTENSIONS)
     except FileNotFoundError as e:  # no class folders, or class folders without images
         raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} holds no images in ImageFolder layout (root/class_name/image.jpg): {e}") from None
     return _ImagesOnly(folder)
@@ -52,6 +57,8 @@ def read_image(path: str, size: int) -> torch.Tensor:
         image = torchvision.io.decode_image(path, mode=torchvision.io.ImageReadMode.RGB)
     except RuntimeError:  # a format decode_image does not know, or a corrupt file: PIL decides which
         image = TF.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
+    if image.ndim == 4:  # an animated GIF (even one named .jpg): its first frame, as PIL opens it
+        image = image[0]
     image = TF.center_crop(TF.resize(image, size, antialias=True), [size, size])
     return TF.to_dtype(image, torch.float32, scale=True)
 
@@ -74,7 +81,7 @@ class _ImagesOnly(torch.utils.data.Dataset):
                 continue
             try:
                 return self.folder[j][0]
-            except (OSError, SyntaxError, ValueError):  # PIL: UnidentifiedImageError (an OSError), truncated files
+            except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError):  # PIL: UnidentifiedImageError (an OSError), truncated files, bombs
                 self.unreadable.add(j)
         raise ValueError(f"DATA.PATH {self.folder.root!r}: none of its {len(self.folder)} images can be read")
 

@@ -15,32 +15,33 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..distributed.ddp import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
-from ..planning.memory import PeakMemory, ProfiledPeak
+from ..planning.memory import PeakMemory
 from .data import image_dataset, step_loader, step_views
 from .dino import add_teacher, dino_step_loss, teacher_momentum, update_teacher
 from .losses import nt_xent, swav_loss
-from .model import SSLModel, build_model, student_copy, with_fitted_batch
+from .model import SSLModel, build_model, student_copy, with_batch, with_fitted_batch
 from .optim import build_optimizer, set_schedules
-from .parallel import broadcast_buffers, end_with_rank0_buffers, setup_distributed, wrap_for_processes
-from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, save_atomically, save_sharded, start_run_dir
+from .parallel import setup_distributed
+from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
+from .strategy import strategy_for
 
 
 def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
     check_output_dir(cfg.OUTPUT_DIR, resume)
     rank, world, device = setup_distributed(cfg)
+    strategy = strategy_for(cfg, rank, world, device)
     if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
-        cfg = with_fitted_batch(cfg, device, rank, world)
+        cfg = _batch_to_train(cfg, device, strategy, resume)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     torch.manual_seed(cfg.SEED)
     model = build_model(cfg).to(device)
     if cfg.METHOD.NAME == "dino":
         add_teacher(model)
-    wrapped = wrap_for_processes(cfg, model, world)
+    wrapped = strategy.wrap(cfg, model)
     optimizer = build_optimizer(cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
-    start, rows = resume_from(cfg, model, optimizer, scaler, rank, world) if resume else (0, [])
+    start, rows, skipped = resume_from(cfg, model, optimizer, scaler, rank, world, strategy.load) if resume else (0, [], {})
     autocast = _autocast(cfg, device)
     kept = cfg.TRAIN.GRADIENTS == "kept"
     # planned before anything is written: an infeasible MEMORY_BUDGET leaves no run directory behind
@@ -49,14 +50,14 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         start_run_dir(cfg, rows)
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0, desc="train")
     batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
-    last, skipped = None, {}  # unreadable file -> times it was skipped
+    last = None  # skipped: unreadable file -> times it was skipped
     for step in bar:
         set_schedules(cfg, optimizer, step)
         crops, data = _next_step_views(batches, device, skipped)
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
         start_time = time.perf_counter()
-        with _meter(cfg, device) if logging else contextlib.nullcontext() as mem:
-            loss = _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler)
+        with strategy.meter() if logging else contextlib.nullcontext() as mem:
+            loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler))
         _stop_unless_finite(cfg, loss, step, world, scaler)
         _optimizer_step(optimizer, scaler, kept, device)
         if model.teacher is not None:
@@ -65,17 +66,20 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
         if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
-            _save_checkpoint(cfg, model, optimizer, scaler, step + 1, rank, world)
-    end_with_rank0_buffers(cfg, wrapped, model, world)
+            _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)
+    strategy.finish(wrapped, model)
     if last is not None:
-        _summarise(cfg, last, model, crops, autocast, kept)
+        _summarise(cfg, last, model, crops, autocast, kept, strategy.compares_with_plain)
     return model, last
 
 
-def _meter(cfg, device):
-    """The step's memory meter: the allocator's on CUDA and the tensor tracker on CPU, but the
-    profiler's allocation events for FSDP2 on CPU, whose gathered weights the tracker cannot see."""
-    return ProfiledPeak() if cfg.DISTRIBUTED.STRATEGY == "fsdp" and device.type == "cpu" else PeakMemory(device)
+def _batch_to_train(cfg, device, strategy, resume: bool):
+    """``TRAIN.BATCH_SIZE_PER_RANK 0``: the batch and trunk budget the resumed run trained with, or,
+    on a new run, those ``trunksplit.fit`` predicts, agreed across ranks."""
+    saved = saved_batch(cfg) if resume else None
+    if saved is not None:
+        return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:")
+    return with_fitted_batch(cfg, device, strategy.rank, strategy.fit_world_size, strategy.agree)
 
 
 def _optimizer_step(optimizer, scaler, kept: bool, device) -> None:
@@ -86,12 +90,12 @@ def _optimizer_step(optimizer, scaler, kept: bool, device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _summarise(cfg, last: dict, model, crops, autocast, kept: bool) -> None:
-    """Add the plan and, one step side by side, the memory with and without checkpointing to the last row."""
+def _summarise(cfg, last: dict, model, crops, autocast, kept: bool, side_by_side: bool) -> None:
+    """Add the plan and, one step side by side where the model can be copied, the memory with and
+    without checkpointing to the last row."""
     plan = model.trunk.plan
     last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
-    # a sharded model cannot be copied for the side-by-side step (FSDP refuses deepcopy)
-    last["memory_vs_plain"] = None if cfg.DISTRIBUTED.STRATEGY == "fsdp" else compare_with_plain(model, crops, autocast, kept)
+    last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept) if side_by_side else None
 
 
 def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast) -> float:
@@ -146,16 +150,10 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
     return row
 
 
-def _save_checkpoint(cfg, model, optimizer, scaler, steps_done: int, rank: int, world: int) -> None:
-    rng = rng_states(world)  # every rank's: stochastic depth and dropout draw from them
-    meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng}
-    if cfg.DISTRIBUTED.STRATEGY == "fsdp":
-        broadcast_buffers(model)
-        save_sharded(cfg, model, optimizer, meta, rank, world)
-    elif rank == 0:
-        save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}, os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
-    if world > 1:
-        dist.barrier()
+def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, skipped: dict) -> None:
+    rng = rng_states(strategy.world)  # every rank's: stochastic depth and dropout draw from them
+    meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng, "skipped_images": dict(skipped)}
+    strategy.save(cfg, model, optimizer, meta)
 
 
 def compare_with_plain(model, crops, autocast, kept_gradients: bool) -> Optional[dict]:
@@ -187,17 +185,11 @@ def _copy_for_comparison(model, plain: bool, kept_gradients: bool):
 
 
 def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler):
-    """One step's loss and gradients, on the DDP path the config picks."""
-    manual = manual_gradient_reduction(wrapped, cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION)
-    with wrapped.no_sync() if manual else contextlib.nullcontext():
-        if manual:
-            manual_sync_params(wrapped)
-        model.normalize_prototypes()
-        with autocast:
-            loss = _loss(cfg, model, wrapped(crops), crops, step)
-        scaler.scale(loss).backward()
-    if manual:
-        manual_gradient_all_reduce(wrapped)
+    """One step's loss and gradients (reduced across ranks as the strategy says, around this)."""
+    model.normalize_prototypes()
+    with autocast:
+        loss = _loss(cfg, model, wrapped(crops), crops, step)
+    scaler.scale(loss).backward()
     return loss.detach()
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import warnings
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,30 +103,35 @@ def _check_same_model(state: dict, cfg, path: str) -> None:
         )
 
 
-def resume_from(cfg, model, optimizer, scaler, rank: int, world: int):
-    """Load the run's checkpoint into ``model``, ``optimizer``, ``scaler`` and this rank's random
-    number generators; returns (the step to continue from, the metrics rows logged up to it),
-    read and checked before anything is written."""
+def saved_batch(cfg) -> Optional[Tuple[int, float]]:
+    """(images per rank, trunk memory budget) the run in OUTPUT_DIR trained with, from its
+    checkpoint's config; None where it has none. A resumed ``TRAIN.BATCH_SIZE_PER_RANK 0`` run
+    trains on these, not on a new fit: a fit measured again may answer otherwise."""
+    path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
+    try:
+        saved = yaml.safe_load(load_checkpoint(path).get("config") or "{}")
+        return int(saved["TRAIN"]["BATCH_SIZE_PER_RANK"]), float(saved["MODEL"]["ACTIVATION_CHECKPOINTING"]["MEMORY_BUDGET"])
+    except (yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
+def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load):
+    """Load the run's checkpoint into ``model``, ``optimizer`` (``load(cfg, state, model, optimizer)``:
+    the strategy's), ``scaler`` and this rank's random number generators; returns (the step to
+    continue from, the metrics rows logged up to it, the unreadable files skipped up to it and how
+    often), read and checked before anything is written."""
     ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
     state = load_checkpoint(ckpt_path)
     _check_same_model(state, cfg, ckpt_path)
-    sharded = cfg.DISTRIBUTED.STRATEGY == "fsdp"
-    if sharded != ("sharded" in state):
-        saved = "sharded (fsdp)" if "sharded" in state else "whole (ddp)"
-        raise ValueError(f"--resume: {ckpt_path} is a {saved} checkpoint; resume with the DISTRIBUTED.STRATEGY it was trained with")
     try:
-        if sharded:
-            _load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, optimizer)
-        else:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+        load(cfg, state, model, optimizer)
     except RuntimeError as e:
         raise ValueError(f"--resume: {ckpt_path} does not fit the configured model: {str(e).splitlines()[0]} ...; resume with the config it was trained with") from None
     if "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state.get("rng"), rank, world, ckpt_path)
     start = state["step"]
-    return start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start)
+    return start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start), dict(state.get("skipped_images") or {})
 
 
 def start_run_dir(cfg, rows) -> None:
@@ -185,7 +191,7 @@ def save_sharded(cfg, model, optimizer, meta: dict, rank: int, world: int) -> No
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def _load_sharded(path: str, model, optimizer) -> None:
+def load_sharded(path: str, model, optimizer) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)

@@ -1,0 +1,184 @@
+"""How the launcher runs on its processes: one :class:`Strategy`, chosen once from the config.
+
+One process, DDP, vissl's manual DDP and FSDP2 differ in how the model is wrapped, how a
+step's memory is metered, how gradients are reduced, how ranks agree on what each decided
+alone, and how a checkpoint is written, read and finished. Each answer lives here, in one
+class per strategy, as torchtitan's parallel dims answer every distributed question; the loop
+asks the object and never tests a strategy's name.
+"""
+import contextlib
+import os
+import warnings
+from typing import Callable, ContextManager, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from ..distributed.agree import rank0_decides
+from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
+from ..distributed.fsdp import shard_trunk
+from ..planning.memory import PeakMemory, ProfiledPeak
+from .run_dir import CHECKPOINT, load_sharded, save_atomically, save_sharded
+
+NAMES = ("ddp", "fsdp")  # DISTRIBUTED.STRATEGY
+
+
+class Strategy:
+    """One process (the base): the model as it is, the allocator's or the tracker's meter,
+    a whole checkpoint. Subclasses change what differs under several processes."""
+
+    sharded = False  # parameters, gradients and optimizer state split across ranks
+    compares_with_plain = True  # the last metrics row runs a plain copy beside the model
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+
+    @staticmethod
+    def check(cfg) -> None:
+        """Refuse, before anything runs, what this strategy cannot train (a ``ValueError``)."""
+
+    @property
+    def fit_world_size(self) -> int:
+        """How many ranks share one model's memory when a batch is fitted (``trunksplit.fit``)."""
+        return 1
+
+    def agree(self, decision):
+        """What every rank runs of what one decided alone (a plan, a fitted batch, eager units): rank 0's."""
+        return rank0_decides(decision) if self.world > 1 else decision
+
+    def wrap(self, cfg, model: nn.Module) -> nn.Module:
+        """The model as the step calls it; its trunk's decisions agreed across ranks."""
+        model.trunk.agreement = self.agree
+        return model
+
+    def meter(self) -> ContextManager:
+        """The step's memory meter: the allocator's on CUDA, the tensor tracker on CPU."""
+        return PeakMemory(self.device)
+
+    def forward_backward(self, wrapped: nn.Module, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``step()`` (forward, loss, backward), its gradients reduced across ranks."""
+        return step()
+
+    def save(self, cfg, model, optimizer, meta: dict) -> None:
+        """Write the run's checkpoint (every rank calls it)."""
+        if self.rank == 0:
+            save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}, os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
+        if self.world > 1:
+            dist.barrier()
+
+    def load(self, cfg, state: dict, model, optimizer) -> None:
+        """Load a checkpoint's model and optimizer state, refusing one another strategy wrote."""
+        if "sharded" in state:
+            raise ValueError(f"--resume: {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} is a sharded (fsdp) checkpoint; "
+                             "resume with the DISTRIBUTED.STRATEGY it was trained with")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def finish(self, wrapped: nn.Module, model: nn.Module) -> None:
+        """End every rank with the same BatchNorm statistics (rank 0's, as saved)."""
+
+
+class DDP(Strategy):
+    """A replica per rank under ``DistributedDataParallel``; gradients all-reduced in backward."""
+
+    def wrap(self, cfg, model):
+        if model.trunk.use_reentrant and len(set(cfg.DATA.CROP_SIZES)) > 1:
+            raise ValueError(
+                "reentrant checkpointing under native DDP with several trunk forwards per step fails "
+                "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
+            )
+        return DistributedDataParallel(super().wrap(cfg, model))
+
+    def finish(self, wrapped, model):
+        manual_sync_params(wrapped)
+
+
+class ManualDDP(DDP):
+    """vissl's path: forward and backward under ``no_sync``, buffers broadcast before the forward,
+    gradients all-reduced by hand after backward (reentrant checkpointing with several crops)."""
+
+    def wrap(self, cfg, model):
+        return DistributedDataParallel(Strategy.wrap(self, cfg, model))
+
+    def forward_backward(self, wrapped, step):
+        with wrapped.no_sync():
+            manual_sync_params(wrapped)
+            loss = step()
+        manual_gradient_all_reduce(wrapped)
+        return loss
+
+
+class FSDP(Strategy):
+    """FSDP2: the trunk sharded unit by unit, then the whole model; checkpoints written sharded
+    with ``torch.distributed.checkpoint`` (resharded on load)."""
+
+    sharded = True
+    compares_with_plain = False  # FSDP refuses deepcopy
+
+    @staticmethod
+    def check(cfg):
+        if cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION:
+            raise ValueError("DISTRIBUTED.MANUAL_GRADIENT_REDUCTION is DDP-only (vissl's no_sync path); FSDP reduce-scatters its own gradients: set it False")
+        if cfg.METHOD.NAME == "dino":
+            raise ValueError("METHOD.NAME dino runs under DISTRIBUTED.STRATEGY ddp: its EMA teacher is not sharded yet")
+        if cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
+            raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
+
+    @property
+    def fit_world_size(self):
+        return self.world
+
+    def wrap(self, cfg, model):
+        shard_trunk(model.trunk)
+        fully_shard(model)  # the root: the heads, and the trunk's group under it
+        # the trunk and the model return views (flatten, chunk); the loop never writes into them in place
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        return model
+
+    def meter(self):
+        # the profiler's allocation events on CPU: the tracker cannot see the weights FSDP gathers
+        return ProfiledPeak() if self.device.type == "cpu" else PeakMemory(self.device)
+
+    def save(self, cfg, model, optimizer, meta):
+        broadcast_buffers(model)
+        save_sharded(cfg, model, optimizer, meta, self.rank, self.world)
+        dist.barrier()
+
+    def load(self, cfg, state, model, optimizer):
+        if "sharded" not in state:
+            raise ValueError(f"--resume: {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} is a whole (ddp) checkpoint; "
+                             "resume with the DISTRIBUTED.STRATEGY it was trained with")
+        load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, optimizer)
+
+    def finish(self, wrapped, model):
+        broadcast_buffers(model)
+
+
+def strategy_for(cfg, rank: int, world: int, device: torch.device) -> Strategy:
+    """The one strategy object of a run: FSDP2, vissl's manual DDP, DDP, or one process."""
+    if cfg.DISTRIBUTED.STRATEGY == "fsdp":
+        if world < 2 or not dist.is_initialized():
+            raise ValueError("DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun --nproc_per_node=N (N >= 2)")
+        return FSDP(rank, world, device)
+    if world == 1:
+        return Strategy(rank, world, device)
+    return (ManualDDP if cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION else DDP)(rank, world, device)
+
+
+def check_strategy(cfg) -> None:
+    """The config's DISTRIBUTED.STRATEGY is known and can train what the rest of the config asks."""
+    if cfg.DISTRIBUTED.STRATEGY not in NAMES:
+        raise ValueError(f"DISTRIBUTED.STRATEGY must be {' or '.join(NAMES)}, got {cfg.DISTRIBUTED.STRATEGY!r}")
+    (FSDP if cfg.DISTRIBUTED.STRATEGY == "fsdp" else Strategy).check(cfg)
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """Every rank takes rank 0's buffers. FSDP2 replicates buffers and each rank moves its own
+    BatchNorm statistics; a sharded checkpoint saves a replicated tensor once, from whichever rank
+    it picks, so the statistics are made one before each save (as DDP makes them one before each
+    forward). Running statistics never change a training step's outputs."""
+    for b in model.buffers():
+        dist.broadcast(b, src=0)
