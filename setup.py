@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="trunksplit",
     version="0.1.0",
-    description="Train ResNet/RegNet trunks with checkpointed segments: less activation memory, the same gradients.",
+    description="Train vision backbones with far less activation memory and exactly the same gradients: planned activation checkpointing for SSL.",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["trunksplit", "trunksplit.*"]),

@@ -2,21 +2,23 @@
 
 Layers, each importing only those below it:
 
-    cli/          the trunksplit command (plan, bench, fit)
-    ssl/          the launcher: config, data, models, losses, the loop
+    cli/          the trunksplit command (plan, bench, fit, bench-data)
+    ssl/          the launcher: config, data, models, losses, the distributed strategy, the loop
     fit.py        the largest batch that fits a memory size
     lars.py       the LARS optimizer (vissl's LARC)
-    distributed/  several processes: vissl's manual DDP helpers
+    distributed/  several processes: vissl's manual DDP helpers, FSDP2 sharding, rank agreement
     trunk.py      CheckpointedTrunk: runs a plan
-    planning/     where to cut: vissl's bucketing, profiling, the peak model, the search
-    recompute/    how a run of modules is recomputed: checkpointing, wrapper, regions, stages
-    chains/       what a trunk is: feature blocks of any model
+    planning/     where to cut: the plan request, budgets, vissl's bucketing, profiling, the peak model, the search
+    recompute/    how a run of modules is recomputed: checkpointing, wrapper, regions, stages, compiled units
+    chains/       what a trunk is: feature blocks of any model, and their names in the source model
 """
 from .chains import feature_blocks, layer_splittable_before, register_trunk
 from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk
 from .fit import Fit, ScalingRow, fit, scaling
 from .lars import LARS
+from .planning.budget import MemoryBudget
 from .planning.memory import PeakMemory
+from .planning.request import PlanRequest
 from .planning.plan import Segment, SplitPlan
 from .planning.vissl import checkpoint_trunk
 from .recompute.checkpoint import is_recomputing
@@ -34,7 +36,9 @@ __all__ = [
     "fit",
     "scaling",
     "ScalingRow",
+    "MemoryBudget",
     "PeakMemory",
+    "PlanRequest",
     "apply_activation_checkpointing",
     "by_name",
     "by_type",

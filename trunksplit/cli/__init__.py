@@ -1,4 +1,4 @@
-"""The ``trunksplit`` command: ``plan``, ``bench`` and ``fit`` (see ``main.py``)."""
+"""The ``trunksplit`` command: ``plan``, ``bench``, ``fit`` and ``bench-data`` (see ``main.py``)."""
 from .main import main
 
 __all__ = ["main"]

@@ -46,8 +46,8 @@ each selective region one graph. A graph's backward returns the gradients of all
 together: with gradients ``"kept"`` a unit holds all of its own as its backward makes them
 (``backward_fresh``, not ``backward_excess``: eager autograd adds each into its ``.grad`` at once),
 and a region those of the units its backward has passed, until it returns; and the cheap ops
-a selective region runs again cost nothing (they fuse into its backward's kernels: ResNet-50's
-budget-0.5 plan, all selective regions, steps as fast as the compiled plain model).
+a selective region runs again cost nothing (they fuse into its backward's kernels; measured in
+docs/benchmarks.md#torchcompile).
 """
 import itertools
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple

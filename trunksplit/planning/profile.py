@@ -124,8 +124,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     ``allocator``: measure the transient peaks (``forward_peak``, ``backward_excess`` and
     ``backward_fresh``, by a backward of its own with no gradients yet) as the allocator's
     requests (:class:`trunksplit.planning.memory.ProfiledPeak`), not as tensor storages: kernels'
-    scratch counts (oneDNN's reordered weights and gradients, im2col buffers; 8% of ResNet-50's
-    step at 16x96), and what backward frees of the forward's saved tensors counts against it.
+    scratch counts (oneDNN's reordered weights and gradients, im2col buffers: docs/distributed.md),
+    and what backward frees of the forward's saved tensors counts against it.
     The figures a step measured by the allocator needs (FSDP2 on CPU); about twice the profiling.
     CPU only: torch.profiler's CPU memory events. ``progress(name)`` is called as each unit is done
     (a command line's progress bar: profiling a big trunk takes tens of seconds).

@@ -66,9 +66,9 @@ def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[in
     eagerly on this device.
 
     Why measure: whether a unit compiled on its own beats eager kernels depends on the device.
-    On this project's CPU, ResNet-50's bottlenecks step 1.03-1.33x slower compiled alone
-    (inductor's batch-norm kernels; tools/unit_compile_times.py), while a selective region
-    compiled whole, whose cheap recompute fuses into its backward, is nearly free.
+    On a CPU, inductor's batch-norm kernels can make a bottleneck compiled alone slower than eager
+    (tools/unit_compile_times.py; docs/benchmarks.md), while a selective region compiled whole,
+    whose cheap recompute fuses into its backward, is nearly free.
     Runs on private copies (the model, its gradients, statistics and RNG untouched); a compiled
     function keeps the graph it traced for them, and the trunk's own units reuse it (their
     parameters are the graph's inputs), so measuring compiles nothing the first step would not."""

@@ -1,8 +1,8 @@
 """Compiled units and regions inside eager checkpoints: torch.compile's speed at a plan's memory.
 
 Compiled as torch's checkpoint operator (``torch.compile`` over a whole planned trunk), AOT
-autograd's partitioner decides what a checkpointed segment keeps, and on ResNet-50 it kept far
-more than the plan (budget 0.3: 0.64 of the plain eager step; the plan, 0.29). Here the opposite
+autograd's partitioner decides what a checkpointed segment keeps, and it keeps far more than the
+plan (docs/benchmarks.md#torchcompile). Here the opposite
 nesting: the checkpoints stay eager, torch's own, and what runs inside them is compiled, once
 per unit, the way torchtitan compiles each block under its activation checkpoint; a selective
 region, whose policy names what it keeps, compiles whole (see ``CheckpointedTrunk.compile``).
@@ -42,9 +42,8 @@ def weight_groups(units: Sequence[nn.Module]) -> List[Tuple[nn.Module, ...]]:
     """``units`` in order, grouped so that each group holds at most one unit with trainable
     weights: a weightless unit (an activation, a pooling, a flatten) joins the group before it
     (the first ones, the group after them). Compiled one graph per group, no graph returns more
-    than one unit's gradients, yet no weightless unit is a graph on its own: on CPU, ResNet-50's
-    stem ReLU (in place, on its graph's input) stepped in 81 ms compiled alone, 4.6 ms eagerly
-    (tools/unit_compile_times.py)."""
+    than one unit's gradients, yet no weightless unit is a graph on its own: an in-place ReLU on its
+    graph's input steps many times slower compiled alone than eagerly (tools/unit_compile_times.py)."""
     groups: List[List[nn.Module]] = []
     pending: List[nn.Module] = []  # weightless units before the first weighted one
     for unit in units:
@@ -84,9 +83,7 @@ def run_units_apart(x, *layers: nn.Module):
     """Units run in order under ``torch.compile(trunk)``, one graph per :func:`weight_groups` group,
     as ``trunk.compile()`` compiles them: a graph's backward returns the gradients of all its
     weights together, and where gradients are kept (zeroed, not freed) they are held beside the
-    kept ones until it returns, which the plan does not hold (ResNet-50's budget-0.3 plan under
-    ``objective="time"``, whose last segment runs res5 plain: 0.43 of the plain eager step in one
-    graph; one graph per unit, 0.33, the plan 0.31)."""
+    kept ones until it returns, which the plan does not hold (docs/benchmarks.md#torchcompile)."""
     for group in weight_groups(layers):
         x = graph_break(run_plain(x, *group))
     return x

@@ -2,8 +2,8 @@
 
 A ``"recompute"`` region's backward rebuilds the whole region at once: torch's
 checkpoint recomputes everything a region saved before the first of it is used.
-For a ResNet-50 ``res2`` bottleneck at batch 4 and 224px that is 49 MiB, on top of
-its gradient buffers, and it sets the floor of block-level plans. The
+For an early bottleneck at a large input that is most of the step's peak, on top of its
+gradient buffers, and it sets the floor of block-level plans (docs/regions.md). The
 ``"recompute_stages"`` region policy (see :func:`trunksplit.recompute.regions.run_region`) runs
 each unit of its region as the unit's ``torch.fx`` graph cut into *stages*: a stage
 starts at each expensive op (a convolution, linear or attention module, or a

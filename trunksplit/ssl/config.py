@@ -24,7 +24,7 @@ _C.SEED = 0
 
 _C.MODEL = CN()
 _C.MODEL.TRUNK = CN()
-_C.MODEL.TRUNK.NAME = "resnet50"  # any torchvision ResNet/ResNeXt/Wide-ResNet/RegNet
+_C.MODEL.TRUNK.NAME = "resnet50"  # any torchvision classification model (ResNet to ViT, Swin, MaxViT): docs/backbones.md
 _C.MODEL.TRUNK.OUT_FEAT_KEYS = ["flatten"]
 _C.MODEL.ACTIVATION_CHECKPOINTING = CN()
 _C.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = True
