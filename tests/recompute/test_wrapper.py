@@ -325,3 +325,37 @@ def test_the_recompute_sees_the_input_lists_the_forward_saw(policy):
         (_dense(d, x) + b([x, 2 * x]).sum()).backward()
         grads.append([p.grad for p in (*d.parameters(), *b.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_dict_subclass_inputs_reach_a_wrapped_module_as_they_reach_the_plain_one():
+    """A transformers ``ModelOutput`` (an OrderedDict subclass with attributes) or a ``defaultdict``
+    passed to a wrapped module arrives as the same kind of object, as torch's checkpoint passes it."""
+    import collections
+
+    class Output(collections.OrderedDict):
+        @property
+        def hidden(self):
+            return self["hidden"]
+
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            return self.linear(batch.hidden) + batch["missing"].sum()  # attribute access; a defaultdict's factory
+
+    class Both(collections.defaultdict):
+        hidden = property(lambda self: self["hidden"])
+
+    torch.manual_seed(0)
+    plain = Reads()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    for make in (lambda h: Output(hidden=h, missing=torch.ones(1)), lambda h: Both(lambda: torch.zeros(1), hidden=h)):
+        h = torch.randn(2, 4)
+        grads = []
+        for m in (plain, wrapped):
+            m.zero_grad()
+            m(make(h)).pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))

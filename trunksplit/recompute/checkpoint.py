@@ -20,6 +20,7 @@ convolutions. ``"save_heavy"`` also recomputes the light convolutions (see
 :func:`is_heavy`): a bottleneck's expanding 1x1, whose output is its biggest, at a
 quarter of the block's FLOPs.
 """
+import copy
 import contextlib
 import functools
 import math
@@ -124,12 +125,21 @@ def _recomputing(bns: List[_NormBase], written: Optional[_WrittenBuffers] = None
 
 
 def map_tree(fn: Callable, tree):
-    """``tree`` (nested lists, tuples, named tuples and dict values) with ``fn`` applied to each leaf."""
+    """``tree`` (nested lists, tuples, named tuples and dict values) with ``fn`` applied to each leaf.
+
+    A dict subclass keeps its type (a ``defaultdict``'s factory, a transformers ``ModelOutput``'s
+    attributes): it is copied with ``copy.copy`` and its values set anew, as the plain module would
+    have received the object itself."""
     if isinstance(tree, (list, tuple)):
         items = [map_tree(fn, t) for t in tree]
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    if isinstance(tree, dict):
+    if type(tree) is dict:
         return {k: map_tree(fn, v) for k, v in tree.items()}
+    if isinstance(tree, dict):
+        out = copy.copy(tree)
+        for k, v in tree.items():
+            out[k] = map_tree(fn, v)
+        return out
     return fn(tree)
 
 
