@@ -129,9 +129,10 @@ class CheckpointedTrunk(nn.Module):
 
     def plan_request(self) -> PlanRequest:
         """What the planner is asked for this trunk (see :class:`trunksplit.planning.request.PlanRequest`)."""
+        units = tuple(self.units)
         return PlanRequest(
-            tuple(self.units), tuple(self._ends.items()), self.num_splits, self.strategy, self.memory_budget, self.gradients,
-            self.objective, self.use_reentrant, self._compiled is not None, sharded_world_size([m for _, m in self.units]),
+            units, tuple(self._ends.items()), self.num_splits, self.strategy, self.memory_budget, self.gradients,
+            self.objective, self.use_reentrant, self._compiled is not None, sharded_world_size([m for _, m in units]),
         )
 
     def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":

@@ -52,7 +52,7 @@ def test_a_fraction_resolves_against_the_unsplit_peak_and_bytes_stand():
     assert MemoryBudget.parse(0.25).in_bytes(400 * MiB) == 100 * MiB
     assert MemoryBudget.parse("64MiB").in_bytes(400 * MiB) == 64 * MiB
     assert format_bytes(512 * MiB) == f"512.0 MiB ({512 * MiB} bytes)"
-    assert format_bytes(3 * GiB) == f"3.00 GiB ({3 * GiB} bytes)"
+    assert format_bytes(3 * GiB) == f"3.000 GiB ({3 * GiB} bytes)"
 
 
 def test_a_memory_size_is_a_budget_in_bytes_only():

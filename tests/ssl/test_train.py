@@ -558,3 +558,19 @@ def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch(tmp_p
     assert last["step"] == 4 and last["images_per_sec"] > 0
     saved = yaml.safe_load(torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["config"])
     assert saved["TRAIN"]["BATCH_SIZE_PER_RANK"] == fitted
+
+
+def _fit_alone_then_agree(rank, world_size, out):
+    """Each rank's fit answers otherwise (as allocator-profiled fits do between ranks); the launcher's
+    strategy makes every rank train with rank 0's answer."""
+    cfg = load_config(QUICK, [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20)), "DISTRIBUTED.STRATEGY", "fsdp"])
+    model_module.fit_config_batch = lambda cfg, device, world: (3 + rank, 1000.0 * (rank + 1))  # this process only
+    cpu = torch.device("cpu")
+    s = strategy.strategy_for(cfg, rank, world_size, cpu)
+    fitted = model_module.with_fitted_batch(cfg, cpu, rank, s.fit_world_size, s.agree)
+    torch.save((fitted.TRAIN.BATCH_SIZE_PER_RANK, fitted.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET), os.path.join(out, f"{rank}.pt"))
+
+
+def test_ranks_that_fit_different_batches_train_with_rank_0s(tmp_path):
+    run_processes(_fit_alone_then_agree, 2, (str(tmp_path),))
+    assert [torch.load(tmp_path / f"{r}.pt") for r in range(2)] == [(3, 1000.0), (3, 1000.0)]

@@ -13,6 +13,7 @@ import torch
 
 from tqdm import tqdm
 
+from ..chains import expand_units, feature_blocks
 from ..fit import fit
 from ..planning.budget import MemoryBudget, parse_memory_size
 from ..planning.request import GRADIENT_MODES, OBJECTIVES
@@ -147,7 +148,7 @@ def _memory(text: str) -> int:
 def _fit(args) -> int:
     try:
         model = build_backbone(args.arch, args.input[-1]).to(args.device)
-        with _progress(2 * len(CheckpointedTrunk(model).units), "profiling units at two batches") as step:
+        with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
             found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
                         num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size, progress=step)
     except ValueError as e:
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench_data_parser(sub) -> None:
     d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
     d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
-    d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4], help="DataLoader worker counts, one table row each")
+    d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4], help="DataLoader worker counts, one table column each")
     d.add_argument("--steps", type=_positive, default=8, help="timed steps per run, after one untimed step per worker")
     d.add_argument("--batch", type=_positive, default=16, help="images per step")
     d.add_argument("--folder", default="", help="an ImageFolder root of JPEGs; default: synthetic images written as JPEGs")

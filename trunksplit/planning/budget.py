@@ -28,10 +28,14 @@ _SIZE = re.compile(r"\s*([+-]?(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf|inf
 WRITE = "a fraction in (0, 1], bytes (2e9) or a size (2GiB, 500MiB)"
 
 
+def gib(n: int) -> str:
+    """Bytes as people read them: GiB from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def format_bytes(n: int) -> str:
     """Bytes as people read them, beside the exact count: ``512.0 MiB (536870912 bytes)``."""
-    readable = f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
-    return f"{readable} ({n} bytes)"
+    return f"{gib(n)} ({n} bytes)"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .budget import gib
 from .peak import PeakModel
 from .profile import UnitCosts, unit_param_bytes
 
@@ -103,11 +104,6 @@ class RankMemory:
         grads = f"gradients {gib(self.gradients)} ({'kept' if self.gradients_kept else 'allocated by the step, within its peak'})"
         return (f"per rank at world size {self.world_size}: parameters {gib(self.parameters)}, {grads}, optimizer {gib(self.optimizer)}, "
                 f"buffers {gib(self.buffers)}, step peak {gib(self.step_peak)}; total {gib(self.total)}")
-
-
-def gib(n: int) -> str:
-    """Bytes as people read them: GiB from 1 GiB up, else MiB."""
-    return f"{n / 2**30:.3f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, optimizer: Optional[str], step_peak: int, gradients: str) -> RankMemory:
