@@ -359,3 +359,15 @@ def test_a_plain_models_checkpoint_loads_strictly_into_the_trunk_even_inside_a_w
     assert torch.equal(before.backbone(x).flatten(1), after.backbone(x)[0].flatten(1))
     with pytest.raises(RuntimeError, match="Unexpected key"):  # the classifier is not the trunk's: strict says so
         CheckpointedTrunk(torchvision.models.resnet18()).load_state_dict(plain.state_dict())
+
+
+def test_an_unplanned_cost_aware_trunk_says_so_and_prints_its_plan_after_the_first_forward():
+    for how, kind in ((dict(num_splits=3, strategy="balanced"), "balanced"), (dict(memory_budget=0.9, gradients="kept"), "budget")):
+        trunk = CheckpointedTrunk(build("resnet18"), **how)
+        before = str(trunk.plan)
+        assert before.startswith(f"SplitPlan ({kind}, 1 segment") and "not planned yet" in before, before
+        loss_of(trunk(torch.randn(2, 3, 64, 64))).backward()
+        after = str(trunk.plan)
+        assert after.startswith(f"SplitPlan ({kind}, ") and "not planned yet" not in after and "predicted peak" in after
+    vissl = CheckpointedTrunk(build("resnet18"), num_splits=3)
+    assert str(vissl.plan).startswith("SplitPlan (vissl, 3 segments") and "not planned yet" not in str(vissl.plan)

@@ -1,6 +1,7 @@
 """`CheckpointedTrunk`: run a trunk as a plan of checkpoint segments."""
 import functools
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -147,7 +148,11 @@ class CheckpointedTrunk(nn.Module):
 
     @property
     def plan(self) -> SplitPlan:
-        """The plan of the last training forward (a cost-aware trunk: only the feature cuts before one)."""
+        """The plan of the last training forward. Before one, a cost-aware trunk has only the cuts
+        after its features, and its plan says it is not planned yet."""
+        if self._plan is self._fixed_plan and self.cost_aware:
+            kind = "budget" if self.memory_budget is not None else "balanced"
+            return replace(self._plan, strategy=kind, note=f"not planned yet: the {kind} plan is measured at the first training forward (or plan_for(x))")
         return self._plan
 
     @property
@@ -181,6 +186,7 @@ class CheckpointedTrunk(nn.Module):
             plan = self.agreement(plan_trunk(self.plan_request(), x)) if self.cost_aware else self._fixed_plan
             if self._compiled is not None:
                 self._compiled.eager[key] = self._faster_eagerly(plan, x)
+                plan = replace(plan, compiled=True)
             self._plans[key] = plan
         return self._plans[key]
 

@@ -39,6 +39,7 @@ class SplitPlan:
     strategy: str = "vissl"
     predicted_peak_bytes: Optional[int] = None
     note: str = ""  # why the plan is what it is, where that is not obvious ("runs unsplit: ...")
+    compiled: bool = False  # run by a trunk.compile()d trunk: each unit compiled inside eager checkpoints
 
     @property
     def names(self) -> List[str]:
@@ -84,9 +85,8 @@ class SplitPlan:
             chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
             if chosen:
                 text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
-        if regions or any(s.checkpointed for s in self.segments):
-            text += ("\nunder torch.compile(trunk) the checkpointed segments and regions run eagerly; the units between them compile "
-                     "(trunk.compile() compiles every unit, and the last segment's selective regions whole)")
+        if self.compiled:
+            text += "\ncompiled (trunk.compile()): each unit one graph inside eager checkpoints, the last segment's selective regions one graph each"
         return text
 
 
