@@ -187,3 +187,36 @@ def test_a_ranks_measured_step_peak_is_what_the_per_rank_model_predicts(tmp_path
         for gradients in ("allocated", "kept"):
             peak = torch.load(tmp_path / f"peak{rank}_{gradients}.pt")
             assert abs(peak["predicted"] / peak["measured"] - 1) <= 0.05, (gradients, peak)
+
+
+def _mixed_precision_steps(rank, world_size, out):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    trunk = CheckpointedTrunk(_model("vit"), num_splits=3, strategy="balanced")
+    shard_trunk(trunk, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    x = _micro_batch("vit", rank)
+    trunk.plan_for(x.to(torch.bfloat16))  # planning draws no random number: the step's draws are the reference's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(7 + rank)
+        loss_of(trunk(x)).backward()
+    grads = {n: p.grad.full_tensor() * world_size for n, p in trunk.named_parameters()}
+    if rank == 0:
+        torch.save({"grads": grads, "plan": trunk.plan}, os.path.join(out, "mixed.pt"))
+
+
+def test_a_mixed_precision_sharded_trunk_plans_in_the_dtype_it_runs_in(tmp_path):
+    """FSDP2 with param_dtype bf16 casts the trunk's input and gathers its weights in bf16: planning
+    profiles its units in bf16 too (it used to run fp32 copies on the bf16 input and crash), and the
+    step's gradients are those of the model run in bf16 in one process."""
+    run_processes(_mixed_precision_steps, WORLD, (str(tmp_path),))
+    saved = torch.load(tmp_path / "mixed.pt", weights_only=False)
+    assert saved["plan"].strategy == "balanced" and saved["plan"].predicted_peak_bytes
+    reference = CheckpointedTrunk(_model("vit")).to(torch.bfloat16)  # one process, unsharded, unsplit, in bf16
+    for rank in range(WORLD):
+        torch.manual_seed(7 + rank)
+        with threads_of_workers(WORLD):
+            loss_of(reference(_micro_batch("vit", rank).to(torch.bfloat16))).backward()
+    for n, p in reference.named_parameters():
+        ref, got = p.grad.float(), saved["grads"][n].float()
+        assert torch.linalg.vector_norm(got - ref) <= 0.05 * torch.linalg.vector_norm(ref) + 1e-6, n

@@ -141,7 +141,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
         h = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x)  # an inference tensor cannot enter autograd
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
-            m = private_copy(unit)
+            m = private_copy(unit, like=h)
             if i in span_stop:
                 span = (i, h, [])
             tracker = _TensorAccounting()

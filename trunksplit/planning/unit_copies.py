@@ -10,15 +10,31 @@ from torch.distributed.tensor import DTensor
 from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts
 
 
-def private_copy(unit: nn.Module) -> nn.Module:
+def private_copy(unit: nn.Module, like=None) -> nn.Module:
     """A copy of ``unit`` with no hooks, whose trainable parameters hold zero gradients (as from
-    a training's second step on)."""
+    a training's second step on).
+
+    ``like``: the unit's input. A sharded unit whose input is of another floating dtype than its
+    weights runs under FSDP2's mixed precision (``MixedPrecisionPolicy(param_dtype=...)``: the
+    root casts the input, each unit gathers its weights in that dtype), so its copy's parameters
+    are cast to the input's dtype, and the profile is of the step that will run."""
     m = _unsharded_copy(unit) if _is_sharded(unit) else copy.deepcopy(unit)
+    dtype = _floating_dtype(like)
+    if dtype is not None and _is_sharded(unit):
+        for p in m.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
     for sub in m.modules():
         _drop_hooks(sub)
     for p in m.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     return m
+
+
+def _floating_dtype(like):
+    """The dtype of the first floating tensor in ``like`` (a tensor, or a tuple, list or dict of them)."""
+    tensors = like.values() if isinstance(like, dict) else like if isinstance(like, (list, tuple)) else [like]
+    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
 def _drop_hooks(module: nn.Module) -> None:
