@@ -64,9 +64,8 @@ class CheckpointedTrunk(nn.Module):
     keys are the feature block names (``res2.0.conv1.weight``) and do not depend
     on the plan.
 
-    Under ``torch.compile(trunk)`` planning, checkpointed segments and regions run eagerly
-    (graph breaks) and the units between them compile, so the plan's memory is kept;
-    :meth:`compile` compiles each unit inside the checkpoints too (docs/benchmarks.md#torchcompile).
+    Under ``torch.compile(trunk)`` planning and checkpoints run eagerly (graph breaks), keeping the plan's
+    memory; :meth:`compile` compiles each unit inside them too (docs/benchmarks.md#torchcompile).
     """
 
     def __init__(
@@ -148,16 +147,15 @@ class CheckpointedTrunk(nn.Module):
 
     @property
     def plan(self) -> SplitPlan:
-        """The plan of the last training forward. Before one, a cost-aware trunk has only the cuts
-        after its features, and its plan says it is not planned yet."""
+        """The plan of the last training forward (a cost-aware trunk's says "not planned yet" before one)."""
         if self._plan is self._fixed_plan and self.cost_aware:
             kind = "budget" if self.memory_budget is not None else "balanced"
             return replace(self._plan, strategy=kind, note=f"not planned yet: the {kind} plan is measured at the first training forward (or plan_for(x))")
         return self._plan
 
     @property
-    def plans(self) -> Mapping[Hashable, SplitPlan]:
-        """The plans made so far, by :func:`plan_key` (read-only: add one with :meth:`store_plan`)."""
+    def plans(self) -> Mapping[Hashable, SplitPlan]:  # a copy: add one with store_plan
+        """The plans made so far, by :func:`plan_key`."""
         return dict(self._plans)
 
     def store_plan(self, key: Hashable, plan: SplitPlan) -> None:
@@ -240,7 +238,7 @@ class CheckpointedTrunk(nn.Module):
         Exact as eager checkpoints are, within float tolerance of the compiled plain model:
         BatchNorm statistics move once, and a recompute draws its forward's random masks."""
         options, channels_last = default_compile_options(options)
-        if channels_last:
+        if channels_last and sharded_world_size([m for _, m in self.units]) == 1:  # FSDP2 shards contiguous weights only
             self.to(memory_format=torch.channels_last)
         self._compiled = CompiledUnits(options)
         self._plans.clear()

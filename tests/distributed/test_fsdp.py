@@ -220,3 +220,40 @@ def test_a_mixed_precision_sharded_trunk_plans_in_the_dtype_it_runs_in(tmp_path)
     for n, p in reference.named_parameters():
         ref, got = p.grad.float(), saved["grads"][n].float()
         assert torch.linalg.vector_norm(got - ref) <= 0.05 * torch.linalg.vector_norm(ref) + 1e-6, n
+
+
+def _conv_blocks():
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    return OrderedDict(conv1=nn.Conv2d(3, 8, 3, padding=1), bn1=nn.BatchNorm2d(8), relu1=nn.ReLU(), conv2=nn.Conv2d(8, 8, 3, padding=1), bn2=nn.BatchNorm2d(8))
+
+
+def _compiled_and_sharded(rank, world_size, out):
+    """trunk.compile() and shard_trunk, in either order, train as the eager sharded trunk."""
+    x = _micro_batch("traced", rank)[:, :, :8, :8]
+    grads = {}
+    for order in ("eager", "compile_first", "shard_first"):
+        trunk = CheckpointedTrunk(_conv_blocks(), num_splits=2, strategy="balanced")
+        if order == "compile_first":
+            trunk.compile()
+        shard_trunk(trunk)
+        if order == "shard_first":
+            trunk.compile()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss_of(trunk(x)).backward()
+        grads[order] = {n: p.grad.full_tensor() for n, p in trunk.named_parameters()}
+        grads[order + " layout"] = all(p.to_local().is_contiguous() for p in trunk.parameters())
+    if rank == 0:
+        torch.save(grads, os.path.join(out, "compiled.pt"))
+
+
+def test_a_compiled_trunk_shards_and_a_sharded_trunk_compiles_and_both_train_as_the_eager_one(tmp_path):
+    torch._dynamo.reset()
+    run_processes(_compiled_and_sharded, WORLD, (str(tmp_path),), timeout=400)
+    grads = torch.load(tmp_path / "compiled.pt")
+    for order in ("compile_first", "shard_first"):
+        assert grads[order + " layout"]  # FSDP2 shards contiguous weights: no channels-last copy on a sharded trunk
+        for n, ref in grads["eager"].items():
+            assert torch.linalg.vector_norm(grads[order][n] - ref) <= 1e-4 * torch.linalg.vector_norm(ref) + 1e-7, (order, n)

@@ -19,6 +19,7 @@ import yaml
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop
 from trunksplit.ssl import model as model_module
+from trunksplit import trunk as trunk_module
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.model import fit_config_batch
 from trunksplit.ssl import strategy
@@ -541,7 +542,7 @@ def test_a_resumed_run_counts_skipped_images_as_the_uninterrupted_run(tmp_path, 
     assert rows["a"][-1] >= 1 and rows["b"] == rows["a"]
 
 
-def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch(tmp_path, monkeypatch):
+def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch_and_plan(tmp_path, monkeypatch):
     """TRAIN.BATCH_SIZE_PER_RANK 0: the fit is measured, and a second measurement may answer otherwise;
     --resume takes the batch and budget the checkpoint was trained with, never fits again."""
     overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20)), "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2"]
@@ -551,9 +552,10 @@ def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch(tmp_p
     assert fitted >= 1
 
     def another_answer(*args, **kwargs):
-        raise AssertionError("a resumed run fitted its batch again")
+        raise AssertionError("a resumed run fitted its batch, or planned its trunk, again")
 
     monkeypatch.setattr(model_module, "fit_config_batch", another_answer)
+    monkeypatch.setattr(trunk_module, "plan_trunk", another_answer)  # the checkpoint's plan is the one it trained with
     resumed, last = train(cfg, resume=True)
     assert last["step"] == 4 and last["images_per_sec"] > 0
     saved = yaml.safe_load(torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["config"])

@@ -10,6 +10,7 @@ block and sharding it, torchtitan's layout, with the cuts trunksplit plans.
 """
 import functools
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -41,6 +42,8 @@ def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> Ch
         raise ValueError("shard_trunk needs a process group: run under torchrun and call torch.distributed.init_process_group() first")
     if trunk.use_reentrant:
         raise ValueError("FSDP2 runs its hooks inside the checkpointed forward, which needs use_reentrant=False; build the trunk with it")
+    if trunk.compile_options is not None:  # trunk.compile() stored the weights channels-last; FSDP2 shards contiguous ones
+        trunk.to(memory_format=torch.contiguous_format)
     for _, unit in trunk.units:
         if not isinstance(unit, FSDPModule) and any(p.requires_grad for p in unit.parameters()):
             fully_shard(unit, mesh=mesh, **fully_shard_kwargs)  # a unit run twice (shared weights) is sharded once

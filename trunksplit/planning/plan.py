@@ -4,6 +4,7 @@ A plan cuts the trunk's chain of units into contiguous segments (see
 :func:`trunksplit.chains.blocks.expand_units`); a segment may hold regions,
 runs of units checkpointed again inside it (see :mod:`trunksplit.recompute.regions`).
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -44,6 +45,16 @@ class SplitPlan:
     @property
     def names(self) -> List[str]:
         return [s.name for s in self.segments]
+
+    def state(self) -> dict:
+        """The plan as plain containers (strings, numbers, tuples), which a ``weights_only``
+        checkpoint holds: a resumed run trains on the plan it saved, not on one measured again."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SplitPlan":
+        segments = tuple(Segment(**{**s, "regions": tuple(tuple(r) for r in s["regions"])}) for s in state["segments"])
+        return cls(**{**state, "units": tuple(state["units"]), "segments": segments})
 
     @property
     def regions(self) -> List[Tuple[int, int, str]]:

@@ -22,7 +22,7 @@ from .losses import nt_xent, swav_loss
 from .model import SSLModel, build_model, student_copy, with_batch, with_fitted_batch
 from .optim import build_optimizer, set_schedules
 from .parallel import setup_distributed
-from .run_dir import CHECKPOINT, METRICS, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
+from .run_dir import CHECKPOINT, METRICS, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
 
 
@@ -41,13 +41,14 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     wrapped = strategy.wrap(cfg, model)
     optimizer = build_optimizer(cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
-    start, rows, skipped = resume_from(cfg, model, optimizer, scaler, rank, world, strategy.load) if resume else (0, [], {})
+    resumed = resume_from(cfg, model, optimizer, scaler, rank, world, strategy.load) if resume else Resumed()
+    start, skipped = resumed.step, resumed.skipped
     autocast = _autocast(cfg, device)
     kept = cfg.TRAIN.GRADIENTS == "kept"
     # planned before anything is written: an infeasible MEMORY_BUDGET leaves no run directory behind
     setup_seconds = _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast)
     if rank == 0:
-        start_run_dir(cfg, rows)
+        start_run_dir(cfg, resumed.rows)
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0, desc="train")
     batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
     last = None  # skipped: unreadable file -> times it was skipped
@@ -152,7 +153,8 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
 
 def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, skipped: dict) -> None:
     rng = rng_states(strategy.world)  # every rank's: stochastic depth and dropout draw from them
-    meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng, "skipped_images": dict(skipped)}
+    meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng, "skipped_images": dict(skipped),
+            "plans": [(key, plan.state()) for key, plan in model.trunk.plans.items()]}
     strategy.save(cfg, model, optimizer, meta)
 
 

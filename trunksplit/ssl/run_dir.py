@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
@@ -12,6 +13,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..planning.plan import SplitPlan
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -115,11 +118,20 @@ def saved_batch(cfg) -> Optional[Tuple[int, float]]:
         return None
 
 
-def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load):
+@dataclass
+class Resumed:
+    """What a run continues from: the step, the metrics rows logged up to it, the unreadable files
+    skipped up to it (and how often). A new run starts from the defaults."""
+
+    step: int = 0
+    rows: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)
+
+
+def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> Resumed:
     """Load the run's checkpoint into ``model``, ``optimizer`` (``load(cfg, state, model, optimizer)``:
-    the strategy's), ``scaler`` and this rank's random number generators; returns (the step to
-    continue from, the metrics rows logged up to it, the unreadable files skipped up to it and how
-    often), read and checked before anything is written."""
+    the strategy's), ``scaler``, this rank's random number generators and the trunk's plans (those
+    it trained with: a plan measured again may differ); read and checked before anything is written."""
     ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
     state = load_checkpoint(ckpt_path)
     _check_same_model(state, cfg, ckpt_path)
@@ -130,8 +142,10 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load):
     if "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state.get("rng"), rank, world, ckpt_path)
+    for key, plan in state.get("plans") or []:
+        model.trunk.store_plan(key, SplitPlan.from_state(plan))
     start = state["step"]
-    return start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start), dict(state.get("skipped_images") or {})
+    return Resumed(start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start), dict(state.get("skipped_images") or {}))
 
 
 def start_run_dir(cfg, rows) -> None:
