@@ -233,3 +233,39 @@ def test_families_train_under_both_ddp_paths_like_one_process(name, manual, tmp_
         assert set(got) == set(want)  # every trunk parameter has a gradient, the head none
         for n in want:
             assert torch.allclose(want[n], got[n], rtol=1e-5, atol=1e-6), n
+
+
+def _conv_blocks():
+    from collections import OrderedDict
+
+    torch.manual_seed(0)  # no conv bias: before BatchNorm its gradient is zero but for rounding
+    return OrderedDict(conv1=nn.Conv2d(3, 8, 3, padding=1, bias=False), bn1=nn.BatchNorm2d(8), relu1=nn.ReLU(),
+                       conv2=nn.Conv2d(8, 8, 3, padding=1, bias=False), bn2=nn.BatchNorm2d(8))
+
+
+def _compiled_under_ddp(rank, world_size, out):
+    """trunk.compile() (inductor) under plain DDP, two forwards per step, against the eager DDP trunk."""
+    views = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    grads = {}
+    for compiled in (False, True):
+        trunk = CheckpointedTrunk(_conv_blocks(), num_splits=2, strategy="balanced")
+        if compiled:
+            trunk.compile()
+        ddp = DDP(trunk)
+        for _ in range(2):  # two steps: the second runs compiled code already made
+            ddp.zero_grad()
+            sum(loss_of(ddp(v)) for v in views).backward()
+        grads[compiled] = {n: p.grad.clone() for n, p in trunk.named_parameters()}
+        grads[f"{compiled} buffers"] = {n: b.clone() for n, b in trunk.named_buffers()}
+    if rank == 0:
+        torch.save(grads, f"{out}/compiled.pt")
+
+
+def test_a_compiled_trunk_trains_under_ddp_as_the_eager_one(tmp_path):
+    torch._dynamo.reset()
+    run_processes(_compiled_under_ddp, 2, (str(tmp_path),), timeout=400)
+    grads = torch.load(tmp_path / "compiled.pt")
+    for n, ref in grads[False].items():
+        assert torch.linalg.vector_norm(grads[True][n] - ref) <= 1e-4 * torch.linalg.vector_norm(ref) + 1e-7, n
+    for n, ref in grads["False buffers"].items():
+        assert torch.allclose(grads["True buffers"][n].float(), ref.float(), rtol=1e-4, atol=1e-6), n
