@@ -100,9 +100,11 @@ class PeakModel:
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
         self.compiled = compiled
-        # a unit's backward beyond what its forward left: see ``compiled``
-        whole_grads = compiled and gradients == "kept" and c.backward_fresh and not c.gathered
-        self._backward_excess = c.backward_fresh if whole_grads else c.backward_excess
+        # a unit's backward beyond what its forward left. Its own gradients stay as its backward makes
+        # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
+        # own at once), or where a compiled graph returns them together (see ``compiled``)
+        own_grads_stay = gradients == "allocated" or compiled
+        self._backward_excess = c.backward_fresh if own_grads_stay and c.backward_fresh and not c.gathered else c.backward_excess
         self._param_prefix = _prefix(c.param_bytes)
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
