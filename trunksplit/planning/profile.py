@@ -44,9 +44,8 @@ class UnitCosts:
     - ``backward_fresh``: the same peak when the unit's parameters hold no gradient yet, so
       that each gradient its backward makes stays (as under FSDP2, whose gathered weights
       start every backward without one): ``backward_excess`` less the transient weight
-      gradients, plus the unit's gradients as they appear, in the order backward makes them,
-      and beside a convolution's new weight gradient a scratch of its size (oneDNN's, which the
-      allocator holds and the tensor tracker cannot see).
+      gradients, plus the unit's gradients as they appear, in the order backward makes them (the
+      allocator's figure also holds a CPU convolution's weight-gradient scratch beside each).
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
@@ -304,10 +303,10 @@ class _held_when_fresh:
     one freed after), count each parameter's gradient as ``tracker.held`` from its first
     accumulation on: what the same backward would hold had the gradients not existed.
 
-    A convolution's weight gradient on CPU is written by oneDNN into a scratch buffer of its
-    own layout, then copied out: the allocator holds both for a moment, the tensor tracker sees
-    only the second. That moment (the new gradient, and a scratch of its size, above all that
-    is held) is counted into ``tracker.peak_with_held`` too."""
+    Tensor storages only, as the tracker that measures a step on CPU counts them: a CPU
+    convolution's weight-gradient scratch (oneDNN's), which the allocator holds beside each new
+    gradient for a moment, is in the allocator's figures (``profile_units(allocator=True)``,
+    what FSDP2 ranks and compiled trunks on CPU plan from), not here."""
 
     def __init__(self, m: nn.Module, tracker: _TensorAccounting):
         self.params = [p for p in m.parameters() if p.requires_grad]
@@ -317,16 +316,12 @@ class _held_when_fresh:
         seen = set()
         t = self.tracker
 
-        def arriving(grad):
-            if grad.dim() > 2:  # a convolution's weight: its kernel's scratch beside the new gradient
-                t.peak_with_held = max(t.peak_with_held, t.current + t.held + grad.numel() * grad.element_size())
-
         def accumulated(p):
             if id(p) not in seen:
                 seen.add(id(p))
                 t.held += p.numel() * p.element_size()
 
-        self.handles = [h for p in self.params for h in (p.register_hook(arriving), p.register_post_accumulate_grad_hook(accumulated))]
+        self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params]
         return self
 
     def __exit__(self, *exc):
