@@ -6,7 +6,7 @@ import pytest
 import torch
 import torchvision
 
-from trunksplit import PeakMemory, fit, scaling
+from trunksplit import PeakMemory, fit, optimizer_in_backward, scaling
 from trunksplit.cli import main
 from trunksplit.planning.budget import parse_memory_size
 
@@ -33,7 +33,13 @@ def _measured_total(model, trunk, batch, optimizer, gradients):
     state and the gradients, summed from the live tensors, plus the measured peak of forward, backward and
     the optimizer's step."""
     params = [p for p in trunk.parameters() if p.requires_grad]
-    opt = {"sgd": lambda: torch.optim.SGD(params, lr=0.01, momentum=0.9), "adamw": lambda: torch.optim.AdamW(params, lr=1e-4), None: lambda: None}[optimizer]()
+    made = {"sgd": (torch.optim.SGD, dict(lr=0.01, momentum=0.9)), "adamw": (torch.optim.AdamW, dict(lr=1e-4))}.get(optimizer)
+    if made is None:
+        opt = None
+    elif gradients == "in_backward":  # each parameter updated in backward, as the trunk was planned for
+        opt = optimizer_in_backward(trunk, made[0], **made[1])
+    else:
+        opt = made[0](params, **made[1])
     x = torch.randn(batch, *SHAPE)
 
     def step():
@@ -41,10 +47,10 @@ def _measured_total(model, trunk, batch, optimizer, gradients):
         if opt is not None:
             opt.step()
         for p in params:
-            if gradients == "allocated":
-                p.grad = None
-            else:
+            if gradients == "kept":
                 p.grad.zero_()
+            else:
+                p.grad = None
 
     step()  # the optimizer's state exists from the first step on
     state = [t for s in (opt.state.values() if opt else []) for t in s.values()]
@@ -55,8 +61,8 @@ def _measured_total(model, trunk, batch, optimizer, gradients):
     return before + mem.peak_bytes
 
 
-@pytest.mark.parametrize("gradients", ["allocated", "kept"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw", None])
+@pytest.mark.parametrize("gradients,optimizer", [(g, o) for g in ("allocated", "kept") for o in ("sgd", "adamw", None)]
+                         + [("in_backward", "sgd"), ("in_backward", "adamw")])
 def test_a_real_step_at_the_fitted_batch_fills_90_to_100_percent_of_memory(optimizer, gradients):
     model = _model().eval()
     before = copy.deepcopy(model.state_dict())

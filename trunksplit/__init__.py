@@ -5,6 +5,7 @@ Layers, each importing only those below it:
     cli/          the trunksplit command (plan, bench, fit, bench-data)
     ssl/          the launcher: config, data, models, losses, the distributed strategy, the loop
     fit.py        the largest batch that fits a memory size
+    in_backward.py the optimizer stepped in backward: each gradient freed at its update
     lars.py       the LARS optimizer (vissl's LARC)
     distributed/  several processes: vissl's manual DDP helpers, FSDP2 sharding, rank agreement
     trunk.py      CheckpointedTrunk: runs a plan
@@ -15,6 +16,7 @@ Layers, each importing only those below it:
 from .chains import feature_blocks, layer_splittable_before, register_trunk
 from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk
 from .fit import Fit, ScalingRow, fit, scaling
+from .in_backward import InBackwardOptimizer, optimizer_in_backward
 from .lars import LARS
 from .planning.budget import MemoryBudget
 from .planning.memory import PeakMemory
@@ -32,6 +34,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointedTrunk",
     "Fit",
+    "InBackwardOptimizer",
+    "optimizer_in_backward",
     "LARS",
     "fit",
     "scaling",

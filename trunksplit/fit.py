@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .chains import feature_blocks
+from .in_backward import optimizer_in_backward, update_temporaries
 from .lars import LARS
 from .planning.budget import format_bytes, parse_memory_size
 from .planning.memory import PeakMemory
@@ -80,7 +81,8 @@ def fit(
     ``model``'s parameters and buffers, the gradients of the parameters the trunk
     trains, ``optimizer``'s state (``"sgd"`` with momentum: one buffer per
     parameter, as ``"lars"``; ``"adamw"``: two; ``None``: none) and the step's peak. ``gradients``
-    is how the loop clears them (see :class:`CheckpointedTrunk`). ``out_feat_keys``
+    is how the loop clears them (see :class:`CheckpointedTrunk`); ``"in_backward"``: ``optimizer``
+    steps in backward (:func:`trunksplit.optimizer_in_backward`), its updates within the step's peak. ``out_feat_keys``
     defaults to the model's last feature block, as the trunk's does. ``num_splits``
     bounds the segment count. Returns a :class:`Fit` whose ``trunk`` is planned for
     the batch found. With ``verify``, one step at that batch is measured (the model's
@@ -102,9 +104,7 @@ def fit(
     device = next(model.parameters()).device
     blocks = feature_blocks(model)
 
-    def trunk(**kw) -> CheckpointedTrunk:
-        return CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant, **kw)
-
+    trunk = _trunk_maker(blocks, out_feat_keys, num_splits, gradients, use_reentrant, optimizer, device)
     chain = _ScaledChain(trunk(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
@@ -128,7 +128,7 @@ def fit(
         predicted = max(plan.predicted_peak_bytes, optimizer_peak)
         if not verify:
             break
-        measured = resident + max(_measured_step(fitted, _check_input(batch, input_shape, device)), optimizer_peak)
+        measured = resident + max(_measured_step(fitted, _check_input(batch, input_shape, device), optimizer), optimizer_peak)
         if measured <= memory or batch == 1:
             break
         batch = max(1, min(batch - 1, int(batch * (memory - resident) / (measured - resident))))
@@ -160,7 +160,7 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     counted for each world size. A prediction: nothing runs sharded here."""
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
-    base = _ScaledChain(CheckpointedTrunk(feature_blocks(model), gradients=gradients), input_shape, device)
+    base = _ScaledChain(_trunk_maker(feature_blocks(model), None, None, gradients, False, optimizer, device)(), input_shape, device)
     transient = _optimizer_step_transient(base.trunk, optimizer)
     rows = []
     for n in world_sizes:
@@ -178,9 +178,27 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     return rows
 
 
+def _trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[str], device) -> Callable[..., CheckpointedTrunk]:
+    """What makes fit's trunks (``maker(memory_budget=...)``); stepped in backward, planned for ``optimizer``'s updates."""
+    if gradients == "in_backward" and optimizer is None:
+        raise ValueError("gradients='in_backward' steps an optimizer in backward: name it (optimizer='sgd', 'lars' or 'adamw')")
+    temporaries = update_temporaries(*NAMED_OPTIMIZERS[optimizer], device) if gradients == "in_backward" else None
+
+    def maker(**kw) -> CheckpointedTrunk:
+        made = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant, **kw)
+        if temporaries is not None:
+            made.update_temporaries = temporaries
+        return made
+
+    return maker
+
+
 def _optimizer_peak(chain: "_ScaledChain", rank: RankMemory, transient: int) -> int:
     """The optimizer step's peak beyond what is resident: the gradients (all allocated by then)
-    and its temporaries (``transient``, measured on the whole model, scaled to a shard)."""
+    and its temporaries (``transient``, measured on the whole model, scaled to a shard). Stepped in
+    backward there is no step after it: the updates are in the step's peak."""
+    if rank.in_backward:
+        return 0
     scaled = transient * rank.gradients // max(1, chain.full_grad_bytes)
     return (rank.gradients if not rank.gradients_kept else 0) + scaled
 
@@ -217,25 +235,28 @@ class _ScaledChain:
         """The step peak at ``batch`` of a plan of :data:`SCALING_PLANS` (trunksplit's: the lowest)."""
         if kind == "trunksplit":
             return self.lowest_peak(batch)
-        peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
+        peaks = self._peaks(batch)
         return peaks.peak(self._fixed_starts(kind))
 
     def least_recompute(self, batch: int, kind: str, budget: int) -> Tuple[int, float]:
         """(step peak, FLOPs run again / forward FLOPs) at ``batch``: trunksplit's plan with the
         least recompute within ``budget`` (where one fits; else the lowest peak), or the fixed one."""
-        peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
+        peaks = self._peaks(batch)
         starts = self._fixed_starts(kind) if kind != "trunksplit" else None
         if starts is None:
             cuts = best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
             starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits)).starts
         return peaks.peak(starts), peaks.total_recompute(starts) / max(1, sum(peaks.costs.flops))
 
+    def _peaks(self, batch: int) -> PeakModel:
+        return PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients, update_temporaries=self.trunk.update_temporaries)
+
     def _fixed_starts(self, kind: str) -> List[int]:
         """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
         return [0] + ([i for i in range(1, len(self.units)) if self.splittable[i]] if kind == "every unit" else [])
 
     def _cuts(self, batch: int, budget: Optional[int] = None):
-        peaks = PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients)
+        peaks = self._peaks(batch)
         return peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
 
     def lowest_peak(self, batch: int) -> int:
@@ -288,6 +309,7 @@ def _scaled(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
         input_from=c1.input_from,
         keeps_output=c1.keeps_output,
         param_bytes=c1.param_bytes,
+        largest_param=c1.largest_param,
         gathered=c1.gathered,
         **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts},
     )
@@ -297,12 +319,15 @@ def _trainable(trunk: nn.Module):
     return [p for p in trunk.parameters() if p.requires_grad]
 
 
+# each name's optimizer (class, arguments) as fit and ``trunksplit plan`` count it: its state and its
+# update's temporaries matter, not the values
+NAMED_OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)), "lars": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)),
+               "adamw": (torch.optim.AdamW, dict(lr=1e-3))}
+
+
 def _make_optimizer(name: str, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if name == "lars":
-        return LARS(params, lr=0.1, momentum=0.9, weight_decay=1e-6)
-    return torch.optim.AdamW(params, lr=1e-3)
+    optimizer_class, kwargs = NAMED_OPTIMIZERS[name]
+    return optimizer_class(params, **kwargs)
 
 
 def _optimizer_step_transient(trunk: nn.Module, name: Optional[str]) -> int:
@@ -326,21 +351,34 @@ def _stand_ins(trunk: nn.Module, make):
     return stand_ins
 
 
-def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor) -> int:
-    """Peak of one training step of ``trunk`` on ``x``, beyond what was live before it; leaves no trace."""
+def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor, optimizer: Optional[str] = None) -> int:
+    """Peak of one training step of ``trunk`` on ``x``, beyond what was live before it; leaves no trace.
+    With gradients ``"in_backward"``, ``optimizer`` steps in backward (its state made by a first,
+    unmeasured step; the weights are put back after)."""
     params = _trainable(trunk)
     grads = [p.grad for p in params]
     buffers = [b.clone() for b in trunk.buffers()]
+    weights = [p.detach().clone() for p in params] if trunk.gradients == "in_backward" else []
     modes = [(m, m.training) for m in trunk.modules()]  # the model's own modules: put their mode back too
+    stepping = None
+    if weights:
+        optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
+        stepping = optimizer_in_backward(params, optimizer_class, **kwargs)
     try:
         for p in params:
-            p.grad = None if trunk.gradients == "allocated" else torch.zeros_like(p)
+            p.grad = torch.zeros_like(p) if trunk.gradients == "kept" else None
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trunk.train()
-            with PeakMemory(x.device) as mem:
-                sum(f.float().sum() for f in trunk(x)).backward()
+            for _ in range(2 if stepping else 1):
+                with PeakMemory(x.device) as mem:
+                    sum(f.float().sum() for f in trunk(x)).backward()
     finally:
+        if stepping is not None:
+            stepping.remove()
+        with torch.no_grad():
+            for p, w in zip(params, weights):
+                p.copy_(w)
         for p, g in zip(params, grads):
             p.grad = g
         with torch.no_grad():

@@ -12,12 +12,12 @@ from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, l
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
 from .planning.plan import SplitPlan
-from .planning.request import STRATEGIES, PlanRequest, plan_key
+from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, plan_key
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
-from .planning.timing import faster_eagerly
+from .planning.timing import run_eagerly
 from .planning.vissl import vissl_plan
-from .recompute.compiled import CompiledUnits, compiled_apart, default_compile_options, eager_region, eager_segment, run_plain, run_units_apart
+from .recompute.compiled import CompiledUnits, default_compile_options, eager_region, eager_segment, run_plain, run_units_apart
 from .recompute.regions import run_units
 
 __all__ = ["CheckpointedTrunk", "STRATEGIES", "plan_key"]
@@ -47,9 +47,10 @@ class CheckpointedTrunk(nn.Module):
         gradients: how the training loop clears gradients, which cost-aware plans
             must know: ``"allocated"`` (torch's default ``zero_grad()`` sets them to
             None, so every step allocates them during backward) or ``"kept"``
-            (``zero_grad(set_to_none=False)``: they stay allocated between steps).
-            Budgets and fractions are of what the step allocates beyond what was
-            live before it, in that mode.
+            (``zero_grad(set_to_none=False)``: they stay allocated between steps) or
+            ``"in_backward"`` (:func:`trunksplit.optimizer_in_backward` updates each parameter
+            and frees its gradient as soon as it is whole). Budgets and fractions are of
+            what the step allocates beyond what was live before it, in that mode.
         objective: what cost-aware plans minimise among those that fit: ``"time"``
             prices recompute in seconds from the ops timed while profiling (one byte of
             cheap ops such as BatchNorm is worth so many convolution FLOPs on this
@@ -96,9 +97,8 @@ class CheckpointedTrunk(nn.Module):
         self.strategy = strategy
         self.memory_budget: Optional[MemoryBudget] = MemoryBudget.parse(memory_budget)
         self.use_reentrant = bool(use_reentrant)
-        self.gradients = gradients
-        self.objective = objective
-        self._ends = ends
+        self.gradients, self.objective, self._ends = gradients, objective, ends
+        self._update_temporaries = UPDATE_TEMPORARIES  # in_backward: see update_temporaries
         PlanRequest((), tuple(ends.items()), num_splits, strategy, self.memory_budget, gradients, objective)  # validates, before any change
         for name in self._keys:
             self.add_module(_child_name(name), blocks[name])
@@ -130,10 +130,8 @@ class CheckpointedTrunk(nn.Module):
     def plan_request(self) -> PlanRequest:
         """What the planner is asked for this trunk (see :class:`trunksplit.planning.request.PlanRequest`)."""
         units = tuple(self.units)
-        return PlanRequest(
-            units, tuple(self._ends.items()), self.num_splits, self.strategy, self.memory_budget, self.gradients,
-            self.objective, self.use_reentrant, self._compiled is not None, sharded_world_size([m for _, m in units]),
-        )
+        return PlanRequest(units, tuple(self._ends.items()), self.num_splits, self.strategy, self.memory_budget, self.gradients, self.objective,
+                           self.use_reentrant, self._compiled is not None, sharded_world_size([m for _, m in units]), self._update_temporaries)
 
     def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
         """The trunk's weights and buffers under the names of the model it was built from
@@ -159,9 +157,8 @@ class CheckpointedTrunk(nn.Module):
         return dict(self._plans)
 
     def store_plan(self, key: Hashable, plan: SplitPlan) -> None:
-        """Run ``plan`` for inputs of ``key`` (:func:`plan_key`, or :meth:`key_for` of a sample)
-        instead of planning at the first forward: a plan made elsewhere (``fit`` plans batches
-        it never allocates) or by hand. It must cut this trunk's units."""
+        """Run ``plan`` (made elsewhere: ``fit`` plans batches it never allocates) for inputs of ``key``
+        (:func:`plan_key`, or :meth:`key_for` of a sample) instead of planning; it must cut these units."""
         if tuple(plan.units) != tuple(n for n, _ in self.units):
             raise ValueError(f"this plan cuts the units {list(plan.units)[:4]}..., not this trunk's {[n for n, _ in self.units][:4]}...")
         self._plans[key] = plan
@@ -183,7 +180,7 @@ class CheckpointedTrunk(nn.Module):
         if key not in self._plans:
             plan = self.agreement(plan_trunk(self.plan_request(), x)) if self.cost_aware else self._fixed_plan
             if self._compiled is not None:
-                self._compiled.eager[key] = self._faster_eagerly(plan, x)
+                self._compiled.eager[key] = run_eagerly(self._compiled, [m for _, m in self.units], plan.segments, x, self.agreement)
                 plan = replace(plan, compiled=True)
             self._plans[key] = plan
         return self._plans[key]
@@ -229,11 +226,9 @@ class CheckpointedTrunk(nn.Module):
         again (on CPU from the allocator's figures, which measure a compiled step) and, with
         inductor, runs eagerly the units measured faster so.
 
-        Sharp edges: with inductor and no ``mode`` nor ``layout_optimization`` option, the
-        convolution weights are stored channels-last, in place (the model's own parameters), and
-        inductor's layout optimisation is off: it saves a copy of every weight for backward that no
-        plan holds. ``dynamic=False`` unless given: dynamo learns dynamic sizes per function name,
-        which all units share. Unlike ``nn.Module.compile``, the forward stays Python.
+        Sharp edges (why: ``default_compile_options``): with inductor and no ``mode`` nor
+        ``layout_optimization`` option, the convolution weights are stored channels-last, in place;
+        ``dynamic=False`` unless given. Unlike ``nn.Module.compile``, the forward stays Python.
 
         Exact as eager checkpoints are, within float tolerance of the compiled plain model:
         BatchNorm statistics move once, and a recompute draws its forward's random masks."""
@@ -243,6 +238,17 @@ class CheckpointedTrunk(nn.Module):
         self._compiled = CompiledUnits(options)
         self._plans.clear()
         self._plan = self._fixed_plan
+
+    @property
+    def update_temporaries(self) -> float:
+        """``gradients="in_backward"``: tensors of a parameter's size one update allocates (set by
+        :func:`trunksplit.optimizer_in_backward`, measured); a change replans."""
+        return self._update_temporaries
+
+    @update_temporaries.setter
+    def update_temporaries(self, value: float) -> None:
+        replace(self.plan_request(), update_temporaries=value)  # validates, before any change
+        self._update_temporaries, self._plans, self._plan = value, {}, self._fixed_plan
 
     @property
     def compile_options(self) -> Optional[dict]:
@@ -255,20 +261,11 @@ class CheckpointedTrunk(nn.Module):
         body = functools.partial(run_units, copy_input, regions, checkpointed)
         if torch.compiler.is_compiling():
             # a budget's promise with gradients kept: see run_units_apart
-            apart = self.memory_budget is not None and self.gradients == "kept" and not checkpointed and self.training and torch.is_grad_enabled()
+            apart = self.memory_budget is not None and self.gradients != "allocated" and not checkpointed and self.training and torch.is_grad_enabled()
             return functools.partial(body, plain=run_units_apart if apart else run_plain, region=eager_region)
         if self._compiled is None:
             return functools.partial(body, region=eager_region)
         return functools.partial(body, plain=self._compiled.units, region=self._compiled.region)
-
-    def _faster_eagerly(self, plan: SplitPlan, x) -> frozenset:
-        """The unit groups ``plan`` runs compiled one by one that step faster eagerly on ``x``
-        (ids of their units): they run eagerly. Every rank runs the ones ``agreement`` returns."""
-        if not self._compiled.times_units:
-            return frozenset()
-        units = [m for _, m in self.units]
-        slower = self.agreement(faster_eagerly(units, x, compiled_apart(plan.segments, units), lambda a, b: self._compiled.group(units[a:b])))
-        return frozenset(tuple(map(id, units[a:b])) for a, b in slower)
 
     def extra_repr(self) -> str:
         budget = f", memory_budget={self.memory_budget}" if self.memory_budget is not None else ""
@@ -283,7 +280,6 @@ def _alone(decision):
 def _child_name(key: str) -> str:
     """A block's module name: traced blocks are named ``layer3.1``, and module names cannot hold dots."""
     return key.replace(".", "_")
-
 
 
 def _load_model_names(trunk: "CheckpointedTrunk", state_dict, prefix: str, *args) -> None:

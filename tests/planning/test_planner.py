@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit import CheckpointedTrunk, PeakMemory, optimizer_in_backward
 from trunksplit.planning.budget import format_bytes
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
@@ -103,13 +103,31 @@ def test_under_fsdp2_a_rank_holds_the_gathered_weights_where_fsdp2_does():
     assert PeakModel(fresh, [3], "kept").peak([0]) == 30 + 35 + 5 + 20
 
 
+def test_stepped_in_backward_a_units_backward_holds_its_largest_parameters_update_and_no_later_gradient():
+    """Three units with weights of 10, 20 and 40 bytes (c's largest parameter: 30), nothing else costing
+    memory but each unit's new gradient during its backward. Allocated by the step, a's backward holds
+    its 10 beside b's and c's 60: 70. Kept: c's 40. Stepped in backward by an optimizer whose update
+    makes two tensors of a parameter's size: c's 40 and 2 x 30 for its largest parameter's update: 100,
+    while no later gradient is held (b: 20 + 2 x 20, a: 10 + 2 x 10)."""
+    zeros, params = (0,) * 3, (10, 20, 40)
+    costs = UnitCosts(names=("a", "b", "c"), output=zeros, saved=zeros, saves_input=(False,) * 3, input_from=(-1, 0, 1),
+                      keeps_output=(False,) * 3, forward_peak=zeros, backward_excess=params, flops=(1,) * 3, param_bytes=params,
+                      largest_param=(10, 20, 30))
+    assert PeakModel(costs, [2], "allocated").peak([0]) == 70
+    assert PeakModel(costs, [2], "kept").peak([0]) == 40
+    assert PeakModel(costs, [2], "in_backward", update_temporaries=2).peak([0]) == 100
+    assert PeakModel(costs, [2], "in_backward", update_temporaries=0).peak([0]) == 40
+    assert PeakModel(costs, [2], "kept", update_temporaries=2).peak([0]) == 40  # the optimizer steps after backward
+
+
 def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_passed():
     """Three units of a selective region, with weights of 10, 20 and 40 bytes and nothing else
     costing memory but each unit's new gradient during its backward. Eager autograd adds each new
     gradient into a kept ``.grad`` at once: the region's backward peaks at 40. Compiled, the region
     is one graph whose backward returns all three together: 70. With gradients allocated by the
-    step both hold them all (70). The cheap ops a compiled region runs again fuse into its backward:
-    it costs no cheap bytes (5 per unit eagerly)."""
+    step both hold them all (70). Stepped in backward, as kept (these costs have no update to hold).
+    The cheap ops a compiled region runs again fuse into its backward: it costs no cheap bytes (5 per
+    unit eagerly)."""
     zeros, params = (0,) * 3, (10, 20, 40)
     costs = UnitCosts(names=("a", "b", "c"), output=zeros, saved=zeros, saves_input=(False,) * 3, input_from=(-1, 0, 1),
                       keeps_output=(False,) * 3, forward_peak=zeros, backward_excess=params, flops=(1,) * 3, param_bytes=params,
@@ -117,7 +135,8 @@ def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_pa
     costs = replace(costs, policies={"save_expensive": replace(costs, eligible=(True,) * 3)})
     spans, region = [(0, 1), (1, 2), (2, 3)], [(0, 3, "save_expensive")]
     peak = {(g, c): PeakModel(costs, [2], g, spans, compiled=c).peak([0], region) for g in GRADIENT_MODES for c in (False, True)}
-    assert peak == {("kept", False): 40, ("kept", True): 70, ("allocated", False): 70, ("allocated", True): 70}
+    assert peak == {("kept", False): 40, ("kept", True): 70, ("allocated", False): 70, ("allocated", True): 70,
+                    ("in_backward", False): 40, ("in_backward", True): 70}
     [(_, eager)], [(_, compiled)] = (PeakModel(costs, [2], "kept", spans, compiled=c).segments([0], region) for c in (False, True))
     assert eager[:2] == (0, 15) and compiled[:2] == (0, 0)
 
@@ -463,12 +482,14 @@ def test_a_unit_that_holds_most_weights_is_predicted_in_every_gradient_mode(grad
     the model predicted the one-unit step 13% low there (timm's pit_ti_224: 20.7 MiB against 29.2)."""
     torch.manual_seed(0)
     trunk = CheckpointedTrunk(_TwoStreams(), num_splits=4, strategy="balanced", gradients=gradients)
+    if gradients == "in_backward":
+        optimizer_in_backward(trunk, torch.optim.SGD, lr=0.01, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(1, 3, 32, 32)
     plan = trunk.plan_for(x)
     assert len(trunk.units) == 1
     loss_of(trunk(x)).backward()
     for p in trunk.parameters():
-        p.grad = None if gradients == "allocated" else torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if gradients == "kept" else None
     with PeakMemory() as mem:
         loss_of(trunk(x)).backward()
     assert abs(plan.predicted_peak_bytes / mem.peak_bytes - 1) <= 0.02, (plan.predicted_peak_bytes, mem.peak_bytes)

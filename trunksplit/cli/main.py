@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from ..chains import expand_units, feature_blocks
-from ..fit import fit
+from ..fit import NAMED_OPTIMIZERS, fit
+from ..in_backward import update_temporaries
 from ..planning.budget import MemoryBudget, parse_memory_size
 from ..planning.request import GRADIENT_MODES, OBJECTIVES
 from ..planning.search import annotate, peak_model, plan_trunk
@@ -26,7 +27,8 @@ from .bench_data import run_data_benchmark
 
 
 OBJECTIVE_HELP = "what cost-aware plans minimise: time (recompute priced from ops timed while profiling) or flops (FLOPs run again)"
-GRADIENTS_HELP = "allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False)"
+GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False); "
+                  "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
 
 
 def _dims(text: str, count: int, example: str):
@@ -94,6 +96,8 @@ def _plan(args) -> int:
             model = build_backbone(args.arch, args.input[-1])
             trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
                                      objective=args.objective)
+            if args.gradients == "in_backward":
+                trunk.update_temporaries = _update_temporaries(args.optimizer)
             request = trunk.plan_request()
             # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
             with _progress(len(request.units), "profiling units") as step:
@@ -114,6 +118,13 @@ def _plan(args) -> int:
     # the trunk, not the model: blocks after the last requested feature, and the classifier, are not trained
     print(rank_memory(trunk, list(request.modules), args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
     return 0
+
+
+def _update_temporaries(optimizer: str) -> float:
+    """What one parameter's update allocates, for ``--optimizer`` stepped in backward."""
+    if optimizer == "none":
+        raise ValueError("--gradients in_backward steps an optimizer in backward: name it with --optimizer (sgd, lars or adamw)")
+    return update_temporaries(*NAMED_OPTIMIZERS[optimizer])
 
 
 def _bench(args) -> int:
@@ -210,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu, cuda or cuda:N")
     b.add_argument("--out", type=_writable_dir, default="output/bench", help="where benchmark.md and benchmark.png are written")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
-    b.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
+    b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0])
     b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["flops"], help=OBJECTIVE_HELP + "; several: budget rows for each")
     b.set_defaults(fn=_bench)
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")

@@ -64,6 +64,11 @@ class _TensorAccounting(TorchDispatchMode):
         self.peak_with_held = max(self.peak_with_held, self.current + self.held)
         return out
 
+    def current_bytes(self) -> int:
+        """The bytes alive now (``current`` is brought up to date at each op)."""
+        self._sweep()
+        return self.current
+
     def _sweep(self):
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
         for k in dead:

@@ -15,7 +15,10 @@ checkpointed) holds, while segment j runs its backward:
   the step allocates them in backward order: ``gradients="allocated"``), the
   gradients of every parameter after the current unit, kept from then on; with
   ``zero_grad(set_to_none=False)`` (``"kept"``) they existed before the step
-  and are not part of its figure.
+  and are not part of its figure; with the optimizer stepped in backward
+  (``"in_backward"``, :func:`trunksplit.optimizer_in_backward`) each lives only
+  from its accumulation to its update, and the update of the unit's largest
+  parameter allocates ``update_temporaries`` tensors of its size beside it.
 
 So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
 local to the segment (the gradients allocated so far depend on the unit only).
@@ -54,7 +57,7 @@ from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequen
 
 from ..recompute.checkpoint import SELECTIVE_KEEPS
 from .profile import UnitCosts
-from .request import GRADIENT_MODES, OBJECTIVES
+from .request import GRADIENT_MODES, OBJECTIVES, UPDATE_TEMPORARIES
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -72,7 +75,7 @@ class PeakModel:
     """
 
     def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = (),
-                 objective: str = "flops", compiled: bool = False):
+                 objective: str = "flops", compiled: bool = False, update_temporaries: float = UPDATE_TEMPORARIES):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
         if objective not in OBJECTIVES:
@@ -104,7 +107,11 @@ class PeakModel:
         # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
         # own at once), or where a compiled graph returns them together (see ``compiled``)
         own_grads_stay = gradients == "allocated" or compiled
-        self._backward_excess = c.backward_fresh if own_grads_stay and c.backward_fresh and not c.gathered else c.backward_excess
+        excess = c.backward_fresh if own_grads_stay and c.backward_fresh and not c.gathered else c.backward_excess
+        # stepped in backward: the update of each parameter as its gradient is whole (the largest, at worst)
+        self.update_temporaries = update_temporaries
+        self._update = _update_excess(c, excess, update_temporaries, compiled) if gradients == "in_backward" else [0] * self.n
+        self._backward_excess = [e + u for e, u in zip(excess, self._update)]
         self._param_prefix = _prefix(c.param_bytes)
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
@@ -205,7 +212,7 @@ class PeakModel:
                     raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
                 # measured whole: its recompute's holdings and its stages' backward, beyond its input
                 gathered = self._gathered_prefix[s] - self._gathered_prefix[r]
-                backward = c.saved[r] + c.backward_excess[r] + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
+                backward = c.saved[r] + c.backward_excess[r] + max(self._update[r:s]) + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
             else:
                 backward = self._region_backward(alone, s)
             body = (flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])
@@ -218,7 +225,7 @@ class PeakModel:
         holds the gradients of the units it has passed (see ``compiled``)."""
         state = _EMPTY
         for i in range(r, s):
-            within = self._param_prefix[s] - self._param_prefix[i + 1] if compiled and self.gradients == "kept" else None
+            within = self._param_prefix[s] - self._param_prefix[i + 1] if compiled and self.gradients != "allocated" else None
             state = self._step(state, r, i, last=False, grads_after=within)
         return state
 
@@ -291,6 +298,19 @@ class PeakModel:
         return sum(cost[0] for _, cost in self.segments(starts, regions))
 
 
+def _update_excess(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: bool) -> List[int]:
+    """What each unit's backward holds beyond ``excess`` when an optimizer stepped in backward
+    updates its parameters, each update making ``temporaries`` tensors of its parameter's size:
+    from the moments measured at each update where there are (``UnitCosts.update_moments``), else
+    (a compiled unit, whose graph returns its gradients together; a rank's shards; costs scaled to
+    another batch) the update of its largest parameter on top of its peak."""
+    if c.update_moments and not compiled and not c.gathered:
+        # measured where the gradient was added into a kept one and freed: stepped in backward, it lives on through the update
+        return [max(0, max((int(alive + (1 + temporaries) * nbytes) for alive, nbytes in moments), default=0) - e)
+                for moments, e in zip(c.update_moments, excess)]
+    return [int(temporaries * b) for b in c.largest_param] if c.largest_param else [0] * len(c)
+
+
 def _fsdp_in_backward(self: "PeakModel", a: int, i: int, last: bool) -> int:
     """Under FSDP2, what a rank holds beyond the unsharded model's figures while unit ``i``
     of a segment starting at ``a`` runs its backward (0 unsharded).
@@ -326,7 +346,7 @@ def _fsdp_at_reduce(self: "PeakModel", a: int, i: int, last: bool) -> int:
     if not c.gathered:
         return 0
     prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
-    reduce = max(2 * g[i], (1 + c.reduce_scatter_copies) * g[i] + c.param_bytes[i])
+    reduce = max(2 * g[i], (1 + c.reduce_scatter_copies) * g[i] + c.param_bytes[i] + self._update[i])
     return self._grads_after[i] + prefetched + reduce
 
 

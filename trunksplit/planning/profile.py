@@ -5,7 +5,7 @@ counts the bytes is :class:`trunksplit.planning.memory.PeakMemory`'s.
 """
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -68,6 +68,13 @@ class UnitCosts:
       so that they add up over whole spans, see :func:`_span_costs`), units not
       measured so repeat the plain figures, and ``eligible`` says which units
       belong to a span that can run so.
+    - ``update_moments``: for each parameter of the unit, at the moment its backward has made its
+      gradient whole (when an optimizer stepped in backward updates it): (bytes alive beyond what the
+      forward left, its new gradient already added into the kept one; the parameter's bytes). Stepped
+      in backward, that gradient lives on through an update that makes ``k`` tensors of the
+      parameter's size: the first plus ``1 + k`` times the second (``gradients="in_backward"``).
+    - ``largest_param``: bytes of each unit's largest trainable parameter (this rank's shard under
+      FSDP2): what an optimizer stepped in backward updates at most at once (``gradients="in_backward"``).
     - ``gathered``: under FSDP2, the bytes of each unit's whole parameters, which a rank
       all-gathers to run it (see :mod:`trunksplit.planning.sharding`); empty unsharded.
     - ``reduce_scatter_copies``: under FSDP2, how many whole copies of a reduce-scatter's
@@ -92,6 +99,8 @@ class UnitCosts:
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
     gathered: Tuple[int, ...] = ()  # FSDP2: each unit's whole parameters, all-gathered to run it
+    largest_param: Tuple[int, ...] = ()
+    update_moments: Tuple[Tuple[Tuple[int, int], ...], ...] = ()
     reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
     def __len__(self) -> int:
@@ -129,7 +138,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     CPU only: torch.profiler's CPU memory events. ``progress(name)`` is called as each unit is done
     (a command line's progress bar: profiling a big trunk takes tens of seconds).
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
+    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
     fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
@@ -170,7 +179,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if progress is not None:
                 progress(units[i][0])
     plain = {k: tuple(v) for k, v in fields.items()}
-    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), **plain)
+    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]), **plain)
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
@@ -239,6 +248,12 @@ def unit_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torc
     return tuple(reversed(out))
 
 
+def largest_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torch.Tensor], int]] = None) -> Tuple[int, ...]:
+    """Bytes of each unit's largest trainable parameter (``nbytes`` as :func:`unit_param_bytes` takes it)."""
+    nbytes = nbytes or (lambda p: _local(p).numel() * p.element_size())
+    return tuple(max((nbytes(p) for p in u.parameters() if p.requires_grad), default=0) for u in units)
+
+
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
@@ -253,18 +268,20 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
         out, kept = _forward_keeping(m, inp, tracker, policy)
     forward_peak, after_forward = tracker.peak, tracker.current
     backward_excess = backward_fresh = 0
+    moments = ()
     loss = _unit_loss(out)
     if loss is not None:
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
         tracker.peak = tracker.peak_with_held = tracker.current
-        with backward_meter, tracker, _held_when_fresh(m, tracker):
+        with backward_meter, tracker, _held_when_fresh(m, tracker) as accumulations:
             loss.backward(seed)
         backward_excess = tracker.peak - after_forward
         backward_fresh = tracker.peak_with_held - after_forward
+        moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
     if allocator:
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy) if loss is not None else 0
-    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh)
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments)
 
 
 def _unit_input(h, input_needs_grad: bool):
@@ -306,20 +323,26 @@ class _held_when_fresh:
     Tensor storages only, as the tracker that measures a step on CPU counts them: a CPU
     convolution's weight-gradient scratch (oneDNN's), which the allocator holds beside each new
     gradient for a moment, is in the allocator's figures (``profile_units(allocator=True)``,
-    what FSDP2 ranks and compiled trunks on CPU plan from), not here."""
+    what FSDP2 ranks and compiled trunks on CPU plan from), not here.
+
+    Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
+    an optimizer stepped in backward would update it (``UnitCosts.update_moments``)."""
 
     def __init__(self, m: nn.Module, tracker: _TensorAccounting):
         self.params = [p for p in m.parameters() if p.requires_grad]
         self.tracker = tracker
+        self.moments: List[Tuple[int, int]] = []
 
     def __enter__(self):
         seen = set()
         t = self.tracker
 
         def accumulated(p):
+            nbytes = p.numel() * p.element_size()
+            self.moments.append((t.current_bytes(), nbytes))
             if id(p) not in seen:
                 seen.add(id(p))
-                t.held += p.numel() * p.element_size()
+                t.held += nbytes
 
         self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params]
         return self

@@ -14,7 +14,10 @@ from ..chains.blocks import layer_splittable_before
 from .budget import MemoryBudget
 
 STRATEGIES = ("vissl", "balanced")
-GRADIENT_MODES = ("allocated", "kept")
+GRADIENT_MODES = ("allocated", "kept", "in_backward")
+# in_backward: until an optimizer_in_backward measures its own, a parameter's update is taken to
+# allocate two tensors of its size (AdamW's for-loop form: the most of SGD, LARS and AdamW)
+UPDATE_TEMPORARIES = 2.0
 OBJECTIVES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
 
 
@@ -29,6 +32,8 @@ class PlanRequest:
     (an upper bound under a budget). ``gradients``, ``objective``, ``use_reentrant``: as
     :class:`trunksplit.CheckpointedTrunk` takes them. ``compiled``: the trunk runs its units
     compiled. ``world_size``: plan one of that many FSDP2 ranks (1: unsharded).
+    ``update_temporaries``: with ``gradients="in_backward"``, how many tensors of a parameter's
+    size the optimizer's update of one parameter allocates (:func:`trunksplit.in_backward.update_temporaries`).
 
     Sharp edge: it holds the modules, so it is not a cache key; :func:`trunksplit.trunk.plan_key`
     is (what the plan depends on besides the request: the input's shapes, device, autocast).
@@ -44,6 +49,7 @@ class PlanRequest:
     use_reentrant: bool = False
     compiled: bool = False
     world_size: int = 1
+    update_temporaries: float = UPDATE_TEMPORARIES
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -51,7 +57,9 @@ class PlanRequest:
         if self.num_splits is not None and (isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int) or self.num_splits < 1):
             raise ValueError(f"num_splits must be an integer >= 1 or None, got {self.num_splits!r}")
         if self.gradients not in GRADIENT_MODES:
-            raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them), got {self.gradients!r}")
+            raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them, or the optimizer stepped in backward), got {self.gradients!r}")
+        if isinstance(self.update_temporaries, bool) or not isinstance(self.update_temporaries, (int, float)) or not 0 <= self.update_temporaries < float("inf"):
+            raise ValueError(f"update_temporaries is a number >= 0 (tensors of a parameter's size its update allocates), got {self.update_temporaries!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.budget is not None and not isinstance(self.budget, MemoryBudget):

@@ -174,7 +174,8 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     timed = request.objective == "time"
     allocator = measured_by_allocator(world_size, next(iter(tensors_in(x))).device, compiled=request.compiled)
     costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress)
-    model = PeakModel(costs, request.feature_units, request.gradients, spans, request.objective, compiled=request.compiled)
+    model = PeakModel(costs, request.feature_units, request.gradients, spans, request.objective, compiled=request.compiled,
+                      update_temporaries=request.update_temporaries)
     return per_rank(model, list(request.modules), world_size)
 
 
@@ -265,6 +266,7 @@ def _what_would_help(request: PlanRequest, model: PeakModel, unsplit: int, small
     return (f". The parameters' gradients, which this step allocates (gradients=\"allocated\"), are {format_bytes(gradients)}, "
             f"{gradients / unsplit:.2f} of the step at this input, and no checkpoint frees them: a larger batch makes activations "
             "the larger share, gradients=\"kept\" leaves them out of the step when the loop keeps them (zero_grad(set_to_none=False)), "
+            "gradients=\"in_backward\" frees each as soon as the optimizer steps it in backward (trunksplit.optimizer_in_backward), "
             "and trunksplit.fit finds the batch and budget that fit a memory size")
 
 

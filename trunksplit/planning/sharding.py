@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from .budget import gib
 from .peak import PeakModel
-from .profile import UnitCosts, unit_param_bytes
+from .profile import UnitCosts, largest_param_bytes, unit_param_bytes
 
 # per-element optimizer state, in units of the parameter's own size; AdamW adds a step counter per parameter
 OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adamw": 2, None: 0}
@@ -46,7 +46,8 @@ def sharded_costs(costs: UnitCosts, units: Sequence[nn.Module], world_size: int)
     (what a step allocates), and its whole parameters as what the rank all-gathers to run it."""
     shards = unit_param_bytes(units, lambda p: shard_bytes(p, world_size))
     gathered = tuple(sum(p.numel() * p.element_size() for p in u.parameters() if p.requires_grad) for u in units)
-    sharded = dict(param_bytes=shards, gathered=gathered, reduce_scatter_copies=reduce_scatter_copies())
+    largest = largest_param_bytes(units, lambda p: shard_bytes(p, world_size))
+    sharded = dict(param_bytes=shards, largest_param=largest, gathered=gathered, reduce_scatter_copies=reduce_scatter_copies())
     policies = None if costs.policies is None else {k: replace(c, **sharded) for k, c in costs.policies.items()}
     return replace(costs, policies=policies, **sharded)
 
@@ -76,7 +77,7 @@ def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> P
     if world_size == 1:
         return model
     return PeakModel(sharded_costs(model.costs, units, world_size), model.features, model.gradients, model.spans, model.objective,
-                     model.compiled)
+                     model.compiled, model.update_temporaries)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class RankMemory:
     buffers: int  # replicated on every rank
     step_peak: int  # the planner's step peak at this rank's batch: activations, gradients as the step allocates them, gathered weights
     gradients_kept: bool
+    in_backward: bool = False  # the optimizer steps in backward: no step after it, no gradients all alive at once
 
     @property
     def resident(self) -> int:
@@ -102,6 +104,8 @@ class RankMemory:
 
     def __str__(self) -> str:
         grads = f"gradients {gib(self.gradients)} ({'kept' if self.gradients_kept else 'allocated by the step, within its peak'})"
+        if self.in_backward:
+            grads = f"gradients {gib(self.gradients)} (each freed at its update in backward)"
         return (f"per rank at world size {self.world_size}: parameters {gib(self.parameters)}, {grads}, optimizer {gib(self.optimizer)}, "
                 f"buffers {gib(self.buffers)}, step peak {gib(self.step_peak)}; total {gib(self.total)}")
 
@@ -124,4 +128,5 @@ def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, o
         buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
         step_peak=step_peak,
         gradients_kept=gradients == "kept",
+        in_backward=gradients == "in_backward",
     )

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..recompute.checkpoint import map_tensors
-from ..recompute.compiled import run_plain
+from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.regions import run_region
 from .memory import tensors_in
 from .unit_copies import private_copy
@@ -93,6 +93,16 @@ def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[in
                 h = run_plain(h, *layers)
             at = stop
     return slower
+
+
+def run_eagerly(compiled: CompiledUnits, units: Sequence[nn.Module], segments, x: Any, agreement: Callable) -> frozenset:
+    """The unit groups a compiled trunk's plan (``segments``) runs compiled one by one that step
+    faster eagerly on ``x`` (ids of their units): they run eagerly. Every rank runs the ones
+    ``agreement`` returns. None but with inductor (see ``CompiledUnits.times_units``)."""
+    if not compiled.times_units:
+        return frozenset()
+    slower = agreement(faster_eagerly(units, x, compiled_apart(segments, units), lambda a, b: compiled.group(units[a:b])))
+    return frozenset(tuple(map(id, units[a:b])) for a, b in slower)
 
 
 def group_step_seconds(run: Callable, layers: Sequence[nn.Module], h: Any, input_needs_grad: bool) -> float:

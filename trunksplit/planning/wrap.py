@@ -32,6 +32,7 @@ Sharp edges: the figure is the step's peak beyond what was live before it, for t
 example inputs (another shape needs another plan); a block that is called several
 times is wrapped for every call.
 """
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass, fields, is_dataclass
@@ -44,7 +45,7 @@ from ..recompute.select import Condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .budget import MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
-from .request import GRADIENT_MODES
+from .request import GRADIENT_MODES, UPDATE_TEMPORARIES
 from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
 
 
@@ -255,7 +256,7 @@ class _Step:
 
     def peak(self) -> int:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        with kept_as_it_was(self.model):
+        with kept_as_it_was(self.model), _updated_in_backward(params if self.gradients == "in_backward" else []):
             for p in params:
                 p.grad = torch.zeros_like(p) if self.gradients == "kept" else None
             self._step()  # the first step allocates what later steps reuse (lazy state); measure the second
@@ -283,6 +284,25 @@ class _Step:
         if not leaves:
             raise ValueError(f"{type(self.model).__name__}'s output holds no tensor that requires grad: there is no training step to measure")
         sum(t.float().sum() for t in leaves).backward()
+
+
+@contextlib.contextmanager
+def _updated_in_backward(params: Sequence[torch.Tensor]):
+    """Each of ``params`` as an optimizer stepped in backward leaves it, without changing it: its
+    gradient freed once whole, after ``UPDATE_TEMPORARIES`` tensors of its size were made (an
+    update's temporaries, as :func:`trunksplit.optimizer_in_backward` plans by default)."""
+
+    def update(p):
+        scratch = torch.empty(int(UPDATE_TEMPORARIES * p.numel()), dtype=p.dtype, device=p.device)
+        del scratch
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(update) for p in params]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _as_tree(out: Any) -> Any:

@@ -1,0 +1,209 @@
+"""The optimizer stepped in backward: the parameters of a standard step, gradients never all alive,
+and the trunk's plans for it met as measured."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from trunksplit import LARS, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing, fit, optimizer_in_backward
+from trunksplit.cli import main
+from trunksplit.in_backward import update_temporaries
+from trunksplit.planning.search import annotate, peak_model
+
+from reference import build, loss_of, plain_features
+
+X = torch.randn(2, 3, 64, 64)
+
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4)),
+    "adamw_loop": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.05, foreach=False)),
+    "adamw_foreach": (torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.05, foreach=True)),
+    "lars": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)),
+}
+
+
+def _groups(model, name):
+    """Two groups, as the recipes make them: weights decayed (and LARS-scaled), biases and norms not."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    flat = {"params": [p for n, p in named if p.dim() <= 1], "weight_decay": 0.0, **({"lars": False} if name == "lars" else {})}
+    return [{"params": [p for n, p in named if p.dim() > 1]}, flat]
+
+
+def _train(model, optimizer, steps=3):
+    """``steps`` steps with a learning rate and weight decay set on the groups each step, as the launcher's schedules do."""
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 / (step + 1) if group["lr"] > 0.01 else 1e-3 / (step + 1)
+            if group["weight_decay"]:
+                group["weight_decay"] *= 1.5
+        loss_of(model(X), seed=step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpointed_trunk_stepped_in_backward_trains_the_plain_models_weights_bit_for_bit(name):
+    optimizer_class, kwargs = OPTIMIZERS[name]
+    plain = build("resnet18")
+    standard = optimizer_class(_groups(plain, name), **kwargs)
+    _train(lambda x: plain_features(plain, x, ["flatten"]), standard)
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=3, gradients="in_backward")
+    stepping = optimizer_in_backward(_groups(trunk, name), optimizer_class, **kwargs)
+    _train(trunk, stepping)
+    trained = dict(trunk.model_state_dict())
+    for key, value in plain.state_dict().items():
+        if key in trained:
+            assert torch.equal(trained[key], value), key
+    assert all(p.grad is None for p in trunk.parameters())  # every gradient freed at its update
+
+
+def test_the_state_dict_loads_into_the_standard_optimizer_and_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    stepping = optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2, foreach=False)
+    standard = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+    x = torch.randn(5, 8)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        twin(x).square().sum().backward()
+        standard.step()
+        standard.zero_grad()
+    saved = stepping.state_dict()
+    assert saved["state"].keys() == standard.state_dict()["state"].keys()
+    # carried across both ways: the in-backward state into a standard optimizer, the standard one into an in-backward one
+    again, again_twin = copy.deepcopy(model), copy.deepcopy(twin)
+    into_standard = torch.optim.AdamW(again.parameters(), lr=1e-2, foreach=False)
+    into_standard.load_state_dict(saved)
+    into_backward = optimizer_in_backward(again_twin, torch.optim.AdamW, lr=1e-2, foreach=False)
+    into_backward.load_state_dict(standard.state_dict())
+    again(x).square().sum().backward()
+    into_standard.step()
+    again_twin(x).square().sum().backward()
+    for a, b in zip(again.parameters(), again_twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_step_and_zero_grad_are_harmless_a_closure_is_refused_and_remove_stops_the_updates():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    stepping = optimizer_in_backward(model, torch.optim.SGD, lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).sum().backward()
+    updated = [p.detach().clone() for p in model.parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(before, updated)) and model.weight.grad is None
+    stepping.step()
+    stepping.zero_grad()
+    assert all(torch.equal(a, p) for a, p in zip(updated, model.parameters()))
+    with pytest.raises(ValueError, match="takes no closure"):
+        stepping.step(lambda: model(torch.ones(2, 4)).sum())
+    assert all(torch.equal(a, p) for a, p in zip(updated, model.parameters()))
+    stepping.remove()
+    model(torch.ones(2, 4)).sum().backward()
+    assert all(torch.equal(a, p) for a, p in zip(updated, model.parameters()))
+    assert torch.equal(model.bias.grad, torch.full((3,), 2.0))  # the gradient stays: no update ran
+
+
+def test_a_trunk_planned_for_another_gradient_mode_is_refused_and_left_alone():
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=2)
+    with pytest.raises(ValueError, match=r"gradients='allocated'.*gradients=\"in_backward\""):
+        optimizer_in_backward(trunk, torch.optim.SGD, lr=0.1)
+    before = [p.detach().clone() for p in trunk.parameters()]
+    loss_of(trunk(X)).backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, trunk.parameters()))  # no hook was left behind
+    assert all(p.grad is not None for p in trunk.parameters())
+
+
+def test_update_temporaries_count_what_the_update_allocates():
+    # by the optimizers' arithmetic: SGD's momentum updates in place; weight decay makes grad + wd * p
+    # (one tensor); AdamW's for-loop form makes sqrt(v) and sqrt(v) / c at once (two), its foreach form
+    # one list of sqrt(v), divided in place
+    assert update_temporaries(torch.optim.SGD, dict(lr=0.1, momentum=0.9)) == 0
+    assert update_temporaries(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-4)) == 1
+    assert update_temporaries(torch.optim.AdamW, dict(lr=1e-3, foreach=False)) == 2
+    assert update_temporaries(torch.optim.AdamW, dict(lr=1e-3, foreach=True)) == 1
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.5, gradients="in_backward")
+    optimizer_in_backward(trunk, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    assert trunk.update_temporaries == 1 and trunk.plan_request().update_temporaries == 1
+    with pytest.raises(ValueError, match="update_temporaries is a number >= 0"):
+        trunk.update_temporaries = -1
+    assert trunk.update_temporaries == 1
+
+
+def _second_step_peak(trunk):
+    for _ in range(2):  # the first step makes the optimizer's state
+        with PeakMemory() as mem:
+            loss_of(trunk(X)).backward()
+    return mem.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw_loop"])
+@pytest.mark.parametrize("arch", ["resnet18", "regnet_x_400mf"])
+def test_predicted_peaks_are_within_5_percent_of_the_measured_step_and_budgets_are_met(arch, name):
+    optimizer_class, kwargs = OPTIMIZERS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for how in [dict(num_splits=1), dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.6), dict(memory_budget=0.4)]:
+            trunk = CheckpointedTrunk(build(arch), ["flatten"], gradients="in_backward", **how)
+            optimizer_in_backward(trunk, optimizer_class, **kwargs)
+            model = peak_model(trunk.plan_request(), X, regions="memory_budget" in how)
+            try:
+                predicted = annotate(trunk.plan_for(X), model).predicted_peak_bytes
+            except ValueError as e:  # a budget below the floor: said so, with the floor
+                assert "smallest feasible budget" in str(e)
+                continue
+            measured = _second_step_peak(trunk)
+            assert abs(predicted / measured - 1) <= 0.05, (how, predicted, measured)
+            if "memory_budget" in how:
+                assert measured <= how["memory_budget"] * model.peak([0]) * 1.02, (how, measured)
+
+
+def test_stepping_in_backward_lowers_the_step_below_the_default_modes_floor():
+    """A larger input, where activations and gradients both count: the in-backward floor sits below
+    the default mode's, by about the gradients it never holds at once."""
+    x = torch.randn(2, 3, 128, 128)
+    floors = {}
+    for gradients in ("allocated", "in_backward"):
+        trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.01, gradients=gradients)
+        if gradients == "in_backward":
+            optimizer_in_backward(trunk, torch.optim.SGD, lr=0.1, momentum=0.9)
+        with pytest.raises(ValueError, match=r"smallest feasible budget is [\d.]+ MiB \((\d+) bytes\)") as info:
+            trunk.plan_for(x)
+        floors[gradients] = int(str(info.value).split("smallest feasible budget is ")[1].split("(")[1].split()[0])
+    gradient_bytes = sum(p.numel() * p.element_size() for p in trunk.parameters())
+    assert floors["allocated"] - floors["in_backward"] >= 0.5 * gradient_bytes, floors
+
+
+def test_a_budget_wrapped_model_stepped_in_backward_meets_its_budget_as_measured():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    x = torch.randn(4, 3, 128, 128)
+    plan = apply_activation_checkpointing(model, memory_budget=0.85, example_inputs=(x,), gradients="in_backward")
+    optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3, foreach=False)
+    for _ in range(2):
+        with PeakMemory() as mem:
+            model(x).sum().backward()
+    assert mem.peak_bytes <= plan.peak_bytes * 1.02 and plan.peak_bytes <= 0.85 * plan.unwrapped_peak_bytes
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_fit_in_backward_fits_at_least_the_default_batch_and_needs_an_optimizer():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    default = fit(model, (3, 64, 64), "300MiB", optimizer="adamw", verify=False)
+    stepped = fit(model, (3, 64, 64), "300MiB", optimizer="adamw", gradients="in_backward")
+    assert stepped.batch_size > default.batch_size and stepped.measured_total_bytes <= 300 * 2**20
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="name it"):
+        fit(model, (3, 64, 64), "300MiB", optimizer=None, gradients="in_backward")
+
+
+def test_plan_command_plans_in_backward_for_the_named_optimizer(capsys):
+    assert main(["plan", "--arch", "resnet18", "--input", "2x3x64x64", "--gradients", "in_backward", "--optimizer", "none"]) == 2
+    assert "name it with --optimizer" in capsys.readouterr().err
+    assert main(["plan", "--arch", "resnet18", "--input", "2x3x128x128", "--budget", "0.5", "--gradients", "in_backward", "--optimizer", "sgd"]) == 0
+    out = capsys.readouterr().out
+    assert "each freed at its update in backward" in out and "budget" in out

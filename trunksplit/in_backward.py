@@ -1,0 +1,172 @@
+"""The optimizer stepped in backward: each parameter updated as soon as its gradient is whole,
+then its gradient freed, so the gradients of a model are never all alive at once.
+
+In torch's default gradient mode every parameter's gradient is alive at the end of backward;
+for a small batch on a big model that is a large share of the step (docs/planning.md). torch
+documents the way out (``Tensor.register_post_accumulate_grad_hook``); this module packages it
+as a stand-in for the optimizer, and under DDP runs the update after the gradient's all-reduce.
+Plan the trunk for it with ``gradients="in_backward"``.
+"""
+import threading
+from typing import Callable, Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .planning.memory import PeakMemory
+from .trunk import CheckpointedTrunk
+
+Params = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
+
+
+def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.optim.Optimizer], **optimizer_kwargs) -> "InBackwardOptimizer":
+    """Step ``optimizer_class(params, **optimizer_kwargs)`` inside backward, one parameter at a
+    time, and return what stands in for it in the training loop.
+
+    ``model``: a module (its parameters that require a gradient), or what an optimizer takes
+    (parameters, or parameter groups). A ``DistributedDataParallel`` model is updated after each
+    bucket's all-reduce (a DDP communication hook; build it with ``gradient_as_bucket_view=True``
+    so that DDP keeps no second copy of the gradients), an FSDP2 model (``fully_shard``) on the
+    sharded parameter after its reduce-scatter (FSDP2 calls the hooks there).
+
+    Exact: each parameter's update is the optimizer's own ``step()`` restricted to that
+    parameter, with its group's hyperparameters and its own state, so with the same ``foreach``
+    setting the parameters equal a standard ``step()`` after backward bit for bit (the foreach
+    and the for-loop forms of an optimizer differ from each other by rounding, in the standard
+    step too). Under DDP the gradients are averaged across ranks before the update, as DDP does.
+
+    Sharp edges: every backward is an optimizer step, so gradients cannot be accumulated over
+    several backwards, nor clipped by their global norm (a gradient is gone before the last one
+    exists), nor unscaled by an fp16 ``GradScaler``; per-parameter transforms run on the whole
+    gradient inside the update. An optimizer that needs a closure (LBFGS) is refused. Under DDP
+    the all-reduce of a bucket finishes before backward goes on (no overlap). A model wrapped in
+    DDP *after* this call would be updated before the all-reduce: wrap first.
+
+    Example::
+
+        trunk = CheckpointedTrunk(resnet50(), ["flatten"], memory_budget=0.3, gradients="in_backward")
+        optimizer = optimizer_in_backward(trunk, torch.optim.AdamW, lr=1e-3)
+        for x in batches:
+            loss_fn(trunk(x)).backward()  # the parameters are updated here
+            optimizer.step()  # nothing left to do
+            optimizer.zero_grad()
+    """
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    trunks = [m for m in module.modules() if isinstance(m, CheckpointedTrunk)] if isinstance(module, nn.Module) else []
+    for trunk in trunks:
+        if trunk.gradients != "in_backward":
+            raise ValueError(f"this model's CheckpointedTrunk plans for gradients={trunk.gradients!r}; an optimizer stepped in backward "
+                             "frees each gradient at its update: build the trunk with gradients=\"in_backward\"")
+    device = next((p.device for t in trunks for p in t.parameters()), torch.device("cpu"))
+    temporaries = update_temporaries(optimizer_class, optimizer_kwargs, device) if trunks else None
+    for trunk in trunks:
+        trunk.update_temporaries = temporaries
+    if isinstance(model, DistributedDataParallel):
+        optimizer = optimizer_class(_trainable(model.module), **optimizer_kwargs)
+        stand_in = InBackwardOptimizer(optimizer)
+        model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
+        return stand_in
+    optimizer = optimizer_class(_trainable(model) if isinstance(model, nn.Module) else model, **optimizer_kwargs)
+    stand_in = InBackwardOptimizer(optimizer)
+    stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in stand_in._groups]
+    return stand_in
+
+
+def update_temporaries(optimizer_class: Callable[..., torch.optim.Optimizer], optimizer_kwargs: Optional[dict] = None,
+                       device: Union[str, torch.device] = "cpu") -> float:
+    """How many tensors of a parameter's size ``optimizer_class(**optimizer_kwargs)`` allocates
+    while it updates one parameter on ``device``, its state aside: what a step in backward adds at
+    the moment that parameter's gradient is whole (``gradients="in_backward"`` plans for it). The
+    second update of a scratch parameter of 2**16 elements, measured (an optimizer's foreach and
+    for-loop forms differ, and the device picks between them: docs/planning.md has the figures)."""
+    optimizer_kwargs = optimizer_kwargs or {}
+    p = torch.zeros(1 << 16, device=device, requires_grad=True)
+    optimizer = optimizer_class([p], **optimizer_kwargs)
+    for _ in range(2):  # the first update allocates the state
+        p.grad = torch.full_like(p, 1e-3)
+        with PeakMemory(p.device) as mem:
+            optimizer.step()
+    return round(mem.peak_bytes / (p.numel() * p.element_size()), 2)
+
+
+def _trainable(module: nn.Module) -> List[torch.Tensor]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class InBackwardOptimizer:
+    """What a training loop holds in place of the optimizer when the optimizer steps in backward
+    (made by :func:`optimizer_in_backward`).
+
+    ``param_groups``, ``state``, ``state_dict()`` and ``load_state_dict()`` are the wrapped
+    optimizer's own, so learning-rate and weight-decay schedules and checkpoints work unchanged,
+    and a checkpoint loads into the standard optimizer and back. ``step()`` does nothing (the
+    update ran in backward) and ``zero_grad()`` clears what is left (DDP's bucket views).
+    ``remove()`` takes the hooks away; the optimizer then steps only when called
+    (``stand_in.optimizer.step()``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        # each parameter's group: the update steps the optimizer over that group alone
+        self._groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self._handles: List = []
+        self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self._groups = {p: g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def step(self, closure: Optional[Callable] = None) -> None:
+        """Nothing: every parameter was updated when its gradient was whole."""
+        if closure is not None:
+            raise ValueError("an optimizer stepped in backward takes no closure: its updates ran in backward already")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def update(self, p: torch.Tensor) -> None:
+        """Update ``p`` from its gradient, as the optimizer's ``step()`` would, then free the gradient."""
+        group = self._groups[p]
+        with self._lock:
+            groups, params = self.optimizer.param_groups, group["params"]
+            self.optimizer.param_groups, group["params"] = [group], [p]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.param_groups, group["params"] = groups, params
+        p.grad = None
+
+    def remove(self) -> None:
+        """Take the hooks away (DDP's communication hook cannot be removed: rebuild the DDP model)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _ddp_hook(self, process_group, bucket) -> torch.futures.Future:
+        """DDP's communication hook: average the bucket across ranks, then update its parameters."""
+        buffer = bucket.buffer()
+        buffer.div_(dist.get_world_size(process_group))
+        dist.all_reduce(buffer, group=process_group)
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if p in self._groups:
+                p.grad = g  # the averaged gradient: a view of the bucket
+                self.update(p)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    def __repr__(self) -> str:
+        return f"InBackwardOptimizer({self.optimizer.__class__.__name__}, {len(self._groups)} parameters)"
