@@ -207,3 +207,17 @@ def test_plan_command_plans_in_backward_for_the_named_optimizer(capsys):
     assert main(["plan", "--arch", "resnet18", "--input", "2x3x128x128", "--budget", "0.5", "--gradients", "in_backward", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
     assert "each freed at its update in backward" in out and "budget" in out
+
+
+def test_a_learning_rate_set_after_the_optimizer_behind_it_loads_a_state_reaches_the_updates():
+    """torch.distributed.checkpoint loads into the optimizer behind the stand-in, which replaces its
+    group dicts: the learning rate a schedule sets afterwards is the one the updates use."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    stepping = optimizer_in_backward(model, torch.optim.SGD, lr=0.5)
+    stepping.optimizer.load_state_dict(stepping.state_dict())
+    for group in stepping.param_groups:
+        group["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(2, 4)).sum().backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -13,6 +13,8 @@ from trunksplit.ssl.loop import train
 
 def _beyond(cfg) -> str:
     """What the step's peak is counted beyond: the gradients are part of it unless they are kept between steps."""
+    if cfg.OPTIM.IN_BACKWARD:
+        return "parameters (the optimizer stepped in backward: each gradient freed at its update)"
     return "parameters and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else "parameters (gradients included)"
 
 

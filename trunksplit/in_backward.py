@@ -21,12 +21,15 @@ from .trunk import CheckpointedTrunk
 Params = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
 
 
-def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.optim.Optimizer], **optimizer_kwargs) -> "InBackwardOptimizer":
+def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.optim.Optimizer], *, param_groups: Optional[Iterable[dict]] = None,
+                          **optimizer_kwargs) -> "InBackwardOptimizer":
     """Step ``optimizer_class(params, **optimizer_kwargs)`` inside backward, one parameter at a
     time, and return what stands in for it in the training loop.
 
-    ``model``: a module (its parameters that require a gradient), or what an optimizer takes
-    (parameters, or parameter groups). A ``DistributedDataParallel`` model is updated after each
+    ``model``: a module (its parameters that require a gradient, or ``param_groups`` of them), or
+    what an optimizer takes (parameters, or parameter groups). A ``CheckpointedTrunk`` inside the
+    module must plan for it (``gradients="in_backward"``); it is told what one update of this
+    optimizer allocates (:func:`update_temporaries`). A ``DistributedDataParallel`` model is updated after each
     bucket's all-reduce (a DDP communication hook; build it with ``gradient_as_bucket_view=True``
     so that DDP keeps no second copy of the gradients), an FSDP2 model (``fully_shard``) on the
     sharded parameter after its reduce-scatter (FSDP2 calls the hooks there).
@@ -63,13 +66,11 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     temporaries = update_temporaries(optimizer_class, optimizer_kwargs, device) if trunks else None
     for trunk in trunks:
         trunk.update_temporaries = temporaries
+    params = model if not isinstance(module, nn.Module) else _trainable(module) if param_groups is None else param_groups
+    stand_in = InBackwardOptimizer(optimizer_class(params, **optimizer_kwargs))
     if isinstance(model, DistributedDataParallel):
-        optimizer = optimizer_class(_trainable(model.module), **optimizer_kwargs)
-        stand_in = InBackwardOptimizer(optimizer)
         model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
         return stand_in
-    optimizer = optimizer_class(_trainable(model) if isinstance(model, nn.Module) else model, **optimizer_kwargs)
-    stand_in = InBackwardOptimizer(optimizer)
     stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in stand_in._groups]
     return stand_in
 
@@ -91,6 +92,12 @@ def update_temporaries(optimizer_class: Callable[..., torch.optim.Optimizer], op
     return round(mem.peak_bytes / (p.numel() * p.element_size()), 2)
 
 
+def standard_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer behind ``optimizer``: itself, or the one an :class:`InBackwardOptimizer`
+    steps (what ``torch.distributed.checkpoint``'s state-dict helpers take)."""
+    return optimizer.optimizer if isinstance(optimizer, InBackwardOptimizer) else optimizer
+
+
 def _trainable(module: nn.Module) -> List[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
@@ -109,8 +116,9 @@ class InBackwardOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        # each parameter's group: the update steps the optimizer over that group alone
-        self._groups = {p: g for g in optimizer.param_groups for p in g["params"]}
+        # each parameter's group, by position: the update steps the optimizer over that group alone
+        # (``load_state_dict`` replaces the group dicts, from here or from torch.distributed.checkpoint)
+        self._groups = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._handles: List = []
         self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
 
@@ -127,7 +135,6 @@ class InBackwardOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
-        self._groups = {p: g for g in self.optimizer.param_groups for p in g["params"]}
 
     def step(self, closure: Optional[Callable] = None) -> None:
         """Nothing: every parameter was updated when its gradient was whole."""
@@ -139,7 +146,7 @@ class InBackwardOptimizer:
 
     def update(self, p: torch.Tensor) -> None:
         """Update ``p`` from its gradient, as the optimizer's ``step()`` would, then free the gradient."""
-        group = self._groups[p]
+        group = self.optimizer.param_groups[self._groups[p]]
         with self._lock:
             groups, params = self.optimizer.param_groups, group["params"]
             self.optimizer.param_groups, group["params"] = [group], [p]
@@ -155,7 +162,7 @@ class InBackwardOptimizer:
             h.remove()
         self._handles = []
 
-    def _ddp_hook(self, process_group, bucket) -> torch.futures.Future:
+    def _ddp_hook(self, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook: average the bucket across ranks, then update its parameters."""
         buffer = bucket.buffer()
         buffer.div_(dist.get_world_size(process_group))

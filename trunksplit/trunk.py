@@ -248,7 +248,8 @@ class CheckpointedTrunk(nn.Module):
     @update_temporaries.setter
     def update_temporaries(self, value: float) -> None:
         replace(self.plan_request(), update_temporaries=value)  # validates, before any change
-        self._update_temporaries, self._plans, self._plan = value, {}, self._fixed_plan
+        if value != self._update_temporaries:  # the same (a copy's optimizer) keeps the plans
+            self._update_temporaries, self._plans, self._plan = value, {}, self._fixed_plan
 
     @property
     def compile_options(self) -> Optional[dict]:

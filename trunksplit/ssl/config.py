@@ -93,6 +93,9 @@ _C.OPTIM.WEIGHT_DECAY = 1e-6
 _C.OPTIM.WEIGHT_DECAY_END = None  # None: constant; a value: cosine from WEIGHT_DECAY to it (DINO: 0.04 to 0.4)
 _C.OPTIM.EXCLUDE_BIAS_AND_NORM = False  # True: biases and norm weights get no weight decay and no LARS trust ratio
 _C.OPTIM.WARMUP_STEPS = 2
+# True: each parameter is updated in backward as soon as its gradient is whole, and the gradient freed
+# (trunksplit.optimizer_in_backward): the gradients are never all alive, and the trunk plans for it
+_C.OPTIM.IN_BACKWARD = False
 
 _C.DISTRIBUTED = CN()
 _C.DISTRIBUTED.STRATEGY = "ddp"  # ddp: a replica per rank; fsdp: parameters, gradients and optimizer state sharded (FSDP2)
@@ -237,9 +240,26 @@ def _check(cfg: CN) -> None:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
     if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
         raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
+    _check_in_backward(cfg)
     check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def _check_in_backward(cfg: CN) -> None:
+    """What an optimizer stepped in backward cannot train with: each backward is its step."""
+    if not cfg.OPTIM.IN_BACKWARD:
+        return
+    refused = {
+        "TRAIN.GRADIENTS kept": (cfg.TRAIN.GRADIENTS == "kept", "gradients are freed at each update: leave TRAIN.GRADIENTS allocated"),
+        "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True": (cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION,
+                                                      "vissl's manual all-reduce runs after backward, when every parameter was updated already from "
+                                                      "its own rank's gradient: set it False (DDP's hook reduces each bucket before its update)"),
+        "TRAIN.AUTOCAST fp16": (cfg.TRAIN.AUTOCAST == "fp16", "fp16's gradient scaler unscales gradients after backward, when they are gone: use bf16"),
+    }
+    for setting, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"OPTIM.IN_BACKWARD True cannot train with {setting}: {why}")
 
 
 def _check_method_and_head(cfg: CN) -> None:

@@ -9,7 +9,7 @@ import json
 import os
 import time
 import warnings
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if cfg.METHOD.NAME == "dino":
         add_teacher(model)
     wrapped = strategy.wrap(cfg, model)
-    optimizer = build_optimizer(cfg, model)
+    optimizer = build_optimizer(cfg, model, wrapped)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
     resumed = resume_from(cfg, model, optimizer, scaler, rank, world, strategy.load) if resume else Resumed()
     start, skipped = resumed.step, resumed.skipped
@@ -70,7 +70,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)
     strategy.finish(wrapped, model)
     if last is not None:
-        _summarise(cfg, last, model, crops, autocast, kept, strategy.compares_with_plain)
+        _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain)
     return model, last
 
 
@@ -91,12 +91,25 @@ def _optimizer_step(optimizer, scaler, kept: bool, device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _summarise(cfg, last: dict, model, crops, autocast, kept: bool, side_by_side: bool) -> None:
+def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool) -> None:
     """Add the plan and, one step side by side where the model can be copied, the memory with and
-    without checkpointing to the last row."""
+    without checkpointing to the last row (each copy stepped in backward as the model is, if it is)."""
     plan = model.trunk.plan
     last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
-    last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept) if side_by_side else None
+    stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
+    last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping) if side_by_side else None
+
+
+def _stepping_copies(cfg, optimizer) -> Callable:
+    """What steps a copy of the model in backward as ``optimizer`` steps the model: the same
+    optimizer, its state loaded (so that the copy's first step makes none)."""
+
+    def stepping(copy):
+        copy_optimizer = build_optimizer(cfg, copy)
+        copy_optimizer.load_state_dict(optimizer.state_dict())
+        return copy_optimizer
+
+    return stepping
 
 
 def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast) -> float:
@@ -158,24 +171,26 @@ def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, s
     strategy.save(cfg, model, optimizer, meta)
 
 
-def compare_with_plain(model, crops, autocast, kept_gradients: bool) -> Optional[dict]:
+def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: Optional[Callable] = None) -> Optional[dict]:
     """Peak bytes of one step of ``model`` and of a plain (never checkpointed) copy, side by side.
 
     Both run the same surrogate loss on the same crops, in this process only (no
     collectives), on copies whose gradients are where the loop leaves them between
-    steps (None, or kept zeros), one copy at a time, so the real model is untouched.
+    steps (None, or kept zeros), one copy at a time, so the real model is untouched;
+    ``stepping(copy)``, where given, steps each copy's optimizer in backward.
     None where a GPU has no room for a copy.
     """
     peaks = {}
     for name in ("checkpointed", "plain"):
         try:
             m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
+            steps = stepping(m) if stepping is not None else None
             with PeakMemory(crops[0].device) as mem, autocast:
                 sum(o.float().pow(2).mean() for o in m(crops)).backward()
         except torch.cuda.OutOfMemoryError:
             return None
         peaks[name] = mem.peak_bytes
-        del m
+        del m, steps
     return peaks
 
 

@@ -13,6 +13,7 @@ from ..recompute.select import condition_from_config, wrap_selected
 from ..recompute.wrapper import unwrap_checkpoint
 from ..trunk import CheckpointedTrunk
 from .backbones import build_backbone
+from .optim import gradient_mode
 
 
 def build_trunk(cfg) -> CheckpointedTrunk:
@@ -21,9 +22,9 @@ def build_trunk(cfg) -> CheckpointedTrunk:
     keys = list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS)
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
-        return CheckpointedTrunk(model, keys, gradients=cfg.TRAIN.GRADIENTS)
+        return CheckpointedTrunk(model, keys, gradients=gradient_mode(cfg))
     if len(ac.SELECT):
-        trunk = CheckpointedTrunk(model, keys, gradients=cfg.TRAIN.GRADIENTS)  # one unsplit segment; the selected blocks checkpoint themselves
+        trunk = CheckpointedTrunk(model, keys, gradients=gradient_mode(cfg))  # one unsplit segment; the selected blocks checkpoint themselves
         wrap_selected(trunk, condition_from_config(dict(ac.SELECT)))
         return trunk
     return CheckpointedTrunk(
@@ -33,7 +34,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         strategy=ac.STRATEGY,
         memory_budget=MemoryBudget.parse(ac.MEMORY_BUDGET, "MEMORY_BUDGET"),
         use_reentrant=ac.USE_REENTRANT,
-        gradients=cfg.TRAIN.GRADIENTS,
+        gradients=gradient_mode(cfg),
     )
 
 
@@ -140,7 +141,7 @@ def student_copy(model: SSLModel, plain: bool) -> SSLModel:
     if plain:
         for sub in m.modules():
             unwrap_checkpoint(sub)
-        m.trunk = CheckpointedTrunk(m.trunk.feature_blocks, m.trunk.out_feat_keys)
+        m.trunk = CheckpointedTrunk(m.trunk.feature_blocks, m.trunk.out_feat_keys, gradients=m.trunk.gradients)
     return m
 
 
@@ -151,7 +152,7 @@ def fit_config_batch(cfg, device: torch.device, world: int = 1) -> Tuple[int, in
     size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
     model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
     found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer=cfg.OPTIM.NAME, out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
-                num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=cfg.TRAIN.GRADIENTS,
+                num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=gradient_mode(cfg),
                 use_reentrant=cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT, verify=False, world_size=world)
     if found.batch_size < views:
         raise ValueError(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:g} fits {found.batch_size} crops per step, fewer than the {views} views of one image")

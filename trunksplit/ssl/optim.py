@@ -8,11 +8,12 @@ decay and, for LARS, no trust ratio: what vissl's ``exclude_bias_and_norm`` and 
 the weight decay follows a cosine from ``OPTIM.WEIGHT_DECAY`` to ``OPTIM.WEIGHT_DECAY_END``.
 """
 import math
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import torch
 from torch import nn
 
+from ..in_backward import optimizer_in_backward
 from ..lars import LARS
 
 OPTIMIZERS = ("sgd", "lars", "adamw")
@@ -37,15 +38,27 @@ def parameter_groups(model: nn.Module, exclude_bias_and_norm: bool) -> List[dict
     ]
 
 
-def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
-    """``OPTIM.NAME`` over the model's trainable parameters (a DINO teacher has none)."""
+def build_optimizer(cfg, model: nn.Module, wrapped: Optional[nn.Module] = None):
+    """``OPTIM.NAME`` over the model's trainable parameters (a DINO teacher has none); with
+    ``OPTIM.IN_BACKWARD``, stepped in backward on ``wrapped`` (the model as the strategy wrapped it:
+    DDP updates after each bucket's all-reduce, FSDP2 after each reduce-scatter)."""
     o = cfg.OPTIM
     groups = parameter_groups(model, o.EXCLUDE_BIAS_AND_NORM)
     if o.NAME == "sgd":
-        return torch.optim.SGD(_without_lars(groups), lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY)
-    if o.NAME == "lars":
-        return LARS(groups, lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY, trust_coefficient=o.LARS_TRUST_COEFFICIENT)
-    return torch.optim.AdamW(_without_lars(groups), lr=o.LR, betas=tuple(o.BETAS), weight_decay=o.WEIGHT_DECAY)
+        optimizer_class, groups, kwargs = torch.optim.SGD, _without_lars(groups), dict(lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY)
+    elif o.NAME == "lars":
+        optimizer_class, kwargs = LARS, dict(lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY, trust_coefficient=o.LARS_TRUST_COEFFICIENT)
+    else:
+        optimizer_class, groups, kwargs = torch.optim.AdamW, _without_lars(groups), dict(lr=o.LR, betas=tuple(o.BETAS), weight_decay=o.WEIGHT_DECAY)
+    if o.IN_BACKWARD:
+        return optimizer_in_backward(model if wrapped is None else wrapped, optimizer_class, param_groups=groups, **kwargs)
+    return optimizer_class(groups, **kwargs)
+
+
+def gradient_mode(cfg) -> str:
+    """How the step leaves gradients, which the trunk plans for: ``"in_backward"`` where the
+    optimizer steps in backward, else ``TRAIN.GRADIENTS``."""
+    return "in_backward" if cfg.OPTIM.IN_BACKWARD else cfg.TRAIN.GRADIENTS
 
 
 def _without_lars(groups: Iterable[dict]) -> List[dict]:

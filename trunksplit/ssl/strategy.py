@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..distributed.agree import rank0_decides
 from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
 from ..distributed.fsdp import shard_trunk
+from ..in_backward import standard_optimizer
 from ..planning.memory import PeakMemory, ProfiledPeak
 from .run_dir import CHECKPOINT, load_sharded, save_atomically, save_sharded
 
@@ -90,7 +91,8 @@ class DDP(Strategy):
                 "reentrant checkpointing under native DDP with several trunk forwards per step fails "
                 "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
             )
-        return DistributedDataParallel(super().wrap(cfg, model))
+        # stepped in backward, DDP's buckets hold the gradients (its hook updates from them): no second copy
+        return DistributedDataParallel(super().wrap(cfg, model), gradient_as_bucket_view=cfg.OPTIM.IN_BACKWARD)
 
     def finish(self, wrapped, model):
         manual_sync_params(wrapped)
@@ -144,14 +146,14 @@ class FSDP(Strategy):
 
     def save(self, cfg, model, optimizer, meta):
         broadcast_buffers(model)
-        save_sharded(cfg, model, optimizer, meta, self.rank, self.world)
+        save_sharded(cfg, model, standard_optimizer(optimizer), meta, self.rank, self.world)
         dist.barrier()
 
     def load(self, cfg, state, model, optimizer):
         if "sharded" not in state:
             raise ValueError(f"--resume: {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} is a whole (ddp) checkpoint; "
                              "resume with the DISTRIBUTED.STRATEGY it was trained with")
-        load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, optimizer)
+        load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, standard_optimizer(optimizer))
 
     def finish(self, wrapped, model):
         broadcast_buffers(model)
