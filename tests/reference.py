@@ -3,6 +3,7 @@ import torch
 import torchvision
 from torch import nn
 
+from trunksplit import PeakMemory
 from trunksplit.planning.memory import TorchDispatchMode  # torch's dispatch-mode base, from where trunksplit isolates the private import
 
 # Where each trunksplit feature lives in the plain torchvision model.
@@ -43,6 +44,22 @@ def loss_of(features, seed=123):
     """A loss that weighs every output element differently."""
     g = torch.Generator().manual_seed(seed)
     return sum((f * torch.randn(f.shape, generator=g)).sum() for f in features)
+
+
+def second_step_peak(trunk, x):
+    """The peak of a trunk's second training step on ``x`` (the first makes what later steps reuse:
+    gradients, an optimizer's state), its gradients cleared before it as the trunk's mode says a
+    loop clears them: set to None (torch's default ``zero_grad()``; stepped in backward, the update
+    freed them already) or zeroed (``zero_grad(set_to_none=False)``)."""
+    loss_of(trunk(x)).backward()
+    for p in trunk.parameters():
+        if trunk.gradients == "kept":
+            p.grad.zero_()
+        else:
+            p.grad = None
+    with PeakMemory() as mem:
+        loss_of(trunk(x)).backward()
+    return mem.peak_bytes
 
 
 def grads_by_name(model):

@@ -13,7 +13,7 @@ from trunksplit.cli import main
 from trunksplit.in_backward import update_temporaries
 from trunksplit.planning.search import annotate, peak_model
 
-from reference import build, loss_of, plain_features
+from reference import build, loss_of, plain_features, second_step_peak
 
 X = torch.randn(2, 3, 64, 64)
 
@@ -133,13 +133,6 @@ def test_update_temporaries_count_what_the_update_allocates():
     assert trunk.update_temporaries == 1
 
 
-def _second_step_peak(trunk):
-    for _ in range(2):  # the first step makes the optimizer's state
-        with PeakMemory() as mem:
-            loss_of(trunk(X)).backward()
-    return mem.peak_bytes
-
-
 @pytest.mark.parametrize("name", ["sgd", "adamw_loop"])
 @pytest.mark.parametrize("arch", ["resnet18", "regnet_x_400mf"])
 def test_predicted_peaks_are_within_5_percent_of_the_measured_step_and_budgets_are_met(arch, name):
@@ -155,7 +148,7 @@ def test_predicted_peaks_are_within_5_percent_of_the_measured_step_and_budgets_a
             except ValueError as e:  # a budget below the floor: said so, with the floor
                 assert "smallest feasible budget" in str(e)
                 continue
-            measured = _second_step_peak(trunk)
+            measured = second_step_peak(trunk, X)
             assert abs(predicted / measured - 1) <= 0.05, (how, predicted, measured)
             if "memory_budget" in how:
                 assert measured <= how["memory_budget"] * model.peak([0]) * 1.02, (how, measured)

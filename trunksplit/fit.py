@@ -321,7 +321,7 @@ def _trainable(trunk: nn.Module):
 
 # each name's optimizer (class, arguments) as fit and ``trunksplit plan`` count it: its state and its
 # update's temporaries matter, not the values
-NAMED_OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)), "lars": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)),
+NAMED_OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)), "lars": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)),
                "adamw": (torch.optim.AdamW, dict(lr=1e-3))}
 
 

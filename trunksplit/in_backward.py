@@ -111,7 +111,8 @@ class InBackwardOptimizer:
     and a checkpoint loads into the standard optimizer and back. ``step()`` does nothing (the
     update ran in backward) and ``zero_grad()`` clears what is left (DDP's bucket views).
     ``remove()`` takes the hooks away; the optimizer then steps only when called
-    (``stand_in.optimizer.step()``).
+    (``stand_in.optimizer.step()``). ``before_update``: a per-parameter rule run on each whole
+    gradient before its update (clipping by the parameter's own norm; False skips the update).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
@@ -120,6 +121,8 @@ class InBackwardOptimizer:
         # (``load_state_dict`` replaces the group dicts, from here or from torch.distributed.checkpoint)
         self._groups = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._handles: List = []
+        # run on each parameter's whole gradient before its update (clip it; False: no update this step)
+        self.before_update: Optional[Callable[[torch.Tensor], bool]] = None
         self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
 
     @property
@@ -145,7 +148,11 @@ class InBackwardOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def update(self, p: torch.Tensor) -> None:
-        """Update ``p`` from its gradient, as the optimizer's ``step()`` would, then free the gradient."""
+        """Update ``p`` from its gradient, as the optimizer's ``step()`` would, then free the gradient
+        (``before_update(p)``, where set, first: it may change the gradient, or return False to skip)."""
+        if self.before_update is not None and not self.before_update(p):
+            p.grad = None
+            return
         group = self.optimizer.param_groups[self._groups[p]]
         with self._lock:
             groups, params = self.optimizer.param_groups, group["params"]

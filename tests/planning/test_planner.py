@@ -17,7 +17,7 @@ from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
 
-from reference import build, loss_of
+from reference import build, loss_of, second_step_peak
 from test_trunk import _check_step, _step_both
 
 F32 = 4
@@ -253,19 +253,6 @@ def test_time_and_flops_objectives_are_checked():
         PeakModel(costs, [2], objective="speed")
 
 
-def _measured_step_peak(trunk, x):
-    """The second step's peak, its gradients cleared as the trunk's mode says a loop clears them."""
-    loss_of(trunk(x)).backward()  # first step: parameters get their .grad
-    for p in trunk.parameters():
-        if trunk.gradients == "allocated":
-            p.grad = None  # optimizer.zero_grad(), torch's default
-        else:
-            p.grad.zero_()  # optimizer.zero_grad(set_to_none=False)
-    with PeakMemory() as mem:
-        loss_of(trunk(x)).backward()
-    return mem.peak_bytes
-
-
 @pytest.mark.parametrize("gradients", ["allocated", "kept"])
 @pytest.mark.parametrize("arch", ["resnet18", "regnet_x_400mf"])
 def test_model_predicts_measured_peaks_within_10_percent_and_ranks_them(arch, gradients):
@@ -276,7 +263,7 @@ def test_model_predicts_measured_peaks_within_10_percent_and_ranks_them(arch, gr
         for strategy, k in [("vissl", 1), ("vissl", 2), ("vissl", 4), ("vissl", 8), ("balanced", 2), ("balanced", 4)]:
             trunk = CheckpointedTrunk(build(arch), ["flatten"], num_splits=k, strategy=strategy, gradients=gradients)
             predicted = annotate(trunk.plan_for(x), peak_model(trunk.plan_request(), x)).predicted_peak_bytes
-            measured = _measured_step_peak(trunk, x)
+            measured = second_step_peak(trunk, x)
             rows.append((strategy, k, predicted, measured))
     for strategy, k, predicted, measured in rows:
         assert abs(predicted / measured - 1) <= 0.10, (strategy, k, predicted, measured)
@@ -387,11 +374,11 @@ def test_budget_ladder_is_met_when_measured_and_tighter_never_measures_higher(gr
 
     base = torchvision.models.mobilenet_v2(width_mult=0.5)
     x = torch.randn(4, 3, 96, 96)
-    plain = _measured_step_peak(CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients), x)
+    plain = second_step_peak(CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients), x)
     measured = []
     for budget in (0.6, 0.45, 0.35):
         trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=budget, gradients=gradients)
-        measured.append(_measured_step_peak(trunk, x) / plain)
+        measured.append(second_step_peak(trunk, x) / plain)
         assert measured[-1] <= budget * 1.03, (budget, measured)
     assert measured == sorted(measured, reverse=True)
 
@@ -406,7 +393,7 @@ def test_gradients_allocated_by_the_step_are_part_of_its_peak():
     a, k = (annotate(t.plan_for(x), peak_model(t.plan_request(), x)).predicted_peak_bytes for t in (allocated, kept))
     assert a - k >= 0.5 * param_bytes  # most gradients exist at the allocated-mode peak
     for trunk, predicted in ((allocated, a), (kept, k)):
-        assert abs(predicted / _measured_step_peak(trunk, x) - 1) <= 0.05
+        assert abs(predicted / second_step_peak(trunk, x) - 1) <= 0.05
     with pytest.raises(ValueError, match="gradients must be one of"):
         CheckpointedTrunk(build("resnet18"), gradients="none")
     with pytest.raises(ValueError, match=r"objective must be one of \('time', 'flops'\), got 'speed'"):

@@ -13,6 +13,7 @@ from trunksplit.ssl.dino import teacher_momentum, teacher_temperature, update_ce
 from trunksplit.ssl.losses import dino_loss
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.model import DINOHead, SSLModel, build_model
+from trunksplit.ssl.optim import gradient_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -146,3 +147,44 @@ def test_dino_vit_s_16_trains_under_torchrun_with_two_processes_and_its_loss_fal
     assert len(losses) == 30 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
     assert "balanced" in result.stdout  # the student's trunk ran checkpointed segments
+
+
+def test_clip_grad_scales_each_parameters_gradient_to_its_norm_as_dino_does():
+    """DINO's clip_gradients by hand: a gradient (3, 4) has norm 5; clipped to 3 it is scaled by
+    3 / (5 + 1e-6); one of norm 2 is left alone; the head's last layer is frozen only in the first steps."""
+    cfg = load_config(QUICK, DINO + ["OPTIM.CLIP_GRAD", "3.0", "METHOD.DINO.FREEZE_LAST_LAYER_STEPS", "2"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    big, small = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    big.grad, small.grad = torch.tensor([3.0, 4.0]), torch.tensor([1.2, 1.6])
+    rule = gradient_rule(cfg, model, step=0)
+    assert rule(big) and rule(small)
+    assert torch.allclose(big.grad, torch.tensor([3.0, 4.0]) * (3 / (5 + 1e-6)), rtol=0, atol=1e-7)
+    assert torch.equal(small.grad, torch.tensor([1.2, 1.6]))
+    model.head.last_layer.grad = torch.ones_like(model.head.last_layer)
+    assert not rule(model.head.last_layer) and model.head.last_layer.grad is None  # frozen at step 0 and 1
+    model.head.last_layer.grad = torch.ones_like(model.head.last_layer)
+    assert gradient_rule(cfg, model, step=2)(model.head.last_layer) and model.head.last_layer.grad is not None
+    assert gradient_rule(load_config(QUICK, DINO), model, step=0) is None  # neither asked for: nothing runs
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["standard", "in_backward"])
+def test_the_last_layer_stays_frozen_for_its_steps_and_both_stabilisers_train_alike_stepped_in_backward(tmp_path, in_backward):
+    """Two steps frozen: the last layer as initialised and without optimizer state; a third step moves
+    it. The same run stepped in backward trains the same weights bit for bit."""
+    stabilised = DINO + ["OPTIM.CLIP_GRAD", "0.05", "METHOD.DINO.FREEZE_LAST_LAYER_STEPS", "2", "OPTIM.IN_BACKWARD", str(in_backward)]
+    torch.manual_seed(0)
+    initial = build_model(load_config(QUICK, stabilised)).head.last_layer.detach().clone()
+    two, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "two"), "TRAIN.STEPS", "2", *stabilised]))
+    assert torch.equal(two.head.last_layer, initial)
+    saved = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False)["optimizer"]
+    last_index = [n for n, p in two.named_parameters() if p.requires_grad].index("head.last_layer")
+    assert last_index not in saved["state"] and len(saved["state"]) > 0
+    three, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "three"), "TRAIN.STEPS", "3", *stabilised]))
+    assert not torch.equal(three.head.last_layer, initial)
+    if in_backward:  # against the standard run of the same recipe
+        standard, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "standard"), "TRAIN.STEPS", "3", *stabilised[:-2]]))
+        for (name, a), (_, b) in zip(standard.state_dict().items(), three.state_dict().items()):
+            assert torch.equal(a, b), name
+    unclipped, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "unclipped"), "TRAIN.STEPS", "3", *DINO, "METHOD.DINO.FREEZE_LAST_LAYER_STEPS", "2"]))
+    assert not torch.equal(unclipped.trunk.conv1.weight, three.trunk.conv1.weight)  # the clip did something

@@ -1,6 +1,7 @@
 """The ``trunksplit`` command: ``plan`` shows how a trunk would be cut, ``bench`` measures plans,
 ``fit`` finds the largest batch whose training step fits a memory size, ``bench-data`` measures
-the recipes' input pipelines."""
+the recipes' input pipelines, ``knn`` evaluates a run's trunk by k-nearest neighbours, ``report``
+draws a run's metrics."""
 import argparse
 import contextlib
 import os
@@ -24,6 +25,7 @@ from ..ssl.backbones import build_backbone
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
 from .bench_data import run_data_benchmark
+from .runs import add_run_parsers
 
 
 OBJECTIVE_HELP = "what cost-aware plans minimise: time (recompute priced from ops timed while profiling) or flops (FLOPs run again)"
@@ -236,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
     f.set_defaults(fn=_fit)
     _add_bench_data_parser(sub)
+    add_run_parsers(sub)
     return parser
 
 

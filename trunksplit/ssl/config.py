@@ -51,6 +51,7 @@ _C.METHOD.DINO.WARMUP_TEACHER_TEMPERATURE = 0.04  # linear from this to TEACHER_
 _C.METHOD.DINO.TEACHER_TEMPERATURE_WARMUP_STEPS = 0  # ... over these steps
 _C.METHOD.DINO.TEACHER_MOMENTUM = 0.996  # EMA momentum at step 0; a cosine to 1 at the last step
 _C.METHOD.DINO.CENTER_MOMENTUM = 0.9
+_C.METHOD.DINO.FREEZE_LAST_LAYER_STEPS = 0  # the head's last layer not updated in the first steps (the paper: one epoch)
 
 _C.DATA = CN()
 _C.DATA.PATH = ""  # an ImageFolder root; empty: deterministic synthetic images
@@ -91,11 +92,21 @@ _C.OPTIM.BETAS = [0.9, 0.999]  # adamw
 _C.OPTIM.LARS_TRUST_COEFFICIENT = 0.001  # lars (vissl's LARC trust_coefficient)
 _C.OPTIM.WEIGHT_DECAY = 1e-6
 _C.OPTIM.WEIGHT_DECAY_END = None  # None: constant; a value: cosine from WEIGHT_DECAY to it (DINO: 0.04 to 0.4)
+_C.OPTIM.CLIP_GRAD = 0.0  # > 0: each parameter's gradient clipped to this norm before its update (DINO: 3.0)
 _C.OPTIM.EXCLUDE_BIAS_AND_NORM = False  # True: biases and norm weights get no weight decay and no LARS trust ratio
 _C.OPTIM.WARMUP_STEPS = 2
 # True: each parameter is updated in backward as soon as its gradient is whole, and the gradient freed
 # (trunksplit.optimizer_in_backward): the gradients are never all alive, and the trunk plans for it
 _C.OPTIM.IN_BACKWARD = False
+
+# k-nearest-neighbour evaluation of the trunk's features (DINO's weighted kNN): trunksplit/ssl/knn.py
+_C.EVAL = CN()
+_C.EVAL.KNN = CN()
+_C.EVAL.KNN.TRAIN_PATH = ""  # an ImageFolder root (a folder per class): the neighbours; empty: no kNN evaluation
+_C.EVAL.KNN.VAL_PATH = ""  # an ImageFolder root with the same class folders: the images classified
+_C.EVAL.KNN.EVERY_STEPS = 0  # 0: after the last step only
+_C.EVAL.KNN.K = 20
+_C.EVAL.KNN.TEMPERATURE = 0.07
 
 _C.DISTRIBUTED = CN()
 _C.DISTRIBUTED.STRATEGY = "ddp"  # ddp: a replica per rank; fsdp: parameters, gradients and optimizer state sharded (FSDP2)
@@ -241,9 +252,23 @@ def _check(cfg: CN) -> None:
     if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
         raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
     _check_in_backward(cfg)
+    _check_knn(cfg)
+    if not (math.isfinite(cfg.OPTIM.CLIP_GRAD) and cfg.OPTIM.CLIP_GRAD >= 0) or cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS < 0:
+        raise ValueError(f"OPTIM.CLIP_GRAD must be a number >= 0 (0: off; DINO: 3.0) and METHOD.DINO.FREEZE_LAST_LAYER_STEPS >= 0; "
+                         f"got {cfg.OPTIM.CLIP_GRAD} and {cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS}")
     check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def _check_knn(cfg: CN) -> None:
+    """The kNN evaluation's numbers (its folders are read when the run starts, before anything is written)."""
+    knn = cfg.EVAL.KNN
+    if bool(knn.TRAIN_PATH) != bool(knn.VAL_PATH):
+        raise ValueError("EVAL.KNN.TRAIN_PATH and EVAL.KNN.VAL_PATH come together: labelled train images and the validation images classified by them")
+    if knn.K < 1 or not (math.isfinite(knn.TEMPERATURE) and knn.TEMPERATURE > 0) or knn.EVERY_STEPS < 0:
+        raise ValueError(f"EVAL.KNN.K must be >= 1, TEMPERATURE a positive number and EVERY_STEPS >= 0 (0: at the end); "
+                         f"got {knn.K}, {knn.TEMPERATURE} and {knn.EVERY_STEPS}")
 
 
 def _check_in_backward(cfg: CN) -> None:

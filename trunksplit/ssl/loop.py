@@ -16,11 +16,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..planning.memory import PeakMemory
-from .data import image_dataset, step_loader, step_views
+from .data import image_dataset, num_workers, step_loader, step_views
+from .knn import KnnMonitor
 from .dino import add_teacher, dino_step_loss, teacher_momentum, update_teacher
 from .losses import nt_xent, swav_loss
 from .model import SSLModel, build_model, student_copy, with_batch, with_fitted_batch
-from .optim import build_optimizer, set_schedules
+from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules
 from .parallel import setup_distributed
 from .run_dir import CHECKPOINT, METRICS, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
@@ -34,6 +35,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
         cfg = _batch_to_train(cfg, device, strategy, resume)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
+    monitor = KnnMonitor(cfg) if cfg.EVAL.KNN.TRAIN_PATH else None  # and on bad kNN folders
     torch.manual_seed(cfg.SEED)
     model = build_model(cfg).to(device)
     if cfg.METHOD.NAME == "dino":
@@ -54,16 +56,22 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     last = None  # skipped: unreadable file -> times it was skipped
     for step in bar:
         set_schedules(cfg, optimizer, step)
+        rule = gradient_rule(cfg, model, step)  # DINO's stabilisers, on each reduced gradient before its update
+        if cfg.OPTIM.IN_BACKWARD:  # the updates run in backward: the rule goes in before it
+            apply_gradient_rule(rule, optimizer)
         crops, data = _next_step_views(batches, device, skipped)
-        logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1
+        evaluating = monitor is not None and monitor.due(step + 1, cfg.TRAIN.STEPS)
+        logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1 or evaluating
         start_time = time.perf_counter()
         with strategy.meter() if logging else contextlib.nullcontext() as mem:
             loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler))
         _stop_unless_finite(cfg, loss, step, world, scaler)
-        _optimizer_step(optimizer, scaler, kept, device)
+        _optimizer_step(optimizer, scaler, kept, device, None if cfg.OPTIM.IN_BACKWARD else rule)
         if model.teacher is not None:
             update_teacher(model, teacher_momentum(cfg, step))
         seconds = time.perf_counter() - start_time
+        if evaluating:
+            data.update(_evaluate(monitor, model, cfg, device, rank, world, autocast))
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
         if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
@@ -72,6 +80,13 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if last is not None:
         _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain)
     return model, last
+
+
+def _evaluate(monitor, model, cfg, device, rank: int, world: int, autocast) -> dict:
+    """The kNN accuracies of the trunk as it is now, and the seconds they took (not the step's)."""
+    start = time.perf_counter()
+    accuracies = monitor.evaluate(model.trunk, device, num_workers(cfg), rank, world, autocast)
+    return {**accuracies, "knn_seconds": time.perf_counter() - start}
 
 
 def _batch_to_train(cfg, device, strategy, resume: bool):
@@ -83,7 +98,10 @@ def _batch_to_train(cfg, device, strategy, resume: bool):
     return with_fitted_batch(cfg, device, strategy.rank, strategy.fit_world_size, strategy.agree)
 
 
-def _optimizer_step(optimizer, scaler, kept: bool, device) -> None:
+def _optimizer_step(optimizer, scaler, kept: bool, device, rule=None) -> None:
+    if rule is not None:  # DINO's stabilisers, on the unscaled (and reduced) gradients
+        scaler.unscale_(optimizer)
+        apply_gradient_rule(rule, optimizer)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=not kept)
@@ -157,9 +175,10 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
     }
     with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "a") as f:
         f.write(json.dumps(row) + "\n")
+    knn = f"  kNN top-1 {row['knn_top1']:.3f}" if "knn_top1" in row else ""
     bar.write(
         f"step {step + 1}/{cfg.TRAIN.STEPS}  loss {row['loss']:.4f}  lr {row['lr']:.4g}  "
-        f"{row['images_per_sec']:.1f} images/s  peak {peak_bytes / 2**20:.1f} MiB  data wait {row['data_seconds']:.3f} s"
+        f"{row['images_per_sec']:.1f} images/s  peak {peak_bytes / 2**20:.1f} MiB  data wait {row['data_seconds']:.3f} s{knn}"
     )
     return row
 

@@ -8,12 +8,12 @@ decay and, for LARS, no trust ratio: what vissl's ``exclude_bias_and_norm`` and 
 the weight decay follows a cosine from ``OPTIM.WEIGHT_DECAY`` to ``OPTIM.WEIGHT_DECAY_END``.
 """
 import math
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from ..in_backward import optimizer_in_backward
+from ..in_backward import InBackwardOptimizer, optimizer_in_backward
 from ..lars import LARS
 
 OPTIMIZERS = ("sgd", "lars", "adamw")
@@ -53,6 +53,45 @@ def build_optimizer(cfg, model: nn.Module, wrapped: Optional[nn.Module] = None):
     if o.IN_BACKWARD:
         return optimizer_in_backward(model if wrapped is None else wrapped, optimizer_class, param_groups=groups, **kwargs)
     return optimizer_class(groups, **kwargs)
+
+
+def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.Tensor], bool]]:
+    """DINO's two stabilisers as one rule run on each parameter's whole (reduced) gradient before its
+    update, or None where neither applies: the gradient's norm clipped to ``OPTIM.CLIP_GRAD``
+    (scaled by ``clip / (norm + 1e-6)`` where that is below 1: DINO's ``clip_gradients``), and the
+    head's last layer left alone for the first ``METHOD.DINO.FREEZE_LAST_LAYER_STEPS`` steps (its
+    gradient dropped: no update, no weight decay, no optimizer state, as DINO's
+    ``cancel_gradients_last_layer``). The rule returns whether to update the parameter."""
+    clip = cfg.OPTIM.CLIP_GRAD
+    last_layer = getattr(model.head, "last_layer", None)
+    frozen = last_layer if last_layer is not None and step < cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS else None
+    if not clip and frozen is None:
+        return None
+
+    def rule(p: torch.Tensor) -> bool:
+        if p is frozen:
+            p.grad = None
+            return False
+        if clip and p.grad is not None:
+            scale = clip / (torch.linalg.vector_norm(p.grad) + 1e-6)
+            if scale < 1:
+                p.grad.mul_(scale)
+        return True
+
+    return rule
+
+
+def apply_gradient_rule(rule: Optional[Callable[[torch.Tensor], bool]], optimizer) -> None:
+    """Run ``rule`` on every parameter before the optimizer's step (stepped in backward, before
+    each parameter's update instead)."""
+    if isinstance(optimizer, InBackwardOptimizer):
+        optimizer.before_update = rule
+        return
+    if rule is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    rule(p)
 
 
 def gradient_mode(cfg) -> str:

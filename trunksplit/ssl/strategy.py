@@ -128,6 +128,8 @@ class FSDP(Strategy):
             raise ValueError("METHOD.NAME dino runs under DISTRIBUTED.STRATEGY ddp: its EMA teacher is not sharded yet")
         if cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
             raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
+        if cfg.OPTIM.CLIP_GRAD:
+            raise ValueError("OPTIM.CLIP_GRAD clips each parameter by its own norm, and under FSDP a rank holds a shard of it: set it 0")
 
     @property
     def fit_world_size(self):

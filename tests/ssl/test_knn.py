@@ -1,0 +1,159 @@
+"""The kNN monitor: DINO's weighted kNN against a hand-written one, classes any features separate,
+labels dealt at random, online equal to offline, a run's weights untouched by it, and clear errors."""
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from trunksplit.cli import main
+from trunksplit.ssl.config import load_config
+from trunksplit.ssl.knn import KnnMonitor, knn_accuracy
+from trunksplit.ssl.loop import train
+
+from distributed_harness import run_processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4",
+         "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0"]
+COLOURS = [(230, 30, 30), (30, 200, 40), (40, 60, 230), (240, 220, 30), (200, 40, 220), (40, 220, 220), (20, 20, 20)]
+
+
+def _folder(root, per_class, seed, shuffle_labels=False):
+    """An ImageFolder of solid-coloured images with a little noise, a colour per class: classes
+    that any features separate; with ``shuffle_labels`` the same images dealt to classes at random."""
+    rng = random.Random(seed)
+    images = [(c, i) for c in range(len(COLOURS)) for i in range(per_class)]
+    labels = [c for c, _ in images]
+    if shuffle_labels:
+        rng.shuffle(labels)
+    for (colour, i), label in zip(images, labels):
+        folder = os.path.join(root, f"class_{label}")
+        os.makedirs(folder, exist_ok=True)
+        pixels = torch.tensor(COLOURS[colour], dtype=torch.float32).expand(40, 40, 3) + torch.randn(40, 40, 3, generator=torch.Generator().manual_seed(seed * 1000 + colour * 100 + i)) * 8
+        Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy()).save(os.path.join(folder, f"{colour}_{i}.png"))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("knn")
+    return {
+        "train": _folder(root / "train", 6, 0), "val": _folder(root / "val", 3, 1),
+        "random_train": _folder(root / "random_train", 6, 2, shuffle_labels=True), "random_val": _folder(root / "random_val", 3, 3, shuffle_labels=True),
+    }
+
+
+def _reference_knn(train, train_labels, val, val_labels, classes, k, temperature):
+    """DINO's weighted kNN written out: for each validation image, its k most similar training
+    images (cosine), each voting exp(similarity / T) for its class; the class with most votes."""
+    top1 = top5 = 0
+    for v, truth in zip(val.tolist(), val_labels.tolist()):
+        sims = sorted(((sum(a * b for a, b in zip(v, t)), label) for t, label in zip(train.tolist(), train_labels.tolist())), reverse=True)[:k]
+        votes = [0.0] * classes
+        for s, label in sims:
+            votes[label] += math.exp(s / temperature)
+        ranked = sorted(range(classes), key=lambda c: -votes[c])
+        top1 += ranked[0] == truth
+        top5 += truth in ranked[:5] and votes[truth] > 0  # a class no neighbour voted for is no guess
+    return top1 / len(val), top5 / len(val)
+
+
+def test_knn_accuracy_equals_a_hand_written_weighted_knn():
+    g = torch.Generator().manual_seed(0)
+    train, val = (torch.nn.functional.normalize(torch.randn(n, 6, generator=g), dim=1) for n in (40, 25))
+    train_labels, val_labels = torch.randint(0, 8, (40,), generator=g), torch.randint(0, 8, (25,), generator=g)
+    got = knn_accuracy(train, train_labels, val, val_labels, 8, k=7, temperature=0.5)
+    top1, top5 = _reference_knn(train, train_labels, val, val_labels, 8, 7, 0.5)
+    assert got["knn_top1"] == pytest.approx(top1) and got["knn_top5"] == pytest.approx(top5)
+    assert "knn_top5" not in knn_accuracy(train, train_labels % 4, val, val_labels % 4, 4, k=7)  # top-5 of 4 classes says nothing
+
+
+def _monitor(folders, train="train", val="val"):
+    return KnnMonitor(load_config(QUICK, [*SMALL, "EVAL.KNN.TRAIN_PATH", folders[train], "EVAL.KNN.VAL_PATH", folders[val]]))
+
+
+def test_classes_any_features_separate_read_above_0_9_and_random_labels_near_chance(folders):
+    torch.manual_seed(0)
+    from trunksplit.ssl.model import build_model
+
+    trunk = build_model(load_config(QUICK, SMALL)).trunk  # random weights: the classes are colours
+    separable = _monitor(folders).evaluate(trunk, torch.device("cpu"))
+    assert separable["knn_top1"] >= 0.9, separable
+    chance = _monitor(folders, "random_train", "random_val").evaluate(trunk, torch.device("cpu"))
+    assert chance["knn_top1"] <= 1 / len(COLOURS) + 0.25, chance  # 21 images: chance is 1/7, within a few images
+
+
+def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_reads_the_same(tmp_path, folders, capsys):
+    overrides = [*SMALL, "TRAIN.STEPS", "3"]
+    plain, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "plain"), *overrides]))
+    knn = ["EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"], "EVAL.KNN.EVERY_STEPS", "2"]
+    monitored, last = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "knn"), *overrides, *knn]))
+    for (name, a), (_, b) in zip(plain.state_dict().items(), monitored.state_dict().items()):
+        assert torch.equal(a, b), name
+    rows = [json.loads(line) for line in (tmp_path / "knn" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "knn_top1" in r] == [2, 3]  # every 2 steps, and at the end
+    assert all(r["knn_seconds"] > 0 and 0 <= r["knn_top5"] <= 1 for r in rows if "knn_top1" in r)
+    assert main(["knn", str(tmp_path / "knn"), "--train", folders["train"], "--val", folders["val"]]) == 0
+    out = capsys.readouterr().out
+    assert f"at step 3: top-1 {last['knn_top1']:.4f}, top-5 {last['knn_top5']:.4f}" in out
+
+
+def _two_ranks(rank, world_size, out, folders):
+    from trunksplit.ssl.model import build_model
+
+    torch.manual_seed(0)
+    trunk = build_model(load_config(QUICK, SMALL)).trunk
+    result = _monitor(folders).evaluate(trunk, torch.device("cpu"), rank=rank, world=world_size)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_two_ranks_share_the_images_and_read_what_one_process_reads(tmp_path, folders):
+    """27 validation images over 2 ranks: one rank's share padded; the gathered features in folder order."""
+    run_processes(_two_ranks, 2, (str(tmp_path), folders))
+    from trunksplit.ssl.model import build_model
+
+    torch.manual_seed(0)
+    alone = _monitor(folders).evaluate(build_model(load_config(QUICK, SMALL)).trunk, torch.device("cpu"))
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == pytest.approx(alone)
+
+
+def test_unlabelled_empty_or_mismatched_folders_are_refused_before_anything_is_written(tmp_path, folders):
+    (tmp_path / "flat").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "flat" / "a.png")
+    (tmp_path / "one" / "only").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "one" / "only" / "a.png")
+    (tmp_path / "empty").mkdir()
+    for name in ("cats", "dogs"):
+        (tmp_path / "other" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "other" / name / "a.png")
+    cases = [(str(tmp_path / "flat"), "holds no labelled images"), (str(tmp_path / "one"), "1 class folder"),
+             (str(tmp_path / "empty"), "holds no labelled images"), (str(tmp_path / "missing"), "is not a directory"),
+             (str(tmp_path / "other"), "need the same class folders")]
+    for path, message in cases:
+        out = tmp_path / "run"
+        overrides = [*SMALL, "TRAIN.STEPS", "1", "OUTPUT_DIR", str(out), "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", path]
+        with pytest.raises(ValueError, match=message):
+            train(load_config(QUICK, overrides))
+        assert not out.exists()
+    with pytest.raises(ValueError, match="come together"):
+        load_config(QUICK, ["EVAL.KNN.TRAIN_PATH", folders["train"]])
+    with pytest.raises(ValueError, match="EVAL.KNN.K must be >= 1"):
+        load_config(QUICK, ["EVAL.KNN.K", "0"])
+
+
+def test_report_draws_the_runs_metrics_and_summarises_them(tmp_path, folders, capsys):
+    out = tmp_path / "run"
+    train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "2", "OUTPUT_DIR", str(out), "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))
+    assert main(["report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "kNN top-1" in printed and "images/s" in printed and "loss" in printed
+    with Image.open(out / "report.png") as picture:
+        assert picture.size[0] > 400 and picture.size[1] > 400
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "holds no metrics.jsonl" in capsys.readouterr().err

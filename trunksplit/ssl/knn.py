@@ -1,0 +1,187 @@
+"""k-nearest-neighbour evaluation: how good the trunk's features are, as SSL codebases measure it.
+
+DINO's weighted kNN (``eval_knn.py``), which DINOv2, solo-learn and lightly report too: every
+image of a labelled validation folder votes among its ``k`` nearest images of a labelled train
+folder by cosine similarity, each neighbour weighing ``exp(similarity / temperature)``; top-1 and
+top-5 accuracy (top-5 where there are more than 5 classes). Features are the trunk's last
+requested feature, flattened and L2-normalised, computed in eval mode without gradients (nothing
+is checkpointed, BatchNorm uses its running statistics) from images read as training reads them
+(unreadable files skipped and named) and transformed for evaluation: the shorter side resized to
+``crop / 0.875``, a centre crop of ``crop``, normalised. Each rank extracts its share of the
+images; every rank gathers all of them.
+
+The training loop runs it every ``EVAL.KNN.EVERY_STEPS`` (and at the end) without touching the
+run's random state: a run with the monitor trains the same weights as one without.
+"""
+import math
+import os
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import PIL.Image
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torchvision.transforms.v2 import functional as TF
+
+from .config import load_config
+from .data import IMAGE_EXTENSIONS, read_image
+from .dino import add_teacher
+from .model import build_model
+from .run_dir import CHECKPOINT, load_checkpoint
+
+EVAL_CROP_FRACTION = 0.875  # the centre crop's share of the resized image (ImageNet's 224 of 256)
+BATCH = 64  # images per forward while extracting features
+
+
+class LabelledImages(torch.utils.data.Dataset):
+    """An ImageFolder (a folder per class) as evaluation images: ``(image, label, index)``, the label
+    -1 for a file that cannot be read (dropped from the evaluation and named)."""
+
+    def __init__(self, root: str, crop: int, mean: Sequence[float], std: Sequence[float], key: str):
+        self.root, self.crop, self.mean, self.std = root, crop, list(mean), list(std)
+        self.folder = labelled_folder(root, key)
+        self.classes = self.folder.classes
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int):
+        path, label = self.folder.samples[i]
+        try:
+            image = read_image(path, round(self.crop / EVAL_CROP_FRACTION))
+        except (OSError, SyntaxError, ValueError, RuntimeError, PIL.Image.DecompressionBombError):
+            return torch.zeros(3, self.crop, self.crop), -1, i
+        image = TF.center_crop(image, [self.crop, self.crop])
+        return TF.normalize(image, self.mean, self.std), label, i
+
+
+def labelled_folder(root: str, key: str) -> torchvision.datasets.DatasetFolder:
+    """``root`` listed as an ImageFolder with at least two classes; a ``ValueError`` naming ``key``
+    for a missing, empty or unlabelled (no class folders, or one) folder."""
+    if not root or not os.path.isdir(root):
+        raise ValueError(f"{key} {root!r} is not a directory: give an ImageFolder root (a folder per class, images in each)")
+    try:
+        folder = torchvision.datasets.DatasetFolder(root, loader=str, extensions=IMAGE_EXTENSIONS)  # only its list is read
+    except FileNotFoundError as e:  # no class folders, or class folders without images
+        raise ValueError(f"{key} {root!r} holds no labelled images (root/class_name/image.jpg): {e}") from None
+    if len(folder.classes) < 2:
+        raise ValueError(f"{key} {root!r} has {len(folder.classes)} class folder ({folder.classes}): "
+                         "a kNN evaluation needs labels, a folder per class, at least two")
+    return folder
+
+
+@torch.no_grad()
+def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: torch.device, workers: int = 0,
+                     rank: int = 0, world: int = 1, autocast=None) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
+    """(features, labels, unreadable files) of every image of ``dataset``, in its order: the trunk's
+    last feature, flattened, L2-normalised, float32 on ``device``. Each of ``world`` ranks runs the
+    same number of forwards (every rank's share padded to the largest, as FSDP2's collectives
+    need) and the shares are gathered. ``trunk`` is run in eval mode and left in its mode."""
+    n = len(dataset)
+    per_rank = math.ceil(n / world)
+    mine = [min(i, n - 1) for i in range(rank, per_rank * world, world)]  # padded with the last image
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=BATCH, num_workers=workers,
+                                         generator=torch.Generator().manual_seed(0))  # no draw from the global generator
+    modes = [(m, m.training) for m in trunk.modules()]
+    trunk.eval()
+    parts, labels = [], []
+    try:
+        for images, batch_labels, _ in loader:
+            with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
+                feature = trunk(images.to(device))[-1]
+            parts.append(F.normalize(feature.flatten(1).float(), dim=1))
+            labels.append(batch_labels.to(device))
+    finally:
+        for m, training in modes:
+            m.training = training
+    features, labels = torch.cat(parts), torch.cat(labels)
+    if world > 1:
+        features, labels = _gathered(features, world), _gathered(labels, world)
+    features, labels = features[:n], labels[:n]  # interleaved back into the folder's order, padding dropped
+    unreadable = [dataset.folder.samples[i][0] for i in (labels < 0).nonzero().flatten().tolist()]
+    return features, labels, unreadable
+
+
+def _gathered(local: torch.Tensor, world: int) -> torch.Tensor:
+    """Rank r's row j is image ``r + j * world``: gather every rank's rows and interleave them."""
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous())
+    return torch.stack(parts, dim=1).flatten(0, 1)
+
+
+def knn_accuracy(train_features: torch.Tensor, train_labels: torch.Tensor, val_features: torch.Tensor, val_labels: torch.Tensor,
+                 num_classes: int, k: int = 20, temperature: float = 0.07) -> Dict[str, float]:
+    """DINO's weighted kNN: ``{"knn_top1": ..., "knn_top5": ...}`` (top-5 only with more than 5
+    classes), fractions of the validation images. Features are L2-normalised rows. A class none of
+    the ``k`` neighbours voted for counts as no guess (DINO's sort would rank such ties arbitrarily)."""
+    k = min(k, len(train_features))
+    correct1 = correct5 = 0
+    for start in range(0, len(val_features), 256):  # a chunk of similarities at a time
+        sims = val_features[start : start + 256] @ train_features.T
+        top, index = sims.topk(k, dim=1)
+        votes = torch.zeros(len(sims), num_classes, device=sims.device)
+        votes.scatter_add_(1, train_labels[index], (top / temperature).exp())
+        weight, ranked = votes.topk(min(5, num_classes), dim=1)
+        hit = (ranked == val_labels[start : start + 256, None]) & (weight > 0)  # a class no neighbour voted for is no guess
+        correct1 += hit[:, 0].sum().item()
+        correct5 += hit.any(1).sum().item()
+    out = {"knn_top1": correct1 / len(val_features)}
+    if num_classes > 5:
+        out["knn_top5"] = correct5 / len(val_features)
+    return out
+
+
+class KnnMonitor:
+    """The launcher's kNN evaluation of ``EVAL.KNN`` (train and validation folders, checked when it is
+    made: before anything is written)."""
+
+    def __init__(self, cfg):
+        knn, aug = cfg.EVAL.KNN, cfg.DATA.AUG
+        crop = cfg.DATA.CROP_SIZES[0]
+        self.train = LabelledImages(knn.TRAIN_PATH, crop, aug.MEAN, aug.STD, "EVAL.KNN.TRAIN_PATH")
+        self.val = LabelledImages(knn.VAL_PATH, crop, aug.MEAN, aug.STD, "EVAL.KNN.VAL_PATH")
+        if self.train.classes != self.val.classes:
+            raise ValueError(f"EVAL.KNN.TRAIN_PATH and VAL_PATH need the same class folders; got {self.train.classes} and {self.val.classes}")
+        self.k, self.temperature, self.every = knn.K, knn.TEMPERATURE, knn.EVERY_STEPS
+
+    def due(self, steps_done: int, total: int) -> bool:
+        """Evaluate after this many steps: every ``EVERY_STEPS``, and at the end."""
+        return steps_done == total or (self.every > 0 and steps_done % self.every == 0)
+
+    def evaluate(self, trunk, device, workers: int = 0, rank: int = 0, world: int = 1, autocast=None) -> Dict[str, float]:
+        """The kNN accuracies of ``trunk``'s features, the same on every rank; the global random state
+        as it was (the training run's draws do not move)."""
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            train = extract_features(trunk, self.train, device, workers, rank, world, autocast)
+            val = extract_features(trunk, self.val, device, workers, rank, world, autocast)
+        for name in train[2] + val[2]:
+            warnings.warn(f"kNN evaluation: skipping unreadable image {name}", UserWarning, stacklevel=2)
+        (tf, tl, _), (vf, vl, _) = train, val
+        keep_train, keep_val = tl >= 0, vl >= 0
+        return knn_accuracy(tf[keep_train], tl[keep_train], vf[keep_val], vl[keep_val], len(self.train.classes), self.k, self.temperature)
+
+
+def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = False, device: str = "cpu") -> Tuple[int, Dict[str, float]]:
+    """(step, accuracies) of a finished run's trunk (its ``checkpoint.pt``), or with ``untrained`` of
+    the model it started from (its config and seed): the numbers the online monitor logs at that
+    step. A sharded (FSDP2) checkpoint is refused: evaluate it online (``EVAL.KNN``)."""
+    config = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config):
+        raise ValueError(f"{run_dir!r} holds no config.yaml: give the OUTPUT_DIR of a run of tools/train.py")
+    cfg = load_config(config, ["EVAL.KNN.TRAIN_PATH", train_path, "EVAL.KNN.VAL_PATH", val_path])
+    monitor = KnnMonitor(cfg)
+    torch.manual_seed(cfg.SEED)
+    model = build_model(cfg)
+    if cfg.METHOD.NAME == "dino":
+        add_teacher(model)
+    step = 0
+    if not untrained:
+        state = load_checkpoint(os.path.join(run_dir, CHECKPOINT))
+        if "sharded" in state:
+            raise ValueError(f"{os.path.join(run_dir, CHECKPOINT)} is a sharded (fsdp) checkpoint: evaluate it online with EVAL.KNN")
+        model.load_state_dict(state["model"])
+        step = state["step"]
+    device = torch.device(device)
+    return step, monitor.evaluate(model.to(device).trunk, device)
