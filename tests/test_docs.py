@@ -66,7 +66,7 @@ def _commands():
             for line in block.replace("\\\n", " ").splitlines():
                 for part in line.split("&&"):
                     part = part.strip().removeprefix("$ ")
-                    if re.match(r"(trunksplit (plan|bench|fit|bench-data)|python tools/|torchrun )", part):
+                    if re.match(r"(trunksplit (plan|bench|fit|bench-data|knn|report)|python tools/|torchrun )", part):
                         yield page, part
 
 
@@ -104,7 +104,7 @@ def test_documented_command_parses(page, command, tmp_path, monkeypatch):
         return
     script = next(w for w in words if w.startswith("tools/"))
     args = words[words.index(script) + 1 :]
-    if script in ("tools/wrap_budget.py", "tools/zoo_sweep.py", "tools/fsdp_memory.py", "tools/fsdp_scaling.py", "tools/compile_benchmark.py", "tools/fsdp_compile_benchmark.py",
+    if script in ("tools/wrap_budget.py", "tools/zoo_sweep.py", "tools/fsdp_memory.py", "tools/fsdp_scaling.py", "tools/compile_benchmark.py", "tools/fsdp_compile_benchmark.py", "tools/in_backward_benchmark.py", "tools/digits_folder.py",
                   "tools/unit_compile_times.py"):
         _tool_parser(script[len("tools/"):-len(".py")]).parse_args(args)
         return

@@ -242,8 +242,7 @@ def _check(cfg: CN) -> None:
         raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
     if cfg.METHOD.NAME not in ("simclr", "swav", "dino"):
         raise ValueError(f"METHOD.NAME must be simclr, swav or dino, got {cfg.METHOD.NAME!r}")
-    if cfg.OPTIM.NAME not in OPTIMIZERS:
-        raise ValueError(f"OPTIM.NAME must be one of {', '.join(OPTIMIZERS)}, got {cfg.OPTIM.NAME!r}")
+    _check_optim(cfg)
     if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
         raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
     _check_method_and_head(cfg)
@@ -253,12 +252,28 @@ def _check(cfg: CN) -> None:
         raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
     _check_in_backward(cfg)
     _check_knn(cfg)
-    if not (math.isfinite(cfg.OPTIM.CLIP_GRAD) and cfg.OPTIM.CLIP_GRAD >= 0) or cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS < 0:
-        raise ValueError(f"OPTIM.CLIP_GRAD must be a number >= 0 (0: off; DINO: 3.0) and METHOD.DINO.FREEZE_LAST_LAYER_STEPS >= 0; "
-                         f"got {cfg.OPTIM.CLIP_GRAD} and {cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS}")
     check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def _check_optim(cfg: CN) -> None:
+    """The optimizer, its schedules and DINO's stabilisers."""
+    if cfg.OPTIM.NAME not in OPTIMIZERS:
+        raise ValueError(f"OPTIM.NAME must be one of {', '.join(OPTIMIZERS)}, got {cfg.OPTIM.NAME!r}")
+    if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0:
+        raise ValueError(f"OPTIM.LR must be >= 0 and OPTIM.WARMUP_STEPS >= 0, got {cfg.OPTIM.LR} and {cfg.OPTIM.WARMUP_STEPS}")
+    end = cfg.OPTIM.WEIGHT_DECAY_END
+    end_is_number = end is None or (isinstance(end, (int, float)) and not isinstance(end, bool) and math.isfinite(end) and end >= 0)
+    if not (math.isfinite(cfg.OPTIM.WEIGHT_DECAY) and cfg.OPTIM.WEIGHT_DECAY >= 0) or not end_is_number:
+        raise ValueError(f"OPTIM.WEIGHT_DECAY and WEIGHT_DECAY_END must be finite numbers >= 0 (WEIGHT_DECAY_END None: constant; DINO: 0.04 to 0.4), "
+                         f"got {cfg.OPTIM.WEIGHT_DECAY!r} and {end!r}")
+    betas = cfg.OPTIM.BETAS
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"OPTIM.BETAS are AdamW's two coefficients, each in [0, 1) (torch's default: [0.9, 0.999]), got {list(betas)!r}")
+    if not (math.isfinite(cfg.OPTIM.CLIP_GRAD) and cfg.OPTIM.CLIP_GRAD >= 0) or cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS < 0:
+        raise ValueError(f"OPTIM.CLIP_GRAD must be a number >= 0 (0: off; DINO: 3.0) and METHOD.DINO.FREEZE_LAST_LAYER_STEPS >= 0; "
+                         f"got {cfg.OPTIM.CLIP_GRAD} and {cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS}")
 
 
 def _check_knn(cfg: CN) -> None:
@@ -308,16 +323,6 @@ def _check_method_and_head(cfg: CN) -> None:
             raise ValueError(f"{key} must be >= 1, got {cfg[section][sub][name]}")
     if not (math.isfinite(cfg.METHOD.TEMPERATURE) and cfg.METHOD.TEMPERATURE > 0):
         raise ValueError(f"METHOD.TEMPERATURE must be a positive number (0.1 is usual), got {cfg.METHOD.TEMPERATURE}")
-    if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0:
-        raise ValueError(f"OPTIM.LR must be >= 0 and OPTIM.WARMUP_STEPS >= 0, got {cfg.OPTIM.LR} and {cfg.OPTIM.WARMUP_STEPS}")
-    end = cfg.OPTIM.WEIGHT_DECAY_END
-    end_is_number = end is None or (isinstance(end, (int, float)) and not isinstance(end, bool) and math.isfinite(end) and end >= 0)
-    if not (math.isfinite(cfg.OPTIM.WEIGHT_DECAY) and cfg.OPTIM.WEIGHT_DECAY >= 0) or not end_is_number:
-        raise ValueError(f"OPTIM.WEIGHT_DECAY and WEIGHT_DECAY_END must be finite numbers >= 0 (WEIGHT_DECAY_END None: constant; DINO: 0.04 to 0.4), "
-                         f"got {cfg.OPTIM.WEIGHT_DECAY!r} and {end!r}")
-    betas = cfg.OPTIM.BETAS
-    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
-        raise ValueError(f"OPTIM.BETAS are AdamW's two coefficients, each in [0, 1) (torch's default: [0.9, 0.999]), got {list(betas)!r}")
     if cfg.METHOD.NAME == "swav":
         if cfg.METHOD.NUM_PROTOTYPES < 1:
             raise ValueError(f"METHOD.NUM_PROTOTYPES must be >= 1 for SwAV, got {cfg.METHOD.NUM_PROTOTYPES}")

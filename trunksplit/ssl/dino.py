@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .losses import dino_loss
-from .model import SSLModel, student_copy
+from .model import SSLModel, build_model, student_copy
 
 
 def add_teacher(model: SSLModel) -> SSLModel:
@@ -29,6 +29,12 @@ def add_teacher(model: SSLModel) -> SSLModel:
     out_dim = model.head.last_layer.shape[0]
     model.register_buffer("center", torch.zeros(1, out_dim, device=model.head.last_layer.device))
     return model
+
+
+def build_ssl_model(cfg) -> SSLModel:
+    """The model the config trains: the student, and for DINO its teacher (see :func:`add_teacher`)."""
+    model = build_model(cfg)
+    return add_teacher(model) if cfg.METHOD.NAME == "dino" else model
 
 
 def teacher_temperature(cfg, step: int) -> float:

@@ -27,8 +27,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from .config import load_config
 from .data import IMAGE_EXTENSIONS, read_image
-from .dino import add_teacher
-from .model import build_model
+from .dino import build_ssl_model
 from .run_dir import CHECKPOINT, load_checkpoint
 
 EVAL_CROP_FRACTION = 0.875  # the centre crop's share of the resized image (ImageNet's 224 of 256)
@@ -173,9 +172,7 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
     cfg = load_config(config, ["EVAL.KNN.TRAIN_PATH", train_path, "EVAL.KNN.VAL_PATH", val_path])
     monitor = KnnMonitor(cfg)
     torch.manual_seed(cfg.SEED)
-    model = build_model(cfg)
-    if cfg.METHOD.NAME == "dino":
-        add_teacher(model)
+    model = build_ssl_model(cfg)
     step = 0
     if not untrained:
         state = load_checkpoint(os.path.join(run_dir, CHECKPOINT))

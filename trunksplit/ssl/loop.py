@@ -18,9 +18,9 @@ from tqdm import tqdm
 from ..planning.memory import PeakMemory
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
-from .dino import add_teacher, dino_step_loss, teacher_momentum, update_teacher
+from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
 from .losses import nt_xent, swav_loss
-from .model import SSLModel, build_model, student_copy, with_batch, with_fitted_batch
+from .model import SSLModel, student_copy, with_batch, with_fitted_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules
 from .parallel import setup_distributed
 from .run_dir import CHECKPOINT, METRICS, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
@@ -37,16 +37,13 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     monitor = KnnMonitor(cfg) if cfg.EVAL.KNN.TRAIN_PATH else None  # and on bad kNN folders
     torch.manual_seed(cfg.SEED)
-    model = build_model(cfg).to(device)
-    if cfg.METHOD.NAME == "dino":
-        add_teacher(model)
+    model = build_ssl_model(cfg).to(device)
     wrapped = strategy.wrap(cfg, model)
     optimizer = build_optimizer(cfg, model, wrapped)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
     resumed = resume_from(cfg, model, optimizer, scaler, rank, world, strategy.load) if resume else Resumed()
     start, skipped = resumed.step, resumed.skipped
-    autocast = _autocast(cfg, device)
-    kept = cfg.TRAIN.GRADIENTS == "kept"
+    autocast, kept = _autocast(cfg, device), cfg.TRAIN.GRADIENTS == "kept"
     # planned before anything is written: an infeasible MEMORY_BUDGET leaves no run directory behind
     setup_seconds = _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast)
     if rank == 0:
@@ -56,9 +53,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     last = None  # skipped: unreadable file -> times it was skipped
     for step in bar:
         set_schedules(cfg, optimizer, step)
-        rule = gradient_rule(cfg, model, step)  # DINO's stabilisers, on each reduced gradient before its update
-        if cfg.OPTIM.IN_BACKWARD:  # the updates run in backward: the rule goes in before it
-            apply_gradient_rule(rule, optimizer)
+        rule = _stabilisers(cfg, model, optimizer, step)
         crops, data = _next_step_views(batches, device, skipped)
         evaluating = monitor is not None and monitor.due(step + 1, cfg.TRAIN.STEPS)
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1 or evaluating
@@ -66,7 +61,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         with strategy.meter() if logging else contextlib.nullcontext() as mem:
             loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler))
         _stop_unless_finite(cfg, loss, step, world, scaler)
-        _optimizer_step(optimizer, scaler, kept, device, None if cfg.OPTIM.IN_BACKWARD else rule)
+        _optimizer_step(optimizer, scaler, kept, device, rule)
         if model.teacher is not None:
             update_teacher(model, teacher_momentum(cfg, step))
         seconds = time.perf_counter() - start_time
@@ -74,12 +69,22 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             data.update(_evaluate(monitor, model, cfg, device, rank, world, autocast))
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
-        if (step + 1) % cfg.TRAIN.CHECKPOINT_EVERY == 0 or step + 1 == cfg.TRAIN.STEPS:
-            _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)
+        _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)
     strategy.finish(wrapped, model)
     if last is not None:
         _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain)
     return model, last
+
+
+def _stabilisers(cfg, model, optimizer, step: int):
+    """DINO's stabilisers for this step (``gradient_rule``), run on each reduced gradient before its
+    update: stepped in backward, handed to the optimizer now, before backward (returns None); else
+    returned, for the optimizer step after backward."""
+    rule = gradient_rule(cfg, model, step)
+    if not cfg.OPTIM.IN_BACKWARD:
+        return rule
+    apply_gradient_rule(rule, optimizer)
+    return None
 
 
 def _evaluate(monitor, model, cfg, device, rank: int, world: int, autocast) -> dict:
@@ -184,6 +189,9 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
 
 
 def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, skipped: dict) -> None:
+    """Every ``TRAIN.CHECKPOINT_EVERY`` steps, and after the last."""
+    if steps_done % cfg.TRAIN.CHECKPOINT_EVERY and steps_done != cfg.TRAIN.STEPS:
+        return
     rng = rng_states(strategy.world)  # every rank's: stochastic depth and dropout draw from them
     meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng, "skipped_images": dict(skipped),
             "plans": [(key, plan.state()) for key, plan in model.trunk.plans.items()]}
