@@ -9,6 +9,11 @@ setup(
     packages=find_packages(include=["trunksplit", "trunksplit.*"]),
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "torchvision>=0.16", "fvcore", "PyYAML", "tabulate", "tqdm", "matplotlib"],
-    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist"], "zoo": ["timm", "transformers"]},  # zoo: the timm and transformers tests, tools/zoo_sweep.py
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+        "zoo": ["timm", "transformers"],  # the timm and transformers tests, tools/zoo_sweep.py
+        "clients": ["lightning", "lightly", "timm", "transformers", "accelerate"],  # docs/integrations.md and its tests
+        "digits": ["scikit-learn"],  # tools/digits_folder.py: the handwritten digits it ships
+    },
     entry_points={"console_scripts": ["trunksplit=trunksplit.cli:main"]},
 )

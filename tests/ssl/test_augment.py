@@ -61,7 +61,20 @@ def test_views_are_normalised_tensors_of_the_configured_size_and_reproducible():
     assert all(a[c].min() >= low[c] - 1e-5 and a[c].max() <= high[c] + 1e-5 for c in range(3))
 
 
-@pytest.mark.parametrize("key,value", [("DATA.AUG.COLOR_JITTER", "[0.8, 0.8, 0.8]"), ("DATA.AUG.BLUR_PROB", "1.5"), ("DATA.AUG.SOLARIZE_PROB", "[0.0, -0.2]"), ("DATA.AUG.STD", "[0.2, 0.0, 0.2]")])
+@pytest.mark.parametrize("flip", [0.0, 0.5, 1.0])
+def test_views_flip_at_their_configured_rate(flip):
+    """A left-to-right ramp, cropped whole, nothing else distorting it: each view is the ramp or its mirror image."""
+    cfg = load_config(QUICK, ["DATA.AUG.FLIP_PROB", str(flip), "DATA.AUG.COLOR_JITTER_PROB", "0", "DATA.AUG.GRAYSCALE_PROB", "0", "DATA.AUG.BLUR_PROB", "0"])
+    d = crop_distortions(cfg)[0]
+    ramp = torch.linspace(0, 1, 16).expand(3, 16, 16).contiguous()
+    g, flipped = torch.Generator().manual_seed(3), 0
+    for _ in range(400):
+        view = augment(ramp, 16, [1.0, 1.0], d, g)
+        flipped += bool(view[0, 0, 0] > view[0, 0, -1])
+    assert _within_binomial(flipped, 400, flip), flipped
+
+
+@pytest.mark.parametrize("key,value", [("DATA.AUG.COLOR_JITTER", "[0.8, 0.8, 0.8]"), ("DATA.AUG.BLUR_PROB", "1.5"), ("DATA.AUG.FLIP_PROB", "1.5"), ("DATA.AUG.SOLARIZE_PROB", "[0.0, -0.2]"), ("DATA.AUG.STD", "[0.2, 0.0, 0.2]")])
 def test_bad_augmentation_values_are_refused(key, value):
     with pytest.raises(ValueError, match=key.split(".")[-1]):
         load_config(QUICK, [key, value])

@@ -27,7 +27,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class Distortion:
-    """One crop's colour, blur and solarisation, as ``DATA.AUG`` sets them."""
+    """One crop's flip, colour, blur and solarisation, as ``DATA.AUG`` sets them."""
 
     jitter: Tuple[float, float, float, float]  # brightness, contrast, saturation, hue
     jitter_p: float
@@ -36,13 +36,15 @@ class Distortion:
     solarize_p: float
     mean: Tuple[float, float, float]
     std: Tuple[float, float, float]
+    flip_p: float = 0.5
 
 
 def crop_distortions(cfg) -> List[Distortion]:
     """One :class:`Distortion` per crop of a step, in crop order (``sum(DATA.CROP_COUNTS)``)."""
     aug = cfg.DATA.AUG
     return [
-        Distortion(tuple(aug.COLOR_JITTER), aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, _entry(aug.BLUR_PROB, k), _entry(aug.SOLARIZE_PROB, k), tuple(aug.MEAN), tuple(aug.STD))
+        Distortion(tuple(aug.COLOR_JITTER), aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, _entry(aug.BLUR_PROB, k), _entry(aug.SOLARIZE_PROB, k), tuple(aug.MEAN),
+                   tuple(aug.STD), aug.FLIP_PROB)
         for k in range(sum(cfg.DATA.CROP_COUNTS))
     ]
 
@@ -73,7 +75,7 @@ def augment(img: torch.Tensor, size: int, scale: Sequence[float], d: Distortion,
     """One view of ``img`` (``[3, H, W]`` in [0, 1]): cropped to ``size``, flipped, distorted, normalised."""
     top, left, ch, cw = crop_box(img.shape[-2], img.shape[-1], scale, g)
     view = TF.resized_crop(img, top, left, ch, cw, [size, size], antialias=True)
-    if _happens(g, 0.5):
+    if _happens(g, d.flip_p):
         view = TF.horizontal_flip(view)
     if _happens(g, d.jitter_p):
         view = _jitter(view, d.jitter, g)

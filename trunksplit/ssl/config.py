@@ -62,6 +62,7 @@ _C.DATA.CROP_COUNTS = [2]
 _C.DATA.CROP_SCALES = [[0.3, 1.0]]
 # SimCLR's colour distortions (SwAV's multi-crop uses them too), see trunksplit/ssl/augment.py
 _C.DATA.AUG = CN()
+_C.DATA.AUG.FLIP_PROB = 0.5  # a horizontal flip (0 where a flipped image means another thing: digits, text)
 _C.DATA.AUG.COLOR_JITTER = [0.8, 0.8, 0.8, 0.2]  # brightness, contrast, saturation, hue
 _C.DATA.AUG.COLOR_JITTER_PROB = 0.8
 _C.DATA.AUG.GRAYSCALE_PROB = 0.2
@@ -307,8 +308,8 @@ def _check_method_and_head(cfg: CN) -> None:
     aug = cfg.DATA.AUG
     if len(aug.COLOR_JITTER) != 4 or any(v < 0 for v in aug.COLOR_JITTER) or aug.COLOR_JITTER[3] > 0.5:
         raise ValueError(f"DATA.AUG.COLOR_JITTER is [brightness, contrast, saturation, hue], each >= 0 and hue <= 0.5; got {list(aug.COLOR_JITTER)}")
-    if not all(0 <= p <= 1 for p in (aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB)):
-        raise ValueError("DATA.AUG.COLOR_JITTER_PROB and GRAYSCALE_PROB are probabilities in [0, 1]")
+    if not all(0 <= p <= 1 for p in (aug.COLOR_JITTER_PROB, aug.GRAYSCALE_PROB, aug.FLIP_PROB)):
+        raise ValueError("DATA.AUG.COLOR_JITTER_PROB, GRAYSCALE_PROB and FLIP_PROB are probabilities in [0, 1]")
     for key in ("BLUR_PROB", "SOLARIZE_PROB"):
         if not aug[key] or not all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in aug[key]):
             raise ValueError(f"DATA.AUG.{key} is a list of probabilities in [0, 1], one per crop (the last holds for the rest); got {aug[key]!r}")

@@ -1,0 +1,217 @@
+"""The recipes of docs/integrations.md, run: Lightning with lightly's SimCLR and DINO examples, timm
+and Hugging Face transformers models, each 3 steps bit for bit against the same stack without
+trunksplit, and budgets met as measured. Optional extras (``pip install -e ".[clients]"``): each
+test skips cleanly where its library is missing."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import trunksplit
+from trunksplit import PeakMemory, apply_activation_checkpointing
+
+STEPS = 3
+
+
+def _batches(shape, n=STEPS, views=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(tuple(torch.randn(*shape, generator=g) for _ in range(views)), torch.zeros(shape[0])) for _ in range(n)]
+
+
+def _lightning_fit(module, batches, **trainer_kwargs):
+    pl = pytest.importorskip("pytorch_lightning")
+    trainer = pl.Trainer(max_steps=len(batches), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
+        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    return module
+
+
+def _same_weights(a: nn.Module, b: nn.Module):
+    """Parameters in module order (the two may name them differently), equal bit for bit."""
+    pa, pb = list(a.parameters()), list(b.parameters())
+    assert len(pa) == len(pb) > 0
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        assert x.shape == y.shape and torch.equal(x, y), i
+
+
+def _lightly_simclr(checkpointed: bool):
+    """lightly's SimCLR example (docs.lightly.ai), at a small size; ``checkpointed``: its two changed lines."""
+    pl = pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("lightly")
+    from lightly.loss import NTXentLoss
+    from lightly.models.modules import SimCLRProjectionHead
+
+    class SimCLR(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            resnet = torchvision.models.resnet18()
+            if checkpointed:
+                self.backbone = trunksplit.CheckpointedTrunk(resnet, ["flatten"], num_splits=3, strategy="balanced")  # changed
+            else:
+                self.backbone = nn.Sequential(*list(resnet.children())[:-1])
+            self.projection_head = SimCLRProjectionHead(512, 512, 128)
+            self.criterion = NTXentLoss()
+
+        def forward(self, x):
+            x = self.backbone(x)[0] if checkpointed else self.backbone(x).flatten(start_dim=1)  # changed
+            return self.projection_head(x)
+
+        def training_step(self, batch, batch_index):
+            (x0, x1) = batch[0]
+            return self.criterion(self.forward(x0), self.forward(x1))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.06)
+
+    torch.manual_seed(0)
+    return SimCLR()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightlys_simclr_under_lightning_trains_the_plain_backbones_weights(precision):
+    batches = _batches((4, 3, 32, 32))
+    plain = _lightning_fit(_lightly_simclr(False), batches, precision=precision)
+    checkpointed = _lightning_fit(_lightly_simclr(True), batches, precision=precision)
+    _same_weights(plain, checkpointed)
+    assert checkpointed.backbone.plan.strategy == "balanced" and any(s.checkpointed for s in checkpointed.backbone.plan.segments)
+
+
+def _lightly_dino(budget):
+    """lightly's DINO example with a timm ViT in ``MaskedVisionTransformerTIMM``; ``budget``: the
+    changed line, a memory budget for the student's backbone."""
+    pl = pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("lightly")
+    timm = pytest.importorskip("timm")
+    from lightly.loss import DINOLoss
+    from lightly.models.modules import DINOProjectionHead, MaskedVisionTransformerTIMM
+    from lightly.models.utils import deactivate_requires_grad, update_momentum
+
+    class DINO(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            vit = timm.create_model("vit_tiny_patch16_224", img_size=64, patch_size=8, num_classes=0)
+            backbone = MaskedVisionTransformerTIMM(vit=vit)
+            if budget is not None:
+                example = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1))  # a generator of its own: the heads' init stays
+                apply_activation_checkpointing(backbone, memory_budget=budget, example_inputs=(example,))  # changed
+            self.student_backbone = backbone
+            self.student_head = DINOProjectionHead(192, 256, 64, 512, freeze_last_layer=1)
+            self.teacher_backbone = copy.deepcopy(backbone)
+            self.teacher_head = DINOProjectionHead(192, 256, 64, 512)
+            deactivate_requires_grad(self.teacher_backbone)
+            deactivate_requires_grad(self.teacher_head)
+            self.criterion = DINOLoss(output_dim=512, warmup_teacher_temp_epochs=5)
+
+        def forward(self, x):
+            return self.student_head(self.student_backbone(x).flatten(start_dim=1))
+
+        def forward_teacher(self, x):
+            return self.teacher_head(self.teacher_backbone(x).flatten(start_dim=1))
+
+        def training_step(self, batch, batch_index):
+            update_momentum(self.student_backbone, self.teacher_backbone, m=0.99)
+            update_momentum(self.student_head, self.teacher_head, m=0.99)
+            views = batch[0]
+            teacher_out = [self.forward_teacher(view) for view in views[:2]]
+            student_out = [self.forward(view) for view in views]
+            return self.criterion(teacher_out, student_out, epoch=self.current_epoch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    return DINO()
+
+
+def test_lightlys_dino_with_a_timm_vit_meets_a_budget_and_trains_the_plain_weights():
+    batches = _batches((8, 3, 64, 64), views=3)
+    plain = _lightning_fit(_lightly_dino(None), batches)
+    budgeted = _lightly_dino(0.6)
+    wrapped = [n for n, m in budgeted.student_backbone.named_modules() if trunksplit.is_checkpoint_wrapped(m)]
+    assert wrapped  # the budget wrapped blocks of the ViT inside lightly's wrapper
+    _lightning_fit(budgeted, batches)
+    _same_weights(plain, budgeted)
+
+
+def _step_peak(model, x, loss=lambda out: out.float().pow(2).mean()):
+    loss(model(x)).backward()
+    for p in model.parameters():
+        p.grad = None
+    with PeakMemory() as mem:
+        loss(model(x)).backward()
+    for p in model.parameters():
+        p.grad = None
+    return mem.peak_bytes
+
+
+def _sgd_steps(model, x, loss):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(STEPS):
+        loss(model(x)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("name,budget", [("resnet18", 0.9), ("vit_tiny_patch16_224", 0.6), ("convnext_atto", 0.6)])
+def test_a_timm_model_meets_a_budget_in_place_of_set_grad_checkpointing(name, budget):
+    timm = pytest.importorskip("timm")
+    kwargs = dict(img_size=64, patch_size=8) if name.startswith("vit") else {}
+    torch.manual_seed(0)
+    plain = timm.create_model(name, num_classes=0, **kwargs)
+    budgeted = copy.deepcopy(plain)
+    x = torch.randn(8, 3, 64, 64) if name.startswith("vit") else torch.randn(8, 3, 128, 128)
+    plan = apply_activation_checkpointing(budgeted, memory_budget=budget, example_inputs=(x,))  # in place of set_grad_checkpointing(True)
+    assert plan.peak_bytes <= budget * plan.unwrapped_peak_bytes
+    assert _step_peak(copy.deepcopy(budgeted), x) <= budget * _step_peak(copy.deepcopy(plain), x) * 1.02  # as measured
+    loss = lambda out: out.float().pow(2).mean()
+    _same_weights(_sgd_steps(plain, x, loss), _sgd_steps(budgeted, x, loss))
+
+
+def _hf_models():
+    transformers = pytest.importorskip("transformers")
+    vit = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128)
+    convnext = transformers.ConvNextConfig(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1])
+    dinov2 = transformers.Dinov2Config(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=4, num_attention_heads=4)
+    return {"vit": (transformers.ViTModel, vit), "convnext": (transformers.ConvNextModel, convnext), "dinov2": (transformers.Dinov2Model, dinov2)}
+
+
+@pytest.mark.parametrize("name,budget", [("vit", 0.7), ("convnext", 0.8), ("dinov2", 0.7)])
+def test_a_transformers_vision_model_meets_a_budget_in_place_of_gradient_checkpointing_enable(name, budget):
+    model_class, config = _hf_models()[name]
+    torch.manual_seed(0)
+    plain = model_class(config)
+    budgeted = copy.deepcopy(plain)
+    x = torch.randn(8, 3, 64, 64)
+    plan = apply_activation_checkpointing(budgeted, memory_budget=budget, example_inputs=(x,))  # in place of gradient_checkpointing_enable()
+    assert plan.peak_bytes <= budget * plan.unwrapped_peak_bytes
+    loss = lambda out: out.last_hidden_state.float().pow(2).mean()
+    assert _step_peak(copy.deepcopy(budgeted), x, loss) <= budget * _step_peak(copy.deepcopy(plain), x, loss) * 1.02
+    _same_weights(_sgd_steps(plain, x, loss), _sgd_steps(budgeted, x, loss))
+
+
+def test_a_budgeted_transformers_model_trains_the_plain_weights_under_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    config = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                    intermediate_size=128, num_labels=3)
+    g = torch.Generator().manual_seed(0)
+    data = [{"pixel_values": torch.randn(3, 64, 64, generator=g), "labels": int(i % 3)} for i in range(8 * STEPS)]
+    trained = {}
+    for how in ("plain", "budget"):
+        torch.manual_seed(0)
+        model = transformers.ViTForImageClassification(config)
+        if how == "budget":
+            example = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+            apply_activation_checkpointing(model, memory_budget=0.8, example_inputs=(example,))  # in place of gradient_checkpointing_enable()
+        args = transformers.TrainingArguments(str(tmp_path / how), per_device_train_batch_size=8, max_steps=STEPS, learning_rate=1e-3,
+                                              use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", seed=0,
+                                              dataloader_num_workers=0)
+        transformers.Trainer(model=model, args=args, train_dataset=data).train()
+        trained[how] = model
+    _same_weights(trained["plain"], trained["budget"])
