@@ -13,6 +13,7 @@ from torch import nn
 import trunksplit
 from trunksplit import PeakMemory, apply_activation_checkpointing
 
+pytestmark = pytest.mark.clients  # outside the fast suite: python -m pytest -q -m clients
 STEPS = 3
 
 
