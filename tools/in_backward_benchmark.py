@@ -145,7 +145,7 @@ def _fitted_batch(model, args, memory: int, gradients: str) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     memories = [parse_memory_size(m) for m in args.memory]
-    print(f"| model | gradients | plan | predicted / default plain step | measured / default plain step | step time / standard step, same plan |")
+    print("| model | gradients | plan | predicted / default plain step | measured / default plain step | step time / standard step, same plan |")
     print("|---|---|---|---|---|---|")
     fits = []
     for arch in args.arch:

@@ -14,7 +14,7 @@ from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequen
 import torch
 from torch import nn
 
-from ..chains.blocks import expand_units, layer_splittable_before
+from ..chains.blocks import layer_splittable_before
 from .memory import tensors_in
 from .peak import NOTHING, PeakModel, add_costs
 from .budget import format_bytes

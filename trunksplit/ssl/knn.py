@@ -16,7 +16,7 @@ run's random state: a run with the monitor trains the same weights as one withou
 import math
 import os
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import PIL.Image
 import torch
