@@ -376,14 +376,11 @@ def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor, optimizer: Optiona
     finally:
         if stepping is not None:
             stepping.remove()
-        with torch.no_grad():
-            for p, w in zip(params, weights):
-                p.copy_(w)
+        with torch.no_grad():  # weights (stepped in backward) and buffers as they were
+            for t, saved in [*zip(params, weights), *zip(trunk.buffers(), buffers)]:
+                t.copy_(saved)
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            for b, saved in zip(trunk.buffers(), buffers):
-                b.copy_(saved)
         for m, training in modes:
             m.training = training
     return mem.peak_bytes

@@ -15,6 +15,7 @@ run's random state: a run with the monitor trains the same weights as one withou
 """
 import math
 import os
+import sys
 import warnings
 from typing import Dict, List, Sequence, Tuple
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 from torchvision.transforms.v2 import functional as TF
+from tqdm import tqdm
 
 from .config import load_config
 from .data import IMAGE_EXTENSIONS, read_image
@@ -73,11 +75,12 @@ def labelled_folder(root: str, key: str) -> torchvision.datasets.DatasetFolder:
 
 @torch.no_grad()
 def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: torch.device, workers: int = 0,
-                     rank: int = 0, world: int = 1, autocast=None) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
+                     rank: int = 0, world: int = 1, autocast=None, progress: bool = False) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
     """(features, labels, unreadable files) of every image of ``dataset``, in its order: the trunk's
     last feature, flattened, L2-normalised, float32 on ``device``. Each of ``world`` ranks runs the
     same number of forwards (every rank's share padded to the largest, as FSDP2's collectives
-    need) and the shares are gathered. ``trunk`` is run in eval mode and left in its mode."""
+    need) and the shares are gathered. ``trunk`` is run in eval mode and left in its mode.
+    ``progress``: a bar on stderr (the offline command; the training loop has its own)."""
     n = len(dataset)
     per_rank = math.ceil(n / world)
     mine = [min(i, n - 1) for i in range(rank, per_rank * world, world)]  # padded with the last image
@@ -87,7 +90,7 @@ def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: to
     trunk.eval()
     parts, labels = [], []
     try:
-        for images, batch_labels, _ in loader:
+        for images, batch_labels, _ in tqdm(loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress):
             with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
                 feature = trunk(images.to(device))[-1]
             parts.append(F.normalize(feature.flatten(1).float(), dim=1))
@@ -149,12 +152,12 @@ class KnnMonitor:
         """Evaluate after this many steps: every ``EVERY_STEPS``, and at the end."""
         return steps_done == total or (self.every > 0 and steps_done % self.every == 0)
 
-    def evaluate(self, trunk, device, workers: int = 0, rank: int = 0, world: int = 1, autocast=None) -> Dict[str, float]:
+    def evaluate(self, trunk, device, workers: int = 0, rank: int = 0, world: int = 1, autocast=None, progress: bool = False) -> Dict[str, float]:
         """The kNN accuracies of ``trunk``'s features, the same on every rank; the global random state
         as it was (the training run's draws do not move)."""
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            train = extract_features(trunk, self.train, device, workers, rank, world, autocast)
-            val = extract_features(trunk, self.val, device, workers, rank, world, autocast)
+            train = extract_features(trunk, self.train, device, workers, rank, world, autocast, progress)
+            val = extract_features(trunk, self.val, device, workers, rank, world, autocast, progress)
         for name in train[2] + val[2]:
             warnings.warn(f"kNN evaluation: skipping unreadable image {name}", UserWarning, stacklevel=2)
         (tf, tl, _), (vf, vl, _) = train, val
@@ -181,4 +184,4 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
         model.load_state_dict(state["model"])
         step = state["step"]
     device = torch.device(device)
-    return step, monitor.evaluate(model.to(device).trunk, device)
+    return step, monitor.evaluate(model.to(device).trunk, device, progress=True)
