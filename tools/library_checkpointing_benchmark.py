@@ -25,7 +25,7 @@ import torch
 
 from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
 
-TIMM = {"resnet50": "resnet50", "convnext_tiny": "convnext_tiny", "vit_base_patch16_224": "vit_base_patch16_224", "swin_tiny_patch4_window7_224": "swin_tiny_patch4_window7_224"}
+TIMM = ("resnet50", "convnext_tiny", "vit_base_patch16_224", "swin_tiny_patch4_window7_224")
 HF = ("vit", "dinov2", "convnext")
 BUDGETS = (0.8, 0.6, 0.45, 0.3)
 
@@ -77,7 +77,7 @@ def _timm(name: str, x):
     import timm
 
     torch.manual_seed(0)
-    plain = timm.create_model(TIMM[name], num_classes=0, img_size=x.shape[-1]) if "vit" in name or "swin" in name else timm.create_model(TIMM[name], num_classes=0)
+    plain = timm.create_model(name, num_classes=0, **({"img_size": x.shape[-1]} if "vit" in name or "swin" in name else {}))
     switch = copy.deepcopy(plain)
     switch.set_grad_checkpointing(True)
 
