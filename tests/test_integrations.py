@@ -3,6 +3,7 @@ and Hugging Face transformers models, each 3 steps bit for bit against the same 
 trunksplit, and budgets met as measured. Optional extras (``pip install -e ".[clients]"``): each
 test skips cleanly where its library is missing."""
 import copy
+import os
 import warnings
 
 import pytest
@@ -13,6 +14,8 @@ from torch import nn
 import trunksplit
 from trunksplit import PeakMemory, apply_activation_checkpointing
 
+from distributed_harness import run_processes, threads_of_workers
+
 pytestmark = pytest.mark.clients  # outside the fast suite: python -m pytest -q -m clients
 STEPS = 3
 
@@ -22,13 +25,15 @@ def _batches(shape, n=STEPS, views=2, seed=0):
     return [(tuple(torch.randn(*shape, generator=g) for _ in range(views)), torch.zeros(shape[0])) for _ in range(n)]
 
 
-def _lightning_fit(module, batches, **trainer_kwargs):
+def _lightning_fit(module, batches, ckpt_path=None, **trainer_kwargs):
+    """``module`` trained by a Lightning ``Trainer`` on ``batches`` (one epoch unless told)."""
     pl = pytest.importorskip("pytorch_lightning")
-    trainer = pl.Trainer(max_steps=len(batches), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    kwargs = dict(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(**{**kwargs, **trainer_kwargs})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on workers and loggers
-        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
     return module
 
 
@@ -40,8 +45,9 @@ def _same_weights(a: nn.Module, b: nn.Module):
         assert x.shape == y.shape and torch.equal(x, y), i
 
 
-def _lightly_simclr(checkpointed: bool):
-    """lightly's SimCLR example (docs.lightly.ai), at a small size; ``checkpointed``: its two changed lines."""
+def _lightly_simclr(checkpointed: bool, momentum=0.0, seed=0):
+    """lightly's SimCLR example (docs.lightly.ai), at a small size; ``checkpointed``: its two changed
+    lines. ``momentum`` gives the optimizer a state to resume (lightly's example has none)."""
     pl = pytest.importorskip("pytorch_lightning")
     pytest.importorskip("lightly")
     from lightly.loss import NTXentLoss
@@ -67,9 +73,9 @@ def _lightly_simclr(checkpointed: bool):
             return self.criterion(self.forward(x0), self.forward(x1))
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.06)
+            return torch.optim.SGD(self.parameters(), lr=0.06, momentum=momentum)
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return SimCLR()
 
 
@@ -80,6 +86,83 @@ def test_lightlys_simclr_under_lightning_trains_the_plain_backbones_weights(prec
     checkpointed = _lightning_fit(_lightly_simclr(True), batches, precision=precision)
     _same_weights(plain, checkpointed)
     assert checkpointed.backbone.plan.strategy == "balanced" and any(s.checkpointed for s in checkpointed.backbone.plan.segments)
+
+
+def test_a_checkpointed_trunk_resumes_from_lightnings_modelcheckpoint_bit_for_bit(tmp_path):
+    """Two epochs straight (the plain backbone) against one epoch, a ``ModelCheckpoint``, and a
+    second epoch resumed by ``ckpt_path`` into a trunk built from other weights: the checkpoint
+    carries the trunk's weights and the optimizer's momentum, and the run goes on as if unbroken."""
+    pl = pytest.importorskip("pytorch_lightning")
+    batches = _batches((4, 3, 32, 32))
+    straight = _lightning_fit(_lightly_simclr(False, momentum=0.9), batches, max_epochs=2)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _lightning_fit(_lightly_simclr(True, momentum=0.9), batches, max_epochs=1, enable_checkpointing=True, callbacks=[saver])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert any(k.startswith("backbone.res2.0.") for k in saved["state_dict"]) and saved["optimizer_states"][0]["state"]
+    resumed = _lightly_simclr(True, momentum=0.9, seed=1)
+    assert not torch.equal(next(resumed.parameters()), next(straight.parameters()))
+    _lightning_fit(resumed, batches, ckpt_path=str(tmp_path / "last.ckpt"), max_epochs=2)
+    _same_weights(straight, resumed)
+
+
+DDP_BATCH = (4, 3, 32, 32)
+
+
+def _simclr_under_lightning_ddp(rank, world_size, out):
+    """A worker: lightly's SimCLR, plain then checkpointed, under ``Trainer(strategy="ddp")`` with
+    processes started outside Lightning (as torchrun starts them: ``LOCAL_RANK`` set). Saves the
+    weights it ends with, and for the checkpointed run each step's weights and reduced gradients."""
+    pl = pytest.importorskip("pytorch_lightning")
+    os.environ["LOCAL_RANK"] = str(rank)
+
+    class Record(pl.Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.steps.append([(p.detach().clone(), p.grad.clone()) for p in module.parameters()])
+
+    for checkpointed in (False, True):
+        module, record = _lightly_simclr(checkpointed), Record()
+        _lightning_fit(module, _batches(DDP_BATCH, n=STEPS * world_size), strategy="ddp", devices=world_size, callbacks=[record])
+        torch.save([p.detach().clone() for p in module.parameters()], os.path.join(out, f"{checkpointed}-{rank}.pt"))
+    torch.save(record.steps, os.path.join(out, f"steps-{rank}.pt"))  # the checkpointed run's
+
+
+def _reference_gradients(weights, step, world_size):
+    """What DDP's reduced gradient should be, by hand in one process from the same weights: the
+    gradient of the mean of the ranks' losses, each on the batch that torch's ``DistributedSampler``
+    deals that rank (Lightning puts one in, shuffled with seed 0)."""
+    module = _lightly_simclr(False)
+    with torch.no_grad():
+        for p, w in zip(module.parameters(), weights):
+            p.copy_(w)
+    batches = _batches(DDP_BATCH, n=STEPS * world_size)
+    dealt = [list(torch.utils.data.DistributedSampler(batches, world_size, r, shuffle=True, seed=0)) for r in range(world_size)]
+    losses = [module.training_step(batches[dealt[r][step]], step) for r in range(world_size)]
+    (sum(losses) / world_size).backward()
+    return [p.grad for p in module.parameters()]
+
+
+def test_lightlys_simclr_under_lightning_ddp_on_two_processes_trains_the_plain_weights(tmp_path):
+    """Bit for bit with the plain backbone under the same DDP run; each step's reduced gradient
+    equal to one process's (to rounding: a few steps of SimCLR at this size amplify rounding, so
+    gradients are checked step by step from the run's own weights)."""
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("lightly")
+    run_processes(_simclr_under_lightning_ddp, 2, (str(tmp_path),))
+    plain, checkpointed = ([torch.load(tmp_path / f"{c}-{r}.pt") for r in range(2)] for c in (False, True))
+    for a, b in zip(plain[0], checkpointed[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(checkpointed[0], checkpointed[1]):
+        assert torch.equal(a, b)  # the ranks agree
+    steps = torch.load(tmp_path / "steps-0.pt")
+    assert len(steps) == STEPS
+    with threads_of_workers(2):
+        for step, recorded in enumerate(steps):
+            expected = _reference_gradients([w for w, _ in recorded], step, 2)
+            for (_, got), want in zip(recorded, expected):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def _lightly_dino(budget):

@@ -9,8 +9,10 @@ setting each. For each model this measures the plain step, the switch's step, an
 several budgets: a timm model as a ``CheckpointedTrunk`` (its chain cut, the budget planned from one
 profile), a transformers model through ``apply_activation_checkpointing`` (its blocks wrapped, the
 budget met by measured steps). Peaks are a training step's (the second; the tensor tracker on
-CPU, the allocator on CUDA), gradients set to None before it; times are medians of ``--repeats``
-interleaved steps. Then, against the switch: trunksplit's plan at the same measured peak (or the
+CPU, the allocator on CUDA), gradients cleared before it; times are medians of ``--repeats``
+interleaved steps. ``--gradients kept`` keeps the gradients allocated between steps (zeroed in
+place, as ``zero_grad(set_to_none=False)`` does): peaks are then beyond parameters and gradients,
+and trunksplit plans for that mode. Then, against the switch: trunksplit's plan at the same measured peak (or the
 lowest below it) and its time, and trunksplit's lowest peak at no more than the switch's time.
 Prints a markdown table; ``--plot PATH`` draws the (peak, time) curves.
 """
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=224, help="image height and width")
     p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS), help="trunksplit's budgets, fractions of the plain step")
     p.add_argument("--repeats", type=int, default=3, help="timed steps of each row; the median counts")
+    p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated",
+                   help="allocated: set to None after each step (torch's default); kept: zeroed in place")
     p.add_argument("--plot", default="", help="where to draw the curves (a PNG); empty: no picture")
     return p
 
@@ -50,30 +54,29 @@ def _loss(out) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def _step(model, x) -> None:
+def _step(model, x, gradients: str) -> None:
     _loss(model(x)).backward()
-    for p in model.parameters():
-        p.grad = None
+    model.zero_grad(set_to_none=gradients == "allocated")
 
 
-def _peak(model, x) -> int:
-    _step(model, x)
+def _peak(model, x, gradients: str) -> int:
+    _step(model, x, gradients)
     with PeakMemory(x.device) as mem:
-        _step(model, x)
+        _step(model, x, gradients)
     return mem.peak_bytes
 
 
-def _times(models: dict, x, repeats: int) -> dict:
+def _times(models: dict, x, repeats: int, gradients: str) -> dict:
     out = {name: [] for name in models}
     for _ in range(repeats):
         for name, model in models.items():
             start = time.perf_counter()
-            _step(model, x)
+            _step(model, x, gradients)
             out[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in out.items()}
 
 
-def _timm(name: str, x):
+def _timm(name: str, x, gradients: str):
     import timm
 
     torch.manual_seed(0)
@@ -82,14 +85,14 @@ def _timm(name: str, x):
     switch.set_grad_checkpointing(True)
 
     def trunk(budget):
-        t = CheckpointedTrunk(copy.deepcopy(plain), memory_budget=budget)
+        t = CheckpointedTrunk(copy.deepcopy(plain), memory_budget=budget, gradients=gradients)
         t.plan_for(x)
         return t
 
     return plain, switch, trunk
 
 
-def _hf(name: str, x):
+def _hf(name: str, x, gradients: str):
     import transformers
 
     size = x.shape[-1]
@@ -108,7 +111,7 @@ def _hf(name: str, x):
 
     def wrapped(budget):
         m = copy.deepcopy(plain)
-        apply_activation_checkpointing(m, memory_budget=budget, example_inputs=(x,))
+        apply_activation_checkpointing(m, memory_budget=budget, example_inputs=(x,), gradients=gradients)
         return m
 
     return plain, switch, wrapped
@@ -116,9 +119,10 @@ def _hf(name: str, x):
 
 def benchmark(library: str, name: str, args) -> dict:
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0))
-    plain, switch, ours = (_timm if library == "timm" else _hf)(name, x)
-    plain_peak = _peak(plain, x)
-    switch_peak = _peak(switch, x) if switch is not None else None
+    g = args.gradients
+    plain, switch, ours = (_timm if library == "timm" else _hf)(name, x, g)
+    plain_peak = _peak(plain, x, g)
+    switch_peak = _peak(switch, x, g) if switch is not None else None
     models = {"plain": plain, **({"switch": switch} if switch is not None else {})}
     budgets = sorted(set(args.budgets) | ({switch_peak / plain_peak} if switch is not None else set()))  # the switch's own peak among them
     for b in budgets:
@@ -126,8 +130,8 @@ def benchmark(library: str, name: str, args) -> dict:
             models[f"trunksplit {b:.3f}"] = ours(int(b * plain_peak))
         except ValueError:  # below the floor
             continue
-    peaks = {k: (plain_peak if k == "plain" else switch_peak if k == "switch" else _peak(m, x)) for k, m in models.items()}
-    times = _times(models, x, args.repeats)
+    peaks = {k: (plain_peak if k == "plain" else switch_peak if k == "switch" else _peak(m, x, g)) for k, m in models.items()}
+    times = _times(models, x, args.repeats, g)
     return {"library": library, "model": name, "peaks": peaks, "times": times}
 
 
