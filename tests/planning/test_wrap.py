@@ -8,6 +8,8 @@ import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, WrapPlan, apply_activation_checkpointing, is_checkpoint_wrapped
+from trunksplit.planning.wrap import _cheapest_fit
+from trunksplit.planning.wrap_blocks import measure_blocks
 
 from reference import ForwardConvolutions
 
@@ -181,3 +183,40 @@ def test_a_model_already_wrapped_is_named_and_left_as_it_was():
         apply_activation_checkpointing(model, memory_budget=0.5, example_inputs=x, gradients="kept")
     assert [n for n, m in model.named_modules() if is_checkpoint_wrapped(m)] == wrapped
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+class _FreedScores(nn.Module):
+    """An expensive op whose output nothing saves (it is summed, then freed), then a cheap op of the
+    same size whose output is saved: the allocator tends to hand it the freed address."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        total = (x @ self.w).sum()
+        gate = torch.sigmoid(x)  # saves its output for backward
+        return gate * total
+
+
+def test_a_cheap_output_at_a_freed_expensive_outputs_address_is_not_taken_for_expensive():
+    """What "save_expensive" would keep is told apart by storage; a storage freed mid-forward must
+    not lend its identity to a later one (planning the same model twice then gave two ladders)."""
+    x = torch.randn(32, 64, requires_grad=True)
+    model = nn.Sequential(_FreedScores())
+    for _ in range(3):  # the address is reused on some calls and not others: each must read the same
+        (block,) = [b for b in measure_blocks(model, (x,), None)[0] if b.name == "0"]
+        assert block.expensive_out == 32 * 64 * 4  # the matmul's output
+        assert block.saved_expensive == 0  # none of it is saved: the sigmoid's output is cheap
+        assert block.saved == 2 * 32 * 64 * 4 + 4  # x (the matmul saves it), the sigmoid's output, the sum
+
+
+def test_the_lowest_rung_is_found_where_it_sits_between_the_probes():
+    """Peaks measured along a ladder are not monotone (a ViT's: its last layer rebuilt in parts
+    peaks lower than whole, one rung before the end). A budget only that rung meets is met."""
+    peaks = {k: 100 - 3 * k for k in range(20)}  # falls as rungs free more ...
+    peaks[19] = peaks[18] + 5  # ... but the last rung, a probe, measures above the one before it
+    peak_with = peaks.__getitem__
+    assert _cheapest_fit(peak_with, 20, peaks[18]) == 18  # met by rung 18 alone
+    assert _cheapest_fit(peak_with, 20, peaks[18] - 1) is None  # below every rung: refused
+    assert _cheapest_fit(peak_with, 20, peaks[10]) == 10  # the first rung that fits, as before

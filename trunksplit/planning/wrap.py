@@ -151,22 +151,45 @@ LADDER_PROBES = 6  # rungs measured across the ladder to find where it measures 
 LADDER_CAPS = 12  # region sizes tried as caps on what one wrapped block may rebuild at once
 
 
+LADDER_PATIENCE = 3  # rungs walked past the last lower one, each way, where the lowest probe does not fit
+
+
 def _cheapest_fit(peak_with: Callable[[int], int], n: int, budget: int) -> Optional[int]:
     """The first rung in ``range(1, n)`` whose measured peak fits ``budget``, or None.
 
     Rungs free more as they go; a few probes find the one that measures lowest, then
-    bisection finds the first rung before it that fits."""
+    bisection finds the first rung before it that fits. Where that rung does not fit, the
+    rungs on either side of it are walked (see :func:`_lowest_near`): the estimates that
+    order the ladder are not the measured peaks, and a ladder's lowest rung can sit between
+    two probes (a ViT's: its last layer's backward, which runs first, rebuilds less in parts
+    than whole)."""
     if n < 2:
         return None
     probes = sorted({1, n - 1} | {round(1 + i * (n - 2) / (LADDER_PROBES - 1)) for i in range(LADDER_PROBES)})
     lowest = min(probes, key=lambda k: (peak_with(k), k))
     if peak_with(lowest) > budget:
-        return None
+        lowest = _lowest_near(peak_with, n, lowest)
+        if peak_with(lowest) > budget:
+            return None
     lo, hi = 0, lowest  # peak_with(0) does not fit (the caller checked), peak_with(hi) does
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if peak_with(mid) <= budget else (mid, hi)
     return hi
+
+
+def _lowest_near(peak_with: Callable[[int], int], n: int, start: int) -> int:
+    """The rung measuring lowest on a walk from ``start`` each way, which goes on while a rung
+    lower than the best so far turns up within ``LADDER_PATIENCE`` rungs (peaks plateau where
+    rungs differ by a layer norm)."""
+    best = start
+    for step in (-1, 1):
+        k, since = start + step, 0
+        while 1 <= k < n and since < LADDER_PATIENCE:
+            since = 0 if peak_with(k) < peak_with(best) else since + 1
+            best = k if since == 0 else best
+            k += step
+    return best
 
 
 def _ladder(blocks: List[Block]) -> List[List[Choice]]:

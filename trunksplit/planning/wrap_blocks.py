@@ -68,7 +68,12 @@ def candidates(model: nn.Module, condition) -> List[Block]:
 
 
 class _Attribution(TorchDispatchMode):
-    """Adds each op's FLOPs, and an expensive op's output bytes, to every block on the call stack."""
+    """Adds each op's FLOPs, and an expensive op's output bytes, to every block on the call stack.
+
+    Storages are told apart by address, so every tensor whose address is recorded is held
+    until the measurement ends: a storage freed during the forward (an attention score that
+    nothing saves) would hand its address to a later tensor, which would then count as an
+    expensive output or as written in place, depending on where the allocator put it."""
 
     def __init__(self, stack: List[Block]):
         super().__init__()
@@ -76,6 +81,11 @@ class _Attribution(TorchDispatchMode):
         self.total = 0
         self.expensive: Dict[int, set] = {}  # per block: the storages its expensive ops output
         self.written: set = set()  # storages an op wrote into in place
+        self.held: List[torch.Tensor] = []  # the tensors behind those addresses, kept alive (see above)
+
+    def __exit__(self, *exc):
+        self.held.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -87,11 +97,13 @@ class _Attribution(TorchDispatchMode):
             value = args[positional.index(arg)] if not arg.kwarg_only and positional.index(arg) < len(args) else kwargs.get(arg.name)
             if isinstance(value, torch.Tensor):
                 self.written.add(value.untyped_storage().data_ptr())
+                self.held.append(value)
         count = flop_registry.get(getattr(func, "overloadpacket", func))
         if count is not None:
             flops = count(*args, **kwargs, out_val=out)
             self.total += flops
             outputs = list(tensors_in(out))
+            self.held += outputs
             for b in self.stack:
                 b.flops += flops
                 b.expensive_out += sum(t.untyped_storage().nbytes() for t in outputs)
