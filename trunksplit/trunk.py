@@ -148,7 +148,7 @@ class CheckpointedTrunk(nn.Module):
         """The plan of the last training forward (a cost-aware trunk's says "not planned yet" before one)."""
         if self._plan is self._fixed_plan and self.cost_aware:
             kind = "budget" if self.memory_budget is not None else "balanced"
-            return replace(self._plan, strategy=kind, note=f"not planned yet: the {kind} plan is measured at the first training forward (or plan_for(x))")
+            return replace(self._plan, strategy=kind, note=f"not planned yet: no training forward has run; the first one measures the {kind} plan, and plan_for(x) returns the one for inputs like x")
         return self._plan
 
     @property
