@@ -118,6 +118,7 @@ def _hf(name: str, x, gradients: str):
 
 
 def benchmark(library: str, name: str, args) -> dict:
+    print(f"{library} {name}: measuring the plain step, the switch, then trunksplit's budgets ...", file=sys.stderr, flush=True)  # minutes a model on CPU
     x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0))
     g = args.gradients
     plain, switch, ours = (_timm if library == "timm" else _hf)(name, x, g)

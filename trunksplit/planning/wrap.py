@@ -149,8 +149,6 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
 
 LADDER_PROBES = 6  # rungs measured across the ladder to find where it measures lowest
 LADDER_CAPS = 12  # region sizes tried as caps on what one wrapped block may rebuild at once
-
-
 LADDER_PATIENCE = 3  # rungs walked past the last lower one, each way, where the lowest probe does not fit
 
 
@@ -186,8 +184,10 @@ def _lowest_near(peak_with: Callable[[int], int], n: int, start: int) -> int:
     for step in (-1, 1):
         k, since = start + step, 0
         while 1 <= k < n and since < LADDER_PATIENCE:
-            since = 0 if peak_with(k) < peak_with(best) else since + 1
-            best = k if since == 0 else best
+            if peak_with(k) < peak_with(best):
+                best, since = k, 0
+            else:
+                since += 1
             k += step
     return best
 
