@@ -46,10 +46,10 @@ def measured_peaks(trunk, x, gradients: str, repeats: int):
     """The step's peak by the profiler's allocation events (the smallest of ``repeats`` steps),
     and by the tensor tracker.
 
-    The profiler misses a free made on a thread it does not profile: a buffer handed to a gloo
-    collective is freed by gloo's worker thread when that thread holds its last reference,
-    which happens at random. A missed free can only add to a reading, never take from it, so
-    the smallest reading of the same step is the closest to the truth."""
+    The profiler misses a free made on a thread it does not profile (gloo's worker thread, at
+    random); ``ProfiledPeak`` puts back those of collectives' tensors, and any other missed free
+    can only add to a reading, so the smallest reading of the same step is the closest to the
+    truth."""
     _step(trunk, x)  # gradients exist, as from the second step on
 
     def clear():

@@ -1,5 +1,7 @@
 """The meters: ProfiledPeak against hand-counted bytes, on one process and on gloo ranks; and
 units profiled by the allocator against the step it measures."""
+import threading
+
 import torch
 import torch.distributed as dist
 import torchvision
@@ -48,6 +50,41 @@ def test_a_gloo_collectives_copy_is_counted_until_the_collective_returns(tmp_pat
     for rank in range(2):
         # by hand: each round holds its shard (n / 2) and gloo's copy of the input (n), one round at a time
         assert torch.load(tmp_path / f"readings{rank}.pt") == [(n // 2 + n) * FLOAT] * reps
+
+
+def _handed_to_a_collective_readings(rank, world_size, n, out):
+    inp, grad = torch.randn(n), torch.zeros(n // world_size)
+    readings = []
+    for keep in (False, True):
+        kept = []
+        with ProfiledPeak() as meter:
+            shard = torch.empty(n // world_size)
+            dist.reduce_scatter_tensor(shard, inp)
+            if keep:
+                kept.append(shard)  # FSDP2's new sharded gradient: the output lives on
+            else:
+                grad += shard  # FSDP2 adding into a kept gradient: the output is read, then dropped
+            holder = [shard]
+            del shard
+            # its last reference dies on a thread the profiler does not see, as on gloo's worker thread
+            dropper = threading.Thread(target=holder.clear)
+            dropper.start()
+            dropper.join()
+            later = torch.empty(2 * n)
+            del later
+        readings.append(meter.peak_bytes)
+    torch.save(readings, f"{out}/handed{rank}.pt")
+
+
+def test_a_tensor_handed_to_a_collective_and_freed_on_another_thread_is_counted_until_its_last_use(tmp_path):
+    # the CI run of 2026-11-25 read an FSDP2 step 13% high: the reduce-scatter output, added into a kept
+    # gradient, was freed on gloo's thread, out of the profiler's sight, and seemed to live to the end
+    n = 2**18
+    run_processes(_handed_to_a_collective_readings, 2, args=(n, str(tmp_path)))
+    for rank in range(2):
+        # by hand: dropped, the output is gone before the 2n tensor (the collective's moment held n/2 + n);
+        # kept alive, it sits beside it
+        assert torch.load(tmp_path / f"handed{rank}.pt") == [2 * n * FLOAT, (n // 2 + 2 * n) * FLOAT]
 
 
 def test_units_profiled_by_the_allocator_predict_the_step_the_allocator_measures():

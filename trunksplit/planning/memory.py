@@ -6,6 +6,7 @@ profiler uses the same tracker to measure each unit. :class:`ProfiledPeak` reads
 torch.profiler's allocation events instead, for what the tracker cannot see (compiled code,
 FSDP2's gathered weights).
 """
+import gc
 from typing import Optional, Union
 
 import torch
@@ -142,20 +143,25 @@ class ProfiledPeak:
     statistics see all of this already.
 
     Sharp edge, handled: the profiler records allocations and frees only on the threads it
-    profiles. A collective's own copy (gloo's reduce-scatter clones its whole input) is freed
-    wherever its work object dies, often on gloo's worker thread, so its free is missing
-    from the events at random, and the copy would seem to live on to the end. An allocation
-    made inside a ``c10d::`` op that is never seen freed is counted as freed when that op's
-    call returns (FSDP2's reduce-scatter is synchronous: the calling thread allocates
-    nothing more until the collective is done); any other allocation whose address is given
-    out again was freed, unseen, before that. Other unseen frees can still only add to a
-    reading, so the smallest of several readings of one step is the closest to the truth."""
+    profiles. A collective's tensors (gloo's copy of a reduce-scatter's input, and the tensors
+    handed to it, such as FSDP2's reduce-scatter output) are freed wherever the last reference
+    dies, often on gloo's worker thread, so their frees go missing at random and they would seem
+    to live on to the end. A collective's tensor never seen freed is counted as freed when the
+    last op that used it on a profiled thread ended (the collective itself, or a later read such
+    as FSDP2 adding the output into a kept gradient), unless a tensor still holds its storage at
+    the end (FSDP2's new sharded gradient is that output). So the figure is the step's as if every
+    holder let go when its caller did; on a loaded machine gloo's thread may let go later, and the
+    real peak is that much higher. Any other allocation whose address is given out again was
+    freed, unseen, before that; other unseen frees can still only add to a reading, so the
+    smallest of several readings of one step is the closest to the truth."""
 
     def __init__(self):
         self.peak_bytes: Optional[int] = None
 
     def __enter__(self) -> "ProfiledPeak":
-        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        # record_shapes: the ops' tensor arguments (their storages) tell which tensors a collective used
+        self._prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
         self._prof.__enter__()
         return self
 
@@ -173,25 +179,50 @@ class ProfiledPeak:
 
 def _cpu_memory_changes(roots) -> list:
     """(time, bytes) of every CPU allocation (+) and free (-) under ``roots``, with the missing
-    frees of collectives' copies put back (see :class:`ProfiledPeak`)."""
-    events, stack = [], list(roots)
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.typed[0].name == "Allocation" and e.typed[1].device.type == "cpu":
-            events.append(e)
+    frees put back (see :class:`ProfiledPeak`)."""
+    allocations, uses = _allocations_and_uses(roots)
     changes, live = [], {}
-    for e in sorted(events, key=lambda e: e.start_time_ns):
+    for e in sorted(allocations, key=lambda e: e.start_time_ns):
         alloc = e.typed[1]
         if alloc.alloc_size > 0:
             if alloc.ptr in live:  # the address is given out again: the last holder was freed unseen
-                changes.append(_unseen_free(live[alloc.ptr], before=e.start_time_ns))
+                last = live[alloc.ptr]
+                changes.append((_freed_at(last, uses, before=e.start_time_ns), -last.typed[1].alloc_size))
             live[alloc.ptr] = e
         else:
             live.pop(alloc.ptr, None)
         changes.append((e.start_time_ns, alloc.alloc_size))
-    changes += [_unseen_free(e) for e in live.values() if _collective(e) is not None]
+    unseen = {ptr: (e, _freed_at(e, uses)) for ptr, e in live.items()}
+    unseen = {ptr: (e, when) for ptr, (e, when) in unseen.items() if when is not None}  # collectives' tensors
+    held = _live_storages() if unseen else set()  # a scan of every Python object: only when needed
+    changes += [(when, -e.typed[1].alloc_size) for ptr, (e, when) in unseen.items() if ptr not in held]
     return changes
+
+
+def _allocations_and_uses(roots) -> tuple:
+    """The CPU allocation events under ``roots``, and for each storage address the ops that took
+    it as an argument: ``{address: [(start, end, op is a collective)]}``."""
+    allocations, uses, stack = [], {}, list(roots)
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        kind, fields = e.typed
+        if kind.name == "Allocation" and fields.device.type == "cpu":
+            allocations.append(e)
+        elif kind.name == "TorchOp":
+            for ptr in _storage_addresses(fields.inputs):
+                uses.setdefault(ptr, []).append((e.start_time_ns, e.end_time_ns, e.name.startswith("c10d::")))
+    return allocations, uses
+
+
+def _storage_addresses(inputs) -> set:
+    """The storage addresses of an op's tensor arguments, lists of tensors included."""
+    found = set()
+    for arg in inputs:
+        for item in arg if isinstance(arg, list) else (arg,):
+            if getattr(item, "storage_data_ptr", None):
+                found.add(item.storage_data_ptr)
+    return found
 
 
 def _collective(allocation):
@@ -202,14 +233,26 @@ def _collective(allocation):
     return op
 
 
-def _unseen_free(allocation, before: Optional[int] = None) -> tuple:
-    """When an allocation whose free the profiler missed was freed: a collective's copy when the
-    collective returned, anything else just before its address was given out again."""
+def _freed_at(allocation, uses: dict, before: Optional[int] = None) -> Optional[int]:
+    """When an allocation whose free the profiler missed was freed: a collective's tensor (made in
+    one or handed to one) when the last op that used it ended, anything else just before its
+    address was given out again (``None`` if it was not)."""
+    born = allocation.start_time_ns
+    used = [u for u in uses.get(allocation.typed[1].ptr, ()) if born <= u[0] and (before is None or u[0] < before)]
     collective = _collective(allocation)
-    when = collective.end_time_ns if collective is not None else before
-    if before is not None:
-        when = min(when, before)
-    return (when, -allocation.typed[1].alloc_size)
+    when = before
+    if collective is not None or any(is_collective for _, _, is_collective in used):
+        when = max([end for _, end, _ in used] + [collective.end_time_ns if collective is not None else born])
+        when = min(when, before) if before is not None else when
+    return when
+
+
+def _live_storages() -> set:
+    """The addresses of the storages Python's tensors hold now (wrapper subclasses such as DTensor
+    hold none: their inner tensors are counted themselves)."""
+    return {t.untyped_storage().data_ptr() for t in gc.get_objects()
+            if issubclass(type(t), torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+            and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__}
 
 
 def profiled_peak(fn) -> int:
