@@ -148,6 +148,63 @@ def test_an_impossible_budget_names_the_smallest_feasible_and_leaves_the_model_a
     assert all(p.grad is None for p in model.parameters())
 
 
+class DenseOutput(nn.Module):
+    """A dense prediction (a map per pixel), trained with a loss that saves its output."""
+
+    def __init__(self, width=8, depth=6):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.out = nn.Conv2d(width, 16, 1)
+
+    def forward(self, x):
+        return self.out(self.blocks(self.stem(x)))
+
+
+def _squared_error(out):
+    return out.pow(2).mean()  # saves `out`; its backward makes gradients of out's size
+
+
+def _peak_with_loss(model, x, loss_fn):
+    """The second training step's peak with the user's loss, gradients kept: measured here, independently."""
+    model = copy.deepcopy(model)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with PeakMemory() as mem:
+            loss_fn(model(x)).backward()
+    return mem.peak_bytes
+
+
+def test_a_budget_is_met_as_the_users_loss_measures_it_when_given():
+    torch.manual_seed(0)
+    plain, x = DenseOutput().train(), torch.randn(4, 3, 32, 32)
+    budget = int(0.7 * _peak_with_loss(plain, x, _squared_error))  # bytes: the same budget for both searches
+    summed = copy.deepcopy(plain)
+    apply_activation_checkpointing(summed, memory_budget=budget, example_inputs=(x,), gradients="kept")
+    assert _peak_with_loss(summed, x, _squared_error) > budget  # searched with the sum of the output, it misses
+    model = copy.deepcopy(plain)
+    plan = apply_activation_checkpointing(model, memory_budget=budget, example_inputs=(x,), gradients="kept", loss_fn=_squared_error)
+    measured = _peak_with_loss(model, x, _squared_error)
+    assert measured <= budget and plan.peak_bytes == measured, (measured / budget, plan)
+    for m in (plain, model):  # still exact (dropout's draws included)
+        torch.manual_seed(7)
+        _squared_error(m(x)).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters()))
+
+
+def test_a_loss_that_is_no_training_loss_is_refused_and_nothing_is_changed():
+    torch.manual_seed(0)
+    model = DenseOutput()
+    before = copy.deepcopy(model.state_dict())
+    for loss_fn, said in ((lambda out: out.pow(2), r"shape \(2, 16, 8, 8\)"), (lambda out: out.detach().sum(), "requires no grad"),
+                          (lambda out: 1.0, "float")):
+        with pytest.raises(ValueError, match=f"loss_fn must return a one-element tensor that requires grad, got .*{said}"):
+            apply_activation_checkpointing(model, memory_budget=0.5, example_inputs=torch.randn(2, 3, 8, 8), loss_fn=loss_fn)
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and all(p.grad is None for p in model.parameters())
+
+
 def test_bytes_a_lone_tensor_and_a_condition_are_taken():
     torch.manual_seed(0)
     model = torchvision.models.resnet18()

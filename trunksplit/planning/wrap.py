@@ -69,7 +69,8 @@ class WrapPlan:
 
 
 def apply_activation_checkpointing(model: nn.Module, condition: Optional[Condition] = None, offload_to_cpu: bool = False, *,
-                                   memory_budget=None, example_inputs=None, gradients: str = "allocated"):
+                                   memory_budget=None, example_inputs=None, gradients: str = "allocated",
+                                   loss_fn: Optional[Callable[[Any], torch.Tensor]] = None):
     """Checkpoint submodules of ``model`` in place: those ``condition`` selects, or, with a
     ``memory_budget``, those that meet it with the least recompute.
 
@@ -81,7 +82,7 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
     With ``memory_budget`` (bytes, or a fraction in (0, 1] of the unwrapped step) and
     ``example_inputs`` (a tuple of positional inputs, or a lone tensor): works on any
     ``nn.Module``, traceable or not, and returns a :class:`WrapPlan` (see
-    :func:`wrap_for_budget`); ``condition``, if given, limits the candidates.
+    :func:`wrap_for_budget`, and its ``loss_fn``); ``condition``, if given, limits the candidates.
     """
     memory_budget = MemoryBudget.parse(memory_budget)  # 0 is no budget, as everywhere
     if memory_budget is None:
@@ -90,11 +91,11 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
         return wrap_selected(model, condition, offload_to_cpu)
     if offload_to_cpu:
         raise ValueError("offload_to_cpu is not planned for: a memory budget is met on the device; drop one of the two")
-    return wrap_for_budget(model, memory_budget, example_inputs, gradients, condition)
+    return wrap_for_budget(model, memory_budget, example_inputs, gradients, condition, loss_fn)
 
 
 def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: str = "allocated",
-                    condition: Optional[Condition] = None) -> WrapPlan:
+                    condition: Optional[Condition] = None, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> WrapPlan:
     """Wrap, in place, the blocks of ``model`` whose checkpointing meets ``memory_budget`` with the
     least recompute; returns the :class:`WrapPlan`.
 
@@ -102,8 +103,11 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     ``example_inputs``: a tuple of positional inputs, as ``torch.export`` takes them (a lone
     tensor is taken as one input). ``gradients``: how the loop clears gradients (see
     :class:`trunksplit.CheckpointedTrunk`). ``condition``, where given, limits the candidates to
-    the blocks it selects. A budget no wrapping meets raises ``ValueError`` naming the smallest
-    measured peak; the model is then left as it was.
+    the blocks it selects. ``loss_fn``: the training loss of the model's output (a scalar), run
+    in every measured step; by default the sum of the output's tensors, which saves nothing for
+    backward, so a loss that does (``out.pow(2).mean()`` keeps ``out`` and makes gradients the
+    size of it) adds to your step what the search did not see: pass yours. A budget no wrapping
+    meets raises ``ValueError`` naming the smallest measured peak; the model is then left as it was.
     """
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
@@ -119,7 +123,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     if example_inputs is None:
         raise ValueError("a memory budget is measured on example inputs: pass example_inputs=(batch,) shaped as in training")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    step = _Step(model, inputs, gradients)
+    step = _Step(model, inputs, gradients, loss_fn)
     unwrapped = step.peak()
     budget = memory_budget.in_bytes(unwrapped)
     blocks, forward_flops = measure_blocks(model, inputs, condition)
@@ -273,8 +277,8 @@ def _best_antichain(allowed: List[Choice], price: float, ancestors: Dict[str, Li
 class _Step:
     """One measured training step of the model on the inputs, leaving no trace (see :func:`kept_as_it_was`)."""
 
-    def __init__(self, model: nn.Module, inputs: Tuple, gradients: str):
-        self.model, self.inputs, self.gradients = model, inputs, gradients
+    def __init__(self, model: nn.Module, inputs: Tuple, gradients: str, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None):
+        self.model, self.inputs, self.gradients, self.loss_fn = model, inputs, gradients, loss_fn
         self.device = next((t.device for t in tensors_in(inputs)), torch.device("cpu"))
 
     def peak(self) -> int:
@@ -303,6 +307,12 @@ class _Step:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model(*self.inputs)
+        if self.loss_fn is not None:
+            loss = self.loss_fn(out)
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                raise ValueError(f"loss_fn must return a one-element tensor that requires grad, got {_described(loss)}: there is no training step to measure")
+            loss.backward()
+            return
         leaves = [t for t in tensors_in(_as_tree(out)) if t.requires_grad]
         if not leaves:
             raise ValueError(f"{type(self.model).__name__}'s output holds no tensor that requires grad: there is no training step to measure")
@@ -326,6 +336,12 @@ def _updated_in_backward(params: Sequence[torch.Tensor]):
     finally:
         for h in handles:
             h.remove()
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}{'' if value.requires_grad else ' that requires no grad'}"
+    return type(value).__name__
 
 
 def _as_tree(out: Any) -> Any:
