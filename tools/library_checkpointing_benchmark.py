@@ -8,7 +8,7 @@ timm's ``set_grad_checkpointing(True)`` (ResNet-50, ConvNeXt-T, ViT-B/16, Swin-T
 setting each. For each model this measures the plain step, the switch's step, and trunksplit at
 several budgets: a timm model as a ``CheckpointedTrunk`` (its chain cut, the budget planned from one
 profile), a transformers model through ``apply_activation_checkpointing`` (its blocks wrapped, the
-budget met by measured steps of the loss below). Peaks are a training step's (the second; the tensor tracker on
+budget met by measured steps of the loss timed here, the mean square of the last output). Peaks are a training step's (the second; the tensor tracker on
 CPU, the allocator on CUDA), gradients cleared before it; times are medians of ``--repeats``
 interleaved steps. ``--gradients kept`` keeps the gradients allocated between steps (zeroed in
 place, as ``zero_grad(set_to_none=False)`` does): peaks are then beyond parameters and gradients,

@@ -90,6 +90,11 @@ def tensors_in(tree):
             yield from tensors_in(t)
 
 
+def storage_bytes(tree) -> int:
+    """Bytes of the storages the tensors in ``tree`` hold, each storage once (a view holds its whole base)."""
+    return sum({StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in tensors_in(tree)}.values())
+
+
 class PeakMemory:
     """Measure the peak bytes allocated inside a ``with`` block, beyond what was live at entry.
 

@@ -15,8 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..recompute.checkpoint import map_tensors
 from ..recompute.regions import REGION_POLICIES, run_region
 from ..recompute.stages import staged_graph
-from .memory import ProfiledPeak, StorageWeakRef, _TensorAccounting, tensors_in
-from .timing import RERUNS, forward_seconds, step_seconds
+from .memory import ProfiledPeak, StorageWeakRef, _TensorAccounting, storage_bytes, tensors_in
+from .timing import forward_seconds, time_span
 from .unit_copies import private_copy
 
 
@@ -28,7 +28,8 @@ class UnitCosts:
     where profiled with ``allocator=True`` (see :func:`profile_units`) the transient peaks
     (``forward_peak``, ``backward_excess``, ``backward_fresh``) are the allocator's:
 
-    - ``output``: the unit's output.
+    - ``output``: the storage the unit's output holds in the chain: a view (a ViT's class token,
+      ``x[:, 0]``) holds its whole base, and so does a checkpoint or a caller keeping it.
     - ``saved``: what the unit's own forward creates and keeps for backward
       (its output too, when backward needs it, as ReLU's does).
     - ``saves_input``: whether the unit keeps its input for backward.
@@ -165,14 +166,11 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
             if span is not None:
                 span[2].append(m)
-                start, span_input, members = span
-                if i + 1 == span_stop[start]:
-                    for policy, measured in under_policy.items():
-                        measured[(start, i + 1)] = _measure_under(members, span_input, start > 0, policy, allocator)
-                    if timed:
-                        _time_span(members, span_input, start > 0, {p: m[(start, i + 1)] for p, m in under_policy.items()},
-                                   sum(fields["forward_seconds"][start:]))
+                if i + 1 == span_stop[span[0]]:
+                    _measure_span(span, under_policy, allocator, sum(fields["forward_seconds"][span[0]:]) if timed else None)
                     span = None
+            # a unit measured on a compact copy of a view returns a compact view: what the chain's holds is its base
+            fields["output"][i] = max(fields["output"][i], storage_bytes(next_h))
             if not isinstance(next_h, torch.Tensor) or not isinstance(h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
@@ -185,14 +183,15 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
 
 
-def _time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: Dict[str, Optional[dict]], forward: float) -> None:
-    """Add to each policy's measured ``costs`` of a span what running it so adds to the span's
-    plain step (``again_seconds``), at least the forwards the policy reruns (``forward`` each)."""
-    span = nn.Sequential(*members)
-    plain = step_seconds(span, h, input_needs_grad, "keep")
-    for policy, cost in costs.items():
-        if cost is not None:
-            cost["again_seconds"] = max(step_seconds(span, h, input_needs_grad, policy) - plain, RERUNS[policy] * forward)
+def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, forward: Optional[float]) -> None:
+    """Measure a span ``(start, its input, its units)`` under each region policy into
+    ``under_policy``, and where ``forward`` (its units' forward seconds) is given, time it."""
+    start, span_input, members = span
+    stop = start + len(members)
+    for policy, measured in under_policy.items():
+        measured[(start, stop)] = _measure_under(members, span_input, start > 0, policy, allocator)
+    if forward is not None:
+        time_span(members, span_input, start > 0, {p: m[(start, stop)] for p, m in under_policy.items()}, forward)
 
 
 def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:

@@ -117,3 +117,14 @@ def _input(h: Any, needs_grad: bool) -> Any:
 
 def _device(h: Any) -> torch.device:
     return next(iter(tensors_in(h))).device
+
+
+def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: dict, forward: float) -> None:
+    """Add to each region policy's measured ``costs`` of a span (``None``: not measured) what
+    running it so adds to the span's plain step (``again_seconds``), at least the forwards the
+    policy reruns (``forward`` each)."""
+    span = nn.Sequential(*members)
+    plain = step_seconds(span, h, input_needs_grad, "keep")
+    for policy, cost in costs.items():
+        if cost is not None:
+            cost["again_seconds"] = max(step_seconds(span, h, input_needs_grad, policy) - plain, RERUNS[policy] * forward)
