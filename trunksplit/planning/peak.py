@@ -126,9 +126,13 @@ class PeakModel:
         profile, seconds are all 0 and ``"time"`` compares FLOPs, then bytes."""
         return cost[:2] if self.objective == "flops" else (cost[2], cost[0], cost[1])
 
-    def boundary(self, a: int) -> int:
-        """Bytes a segment starting at unit ``a`` keeps as its input (the chain's own input is not counted)."""
-        return self.costs.output[a - 1] if a > 0 else 0
+    def boundary(self, a: int, previous: Optional[int] = None) -> int:
+        """Bytes a segment starting at unit ``a`` keeps as its input: none for the chain's own input,
+        nor where the segment before it (starting at ``previous``) allocated no storage its input
+        holds: both inputs are one storage (views, in-place units), counted once."""
+        if a == 0 or (previous is not None and self.costs.input_from[a] < previous):
+            return 0
+        return self.costs.output[a - 1]
 
     def _step(self, state: "_Scan", a: int, i: int, last: bool, grads_after: Optional[int] = None) -> "_Scan":
         """The scan of a segment starting at ``a`` extended by unit ``i``, which keeps
@@ -284,8 +288,8 @@ class PeakModel:
         regions = list(regions)
         bounds = list(starts) + [self.n]
         prefix, out = 0, []
-        for a, b in zip(bounds, bounds[1:]):
-            prefix += self.boundary(a)
+        for previous, a, b in zip([None] + bounds, bounds, bounds[1:]):
+            prefix += self.boundary(a, previous)
             local, cost = self._segment(a, b, regions)
             out.append((prefix + local, cost))
         return out

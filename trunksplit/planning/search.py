@@ -74,11 +74,14 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
     forced_set = set(forced)
     allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
     limit = num_segments or max_segments or n
-    # states[p]: {count: [(prefix, peak, recompute, starts, regions)]}, Pareto-pruned
+    # states[p]: {count: [(prefix, peak, recompute, starts, regions)]}, prefix without the boundary at p, Pareto-pruned
     states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, NOTHING, (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
-            entries = _pareto(entries, model.cost_key, with_cost)
+            # the boundary at p depends on where the segment before it started: added before pruning,
+            # the entries' futures depend on (prefix, peak, recompute) alone
+            entries = _pareto([(prefix + model.boundary(p, starts[-1] if starts else None), peak, recompute, starts, regions)
+                               for prefix, peak, recompute, starts, regions in entries], model.cost_key, with_cost)
             if count >= limit:
                 continue
             next_forced = min([f for f in forced_set if f > p] + [n])
@@ -87,15 +90,14 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
                 if not with_cost:  # only the lowest local peak matters
                     options = [min(options, key=lambda o: o[0])]
                 for prefix, peak, recompute, starts, regions in entries:
-                    new_prefix = prefix + model.boundary(p)
                     for local, cost, chosen in options:  # by cost, then lower local peak
-                        new_peak = max(peak, new_prefix + local)
+                        new_peak = max(peak, prefix + local)
                         if budget is not None and new_peak > budget:
                             continue
                         new_recompute = add_costs(recompute, cost)
                         if max_recompute is not None and new_recompute[0] > max_recompute:
                             continue
-                        states.setdefault(q, {}).setdefault(count + 1, []).append((new_prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
+                        states.setdefault(q, {}).setdefault(count + 1, []).append((prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
                         if budget is not None:
                             break  # the cheapest option that fits: more cost buys nothing under a budget
     finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
