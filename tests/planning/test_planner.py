@@ -109,7 +109,7 @@ def test_a_feature_that_is_a_view_holds_its_whole_base_by_hand():
     assert costs.output[-2:] == (2 * tokens * dim * F32,) * 2
 
 
-@pytest.mark.parametrize("gradients", ["kept", "allocated"])
+@pytest.mark.parametrize("gradients", GRADIENT_MODES)
 @pytest.mark.parametrize("blocks, num_splits", [(_token_blocks, 1), (_token_blocks, 2), (_flattened_blocks, 5)])
 def test_storages_that_views_share_are_predicted_once_and_whole(blocks, num_splits, gradients):
     # the class token: timm's ViT-B planned at the peak of its own switch measured one token map (2.4 MB)
@@ -117,6 +117,8 @@ def test_storages_that_views_share_are_predicted_once_and_whole(blocks, num_spli
     # output and its flattened view are two checkpoints' inputs and one storage (ViT-B: predicted 16% high)
     x = torch.randn(2, 257, 16)
     trunk = CheckpointedTrunk(blocks(), num_splits=num_splits, strategy="balanced", gradients=gradients)
+    if gradients == "in_backward":
+        optimizer_in_backward(trunk, torch.optim.SGD, lr=0.01, momentum=0.9)
     plan = trunk.plan_for(x)
     assert len(plan.segments) == num_splits
     measured = _held_step_peak(trunk, x, gradients)

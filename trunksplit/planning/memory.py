@@ -197,10 +197,10 @@ def _cpu_memory_changes(roots) -> list:
         else:
             live.pop(alloc.ptr, None)
         changes.append((e.start_time_ns, alloc.alloc_size))
-    unseen = {ptr: (e, _freed_at(e, uses)) for ptr, e in live.items()}
-    unseen = {ptr: (e, when) for ptr, (e, when) in unseen.items() if when is not None}  # collectives' tensors
-    held = _live_storages() if unseen else set()  # a scan of every Python object: only when needed
-    changes += [(when, -e.typed[1].alloc_size) for ptr, (e, when) in unseen.items() if ptr not in held]
+    freed = [(ptr, _freed_at(e, uses), e.typed[1].alloc_size) for ptr, e in live.items()]
+    freed = [f for f in freed if f[1] is not None]  # collectives' tensors, never seen freed
+    held = _live_storages() if freed else set()  # a scan of every Python object: only when needed
+    changes += [(when, -size) for ptr, when, size in freed if ptr not in held]
     return changes
 
 

@@ -307,16 +307,19 @@ class _Step:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model(*self.inputs)
+        self._loss(out).backward()
+
+    def _loss(self, out: Any) -> torch.Tensor:
+        """The user's loss of ``out``, or the sum of its tensors (which saves nothing for backward)."""
         if self.loss_fn is not None:
             loss = self.loss_fn(out)
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 raise ValueError(f"loss_fn must return a one-element tensor that requires grad, got {_described(loss)}: there is no training step to measure")
-            loss.backward()
-            return
+            return loss
         leaves = [t for t in tensors_in(_as_tree(out)) if t.requires_grad]
         if not leaves:
             raise ValueError(f"{type(self.model).__name__}'s output holds no tensor that requires grad: there is no training step to measure")
-        sum(t.float().sum() for t in leaves).backward()
+        return sum(t.float().sum() for t in leaves)
 
 
 @contextlib.contextmanager
