@@ -12,3 +12,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _workers))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """One worker for the CUDA tier (``-m cuda``): the tests share one GPU and read its allocator's peaks."""
+    marks = config.getoption("markexpr", "") or ""
+    if "cuda" in marks and "not cuda" not in marks:
+        return 1
+    return None

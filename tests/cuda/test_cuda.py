@@ -1,0 +1,220 @@
+"""The CUDA tier: what a GPU user relies on, checked on the GPU against the plain model.
+
+Run with ``python -m pytest -q -m cuda`` (one worker: the tests read one GPU's allocator). Every
+test skips, saying so, where torch sees no GPU. Exactness runs with deterministic algorithms: the
+unsplit step and the checkpointed one then run the same kernels on the same inputs, so the
+comparisons hold to float rounding of nothing (docs/gpu.md records whether they were bit for bit).
+Peaks are the caching allocator's ``max_memory_allocated``, the figure a plan predicts on CUDA.
+"""
+import copy
+import gc
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from trunksplit import CheckpointedTrunk, PeakMemory, checkpoint_wrapper, fit, optimizer_in_backward
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch sees no GPU on this machine")]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CUDA = torch.device("cuda")
+SGD = dict(lr=0.1, momentum=0.9)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: attention's backward has no deterministic kernel everywhere
+    torch.backends.cudnn.benchmark = False
+    yield
+    torch.use_deterministic_algorithms(False)
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)()
+    with torch.no_grad():  # BatchNorm affine parameters that are not 1 and 0, so a mix-up shows
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    return model.to(CUDA)
+
+
+def _images(batch: int, size: int) -> torch.Tensor:
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)).to(CUDA)
+
+
+def _weights(model, x):
+    """One fixed random weight per output element (made before anything is measured)."""
+    with torch.no_grad():
+        shapes = [f.shape for f in copy.deepcopy(model).eval()(x)]
+    g = torch.Generator(device=CUDA).manual_seed(123)
+    return [torch.randn(s, generator=g, device=CUDA) for s in shapes]
+
+
+def _step(model, x, weights) -> torch.Tensor:
+    loss = sum((f * w).sum() for f, w in zip(model(x), weights))
+    loss.backward()
+    return loss.detach()
+
+
+def _sgd_step(trunk, x, weights):
+    """One SGD step (in backward where the trunk's mode says so); the loss."""
+    if trunk.gradients == "in_backward":
+        return _step(trunk, x, weights)
+    optimizer = torch.optim.SGD(trunk.parameters(), **SGD)
+    if trunk.gradients == "kept":
+        for p in trunk.parameters():
+            p.grad = torch.zeros_like(p)
+    loss = _step(trunk, x, weights)
+    optimizer.step()
+    return loss
+
+
+def _stepping(trunk):
+    if trunk.gradients == "in_backward":
+        optimizer_in_backward(trunk, torch.optim.SGD, **SGD)
+    return trunk
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    scale = a.double().abs().max().clamp_min(1e-30)
+    assert ((a.double() - b.double()).abs().max() / scale).item() <= 1e-6, what
+
+
+@pytest.mark.parametrize("plan", [dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.5)], ids=["balanced4", "budget0.5"])
+@pytest.mark.parametrize("gradients", ["allocated", "kept", "in_backward"])
+def test_a_checkpointed_step_trains_the_plain_models_weights_on_cuda(gradients, plan):
+    """The unsplit trunk (the model's own modules, nothing checkpointed) and a planned one, one SGD
+    step each on ResNet-50: the loss, every parameter after the step, every BatchNorm buffer."""
+    x = _images(8, 160)
+    model = _model("resnet50")
+    plain = _stepping(CheckpointedTrunk(copy.deepcopy(model), gradients=gradients))
+    planned = _stepping(CheckpointedTrunk(copy.deepcopy(model), gradients=gradients, **plan))
+    assert len(planned.plan_for(x).segments) > 1 or planned.plan_for(x).regions  # something is checkpointed
+    weights = _weights(plain, x)
+    _close(_sgd_step(plain, x, weights), _sgd_step(planned, x, weights), "loss")
+    for (name, a), b in zip(plain.named_parameters(), planned.parameters()):
+        _close(a, b, name)
+    for (name, a), b in zip(plain.named_buffers(), planned.buffers()):
+        _close(a.float(), b.float(), name)
+
+
+def _second_step_peak(trunk, x, weights) -> int:
+    _step(trunk, x, weights)
+    for p in trunk.parameters():
+        if trunk.gradients == "kept":
+            p.grad.zero_()
+        else:
+            p.grad = None
+    with PeakMemory(CUDA) as mem:
+        _step(trunk, x, weights)
+    return mem.peak_bytes
+
+
+@pytest.mark.parametrize("plan", [dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.5), dict(memory_budget=0.5, gradients="in_backward")],
+                         ids=["balanced4", "budget0.5", "in_backward0.5"])
+@pytest.mark.parametrize("name", ["resnet50", "convnext_tiny", "vit_b_16"])
+def test_the_predicted_step_peak_is_the_allocators_within_5_percent(name, plan):
+    """The plan's predicted peak against ``torch.cuda.max_memory_allocated`` of the step (the
+    second: the first makes the optimizer's state), at 224px, batch 8."""
+    torch.use_deterministic_algorithms(False)  # the kernels users run: cuDNN picks its own
+    x = _images(8, 224)
+    trunk = _stepping(CheckpointedTrunk(_model(name), **plan))
+    predicted = trunk.plan_for(x).predicted_peak_bytes
+    measured = _second_step_peak(trunk, x, _weights(trunk, x))
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+    if "memory_budget" in plan:
+        unsplit = _second_step_peak(_stepping(CheckpointedTrunk(_model(name), gradients=trunk.gradients)), x, _weights(trunk, x))
+        assert measured <= 0.5 * unsplit * 1.05, (measured, unsplit)
+
+
+def test_fit_finds_a_batch_whose_real_step_fits_on_cuda():
+    """``fit``'s batch for 3 GiB, verified by a real step on the GPU: it ran (no out-of-memory
+    error) and its measured total (parameters, gradients, momentum and the step's peak) fits."""
+    memory = 3 * 2**30
+    found = fit(_model("resnet50"), (3, 224, 224), memory, optimizer="sgd")
+    assert found.measured_total_bytes is not None
+    assert 0.85 * memory <= found.measured_total_bytes <= memory, (found.batch_size, found.measured_total_bytes)
+    assert found.predicted_total_bytes >= found.measured_total_bytes * 0.98
+
+
+def test_checkpoint_wrapper_offloaded_to_the_host_is_exact_and_frees_the_gpu():
+    """Each ResNet-50 stage wrapped with ``offload_to_cpu=True``: the same gradients as the plain
+    model, and the stages' inputs (what the checkpoints keep) held in pinned host memory, not on
+    the GPU: after the forward the GPU holds exactly those inputs less than without offloading."""
+    x = _images(8, 160)
+    plain = _model("resnet50")
+    after_forward = {}
+    models = {}
+    for offload in (False, True):
+        m = copy.deepcopy(plain)
+        for stage in ("layer1", "layer2", "layer3", "layer4"):
+            setattr(m, stage, checkpoint_wrapper(getattr(m, stage), offload_to_cpu=offload))
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        out = m(x)
+        torch.cuda.synchronize()
+        after_forward[offload] = torch.cuda.memory_allocated() - start
+        if offload:
+            held = [o for o in gc.get_objects() if type(o).__name__ == "_Offloaded"]
+            assert held and all(o.tensor.device.type == "cpu" and o.tensor.is_pinned() for o in held)
+        out.sum().backward()
+        models[offload] = m
+    reference = plain(x)
+    reference.sum().backward()
+    inputs = sum(_input_bytes(plain, stage, x) for stage in ("layer1", "layer2", "layer3", "layer4"))
+    assert after_forward[False] - after_forward[True] >= inputs * 0.99, (after_forward, inputs)
+    for m in models.values():
+        for (name, a), b in zip(plain.named_parameters(), m.parameters()):
+            _close(a.grad, b.grad, name)
+
+
+def _input_bytes(model, stage: str, x) -> int:
+    seen = []
+    handle = getattr(model, stage).register_forward_pre_hook(lambda mod, args: seen.append(args[0].untyped_storage().nbytes()))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    return seen[0]
+
+
+def test_trunk_compile_trains_as_the_compiled_plain_model_on_cuda():
+    """``trunk.compile()`` on the GPU (inductor's Triton kernels) against the plain model under
+    ``torch.compile``: gradients within compile's tolerance (the two graphs fuse differently)."""
+    torch.use_deterministic_algorithms(False)
+    torch._dynamo.reset()
+    x = _images(4, 96)
+    plain = CheckpointedTrunk(_model("resnet18"))
+    trunk = CheckpointedTrunk(copy.deepcopy(plain.feature_blocks), memory_budget=0.5, gradients="kept")  # cuts and a selective region
+    trunk.compile()
+    weights = _weights(plain, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (torch.compile(plain), trunk):
+            _step(model, x, weights)
+    for (name, a), b in zip(plain.named_parameters(), trunk.parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), name
+
+
+def test_the_quick_start_trains_on_one_gpu(tmp_path):
+    """The README's first command, shortened, on the GPU: it trains, and its peaks are the allocator's."""
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "tools/train.py", "--config-file", "configs/quickstart.yaml", "TRAIN.STEPS", "4",
+                             "TRAIN.CHECKPOINT_EVERY", "4", "TRAIN.DEVICE", "cuda", "OUTPUT_DIR", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r]
+    assert steps and steps[-1]["step"] == 4 and all(r["peak_memory_bytes"] > 0 for r in steps)
+    assert "memory, one step side by side" in result.stdout

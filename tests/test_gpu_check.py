@@ -1,0 +1,47 @@
+"""tools/gpu_check.py runs in the fast suite on CPU (``--device cpu --quick``), so the one-command GPU
+check cannot rot before a GPU arrives: every section runs, and its figures are the library's promises."""
+import importlib.util
+import pathlib
+import re
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("gpu_check_tool", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table(text: str, title: str) -> list:
+    """The rows of the section whose title starts with ``title``, as lists of cells."""
+    section = text.split(f"### {title}", 1)[1].split("###", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")][2:]  # past the header and its rule
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+
+
+def test_the_quick_check_runs_every_section_on_cpu_and_its_figures_hold(tmp_path):
+    report = tmp_path / "report.md"
+    assert _tool().main(["--device", "cpu", "--quick", "--repeats", "1", "--memory", "32MiB", "--report", str(report)]) == 0
+    text = report.read_text()
+    assert "FAILED" not in text
+    exact = _table(text, "Exactness")
+    assert {r[1] for r in exact} == {"allocated", "kept", "in_backward"} and all(r[4] == "yes" for r in exact), exact
+    predicted = _table(text, "Prediction")
+    assert len(predicted) == 3 and all(abs(float(r[6]) - 1) <= 0.05 for r in predicted), predicted
+    timed = _table(text, "Time")
+    assert [r[1] for r in timed] == ["torchvision, unsplit", "trunksplit budget 0.7"] and float(timed[1][3]) <= 0.7 * 1.02, timed
+    (fitted,) = _table(text, "fit")
+    assert int(fitted[2]) >= 1 and float(fitted[5]) <= 1.0, fitted
+    assert re.search(r"whole check: \d+ s", text)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_asking_for_cuda_without_a_gpu_says_what_to_run_instead(tmp_path, capsys):
+    report = tmp_path / "report.md"
+    assert _tool().main(["--report", str(report)]) == 2
+    assert "--device cpu --quick" in capsys.readouterr().err and not report.exists()
