@@ -212,7 +212,7 @@ def test_the_quick_start_trains_on_one_gpu(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "tools/train.py", "--config-file", "configs/quickstart.yaml", "TRAIN.STEPS", "4",
                              "TRAIN.CHECKPOINT_EVERY", "4", "TRAIN.DEVICE", "cuda", "OUTPUT_DIR", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "loss" in r]
