@@ -16,7 +16,9 @@ def setup_distributed(cfg):
             raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE!r} is not a device; use cpu, cuda, cuda:1, or leave it empty") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("TRAIN.DEVICE asks for cuda but this machine has no usable GPU; use cpu, or leave it empty to pick")
-        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        if device.type == "cuda" and device.index is None:  # "cuda": this process's GPU, as torchrun numbers them
+            device = torch.device("cuda", local_rank)
+        if device.type == "cuda" and device.index >= torch.cuda.device_count():
             raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE}: this machine has {torch.cuda.device_count()} GPU(s)")
     else:
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
