@@ -636,3 +636,20 @@ def _fit_alone_then_agree(rank, world_size, out):
 def test_ranks_that_fit_different_batches_train_with_rank_0s(tmp_path):
     run_processes(_fit_alone_then_agree, 2, (str(tmp_path),))
     assert [torch.load(tmp_path / f"{r}.pt") for r in range(2)] == [(3, 1000.0), (3, 1000.0)]
+
+
+def test_train_device_cuda_without_an_index_is_this_processs_gpu(monkeypatch):
+    """``TRAIN.DEVICE cuda`` names no GPU; under torchrun each process takes its own (LOCAL_RANK), as
+    the default does. torch.cuda.set_device refuses a device without an index, which ended the
+    quick start on a GPU (docs/gpu.md). This machine has no GPU: torch.cuda answers as one with two."""
+    from trunksplit.ssl.parallel import setup_distributed
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    rank, world, device = setup_distributed(load_config("", ["TRAIN.DEVICE", "cuda"]))
+    assert (rank, world, device, chosen) == (0, 1, torch.device("cuda", 1), [torch.device("cuda", 1)])
+    with pytest.raises(ValueError, match="this machine has 2 GPU"):
+        setup_distributed(load_config("", ["TRAIN.DEVICE", "cuda:2"]))
