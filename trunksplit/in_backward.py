@@ -7,6 +7,7 @@ documents the way out (``Tensor.register_post_accumulate_grad_hook``); this modu
 as a stand-in for the optimizer, and under DDP runs the update after the gradient's all-reduce.
 Plan the trunk for it with ``gradients="in_backward"``.
 """
+import contextlib
 import threading
 from typing import Callable, Iterable, List, Optional, Union
 
@@ -40,8 +41,9 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     and the for-loop forms of an optimizer differ from each other by rounding, in the standard
     step too). Under DDP the gradients are averaged across ranks before the update, as DDP does.
 
-    Sharp edges: every backward is an optimizer step, so gradients cannot be accumulated over
-    several backwards, nor clipped by their global norm (a gradient is gone before the last one
+    Sharp edges: every backward is an optimizer step (to accumulate gradients over several
+    backwards, run all but the last in ``stand_in.accumulating()``: the gradients then stay alive
+    until the last), and gradients cannot be clipped by their global norm (a gradient is gone before the last one
     exists), nor unscaled by an fp16 ``GradScaler``; per-parameter transforms run on the whole
     gradient inside the update. An optimizer that needs a closure (LBFGS) is refused. Under DDP
     the all-reduce of a bucket finishes before backward goes on (no overlap). A model wrapped in
@@ -124,6 +126,7 @@ class InBackwardOptimizer:
         # run on each parameter's whole gradient before its update (clip it; False: no update this step)
         self.before_update: Optional[Callable[[torch.Tensor], bool]] = None
         self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
+        self._accumulating = False  # see accumulating()
 
     @property
     def param_groups(self) -> List[dict]:
@@ -147,9 +150,23 @@ class InBackwardOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backwards run in this context add to the gradients and update nothing: the next backward
+        outside it updates each parameter from the whole sum (a multi-crop step backward by crop
+        group, gradient accumulation). The gradients stay alive meanwhile."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def update(self, p: torch.Tensor) -> None:
         """Update ``p`` from its gradient, as the optimizer's ``step()`` would, then free the gradient
-        (``before_update(p)``, where set, first: it may change the gradient, or return False to skip)."""
+        (``before_update(p)``, where set, first: it may change the gradient, or return False to skip).
+        Inside :meth:`accumulating`, nothing: the gradient is kept for the next backward."""
+        if self._accumulating:
+            return
         if self.before_update is not None and not self.before_update(p):
             p.grad = None
             return

@@ -84,6 +84,9 @@ _C.TRAIN.DEVICE = ""  # "": cuda when available, else cpu
 # allocated: optimizer.zero_grad() sets gradients to None (torch's default), so each step allocates
 # them in backward; kept: zero_grad(set_to_none=False). Memory budgets are planned for this mode.
 _C.TRAIN.GRADIENTS = "allocated"
+# DINO and SwAV with several crop resolutions: each resolution's forward, loss share and backward before
+# the next one's forward (one group's activations alive at a time; the same gradients): trunksplit/ssl/grouped.py
+_C.TRAIN.BACKWARD_BY_CROP_GROUP = True
 
 _C.OPTIM = CN()
 _C.OPTIM.NAME = "sgd"  # sgd | lars | adamw, see trunksplit/ssl/optim.py
@@ -249,13 +252,20 @@ def _check(cfg: CN) -> None:
     _check_method_and_head(cfg)
     if cfg.METHOD.NAME == "simclr" and list(cfg.DATA.CROP_COUNTS) != [2]:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
-    if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
-        raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
+    _check_train_modes(cfg)
     _check_in_backward(cfg)
     _check_knn(cfg)
     check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+
+
+def _check_train_modes(cfg: CN) -> None:
+    """How gradients are cleared, and whether a multi-crop step runs backward by crop group."""
+    if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
+        raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
+    if not isinstance(cfg.TRAIN.BACKWARD_BY_CROP_GROUP, bool):
+        raise ValueError(f"TRAIN.BACKWARD_BY_CROP_GROUP is True or False, got {cfg.TRAIN.BACKWARD_BY_CROP_GROUP!r}")
 
 
 def _check_optim(cfg: CN) -> None:

@@ -19,8 +19,9 @@ from ..planning.memory import PeakMemory
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
+from .grouped import by_crop_group, grouped_step
 from .losses import nt_xent, swav_loss
-from .model import SSLModel, student_copy, with_batch, with_fitted_batch
+from .model import SSLModel, same_size_runs, student_copy, with_batch, with_fitted_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules
 from .parallel import setup_distributed
 from .run_dir import CHECKPOINT, METRICS, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
@@ -59,7 +60,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1 or evaluating
         start_time = time.perf_counter()
         with strategy.meter() if logging else contextlib.nullcontext() as mem:
-            loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler))
+            loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler, lambda: strategy.accumulating(wrapped)))
         _stop_unless_finite(cfg, loss, step, world, scaler)
         _optimizer_step(optimizer, scaler, kept, device, rule)
         if model.teacher is not None:
@@ -120,7 +121,8 @@ def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, s
     plan = model.trunk.plan
     last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
-    last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping) if side_by_side else None
+    grouped = by_crop_group(cfg, crops)
+    last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
 
 
 def _stepping_copies(cfg, optimizer) -> Callable:
@@ -198,13 +200,14 @@ def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, s
     strategy.save(cfg, model, optimizer, meta)
 
 
-def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: Optional[Callable] = None) -> Optional[dict]:
+def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: Optional[Callable] = None, grouped: bool = False) -> Optional[dict]:
     """Peak bytes of one step of ``model`` and of a plain (never checkpointed) copy, side by side.
 
     Both run the same surrogate loss on the same crops, in this process only (no
     collectives), on copies whose gradients are where the loop leaves them between
     steps (None, or kept zeros), one copy at a time, so the real model is untouched;
-    ``stepping(copy)``, where given, steps each copy's optimizer in backward.
+    ``stepping(copy)``, where given, steps each copy's optimizer in backward. ``grouped``:
+    both run each crop group's forward and backward in turn, as the training step does.
     None where a GPU has no room for a copy.
     """
     peaks = {}
@@ -213,7 +216,8 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: O
             m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
             steps = stepping(m) if stepping is not None else None
             with PeakMemory(crops[0].device) as mem, autocast:
-                sum(o.float().pow(2).mean() for o in m(crops)).backward()
+                for start, stop in same_size_runs(crops) if grouped else [(0, len(crops))]:
+                    sum(o.float().pow(2).mean() for o in m(crops[start:stop])).backward()
         except torch.cuda.OutOfMemoryError:
             return None
         peaks[name] = mem.peak_bytes
@@ -228,9 +232,13 @@ def _copy_for_comparison(model, plain: bool, kept_gradients: bool):
     return m
 
 
-def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler):
-    """One step's loss and gradients (reduced across ranks as the strategy says, around this)."""
+def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, accumulating: Callable):
+    """One step's loss and gradients (reduced across ranks as the strategy says, around this);
+    DINO and SwAV with several resolutions group by group (:mod:`trunksplit.ssl.grouped`), the
+    earlier groups' gradients kept on this rank in ``accumulating()``."""
     model.normalize_prototypes()
+    if by_crop_group(cfg, crops):
+        return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
     with autocast:
         loss = _loss(cfg, model, wrapped(crops), crops, step)
     scaler.scale(loss).backward()

@@ -1,5 +1,5 @@
 """SimCLR's NT-Xent, SwAV's swapped prediction (both across ranks) and DINO's distillation loss."""
-from typing import List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,27 +69,40 @@ def _all_reduce(t: torch.Tensor) -> None:
 
 def swav_loss(scores: List[torch.Tensor], num_large: int, temperature: float, iterations: int, epsilon: float) -> torch.Tensor:
     """Predict each large crop's code from every other crop (SwAV's swapped prediction)."""
-    total, terms = 0.0, 0
-    for i in range(num_large):
-        q = sinkhorn(scores[i].detach(), iterations, epsilon)
-        for j, s in enumerate(scores):
-            if j != i:
-                total = total - (q * F.log_softmax(s.float() / temperature, dim=1)).sum(dim=1).mean()
-                terms += 1
+    codes = {i: sinkhorn(scores[i].detach(), iterations, epsilon) for i in range(num_large)}
+    total, terms = cross_entropy_terms(codes, dict(enumerate(log_softmax_at(scores, temperature))))
     return total / terms
+
+
+def dino_targets(teacher_out: List[torch.Tensor], center: torch.Tensor, teacher_temperature: float) -> List[torch.Tensor]:
+    """The teacher's centred and sharpened distributions, ``softmax((t - center) / teacher_temperature)``, no gradient."""
+    return [F.softmax((t.detach().float() - center) / teacher_temperature, dim=-1) for t in teacher_out]
 
 
 def dino_loss(student_out: List[torch.Tensor], teacher_out: List[torch.Tensor], center: torch.Tensor, student_temperature: float, teacher_temperature: float) -> torch.Tensor:
     """DINO's loss: for each global crop, the cross-entropy between the teacher's centred and
-    sharpened distribution (``softmax((t - center) / teacher_temperature)``, no gradient) and
-    the student's (``log_softmax(s / student_temperature)``) on every other crop, averaged over
+    sharpened distribution (:func:`dino_targets`) and the student's
+    (``log_softmax(s / student_temperature)``) on every other crop, averaged over
     those pairs. ``teacher_out`` holds the global crops, which lead ``student_out``."""
-    targets = [F.softmax((t.detach().float() - center) / teacher_temperature, dim=-1) for t in teacher_out]
-    log_probs = [F.log_softmax(s.float() / student_temperature, dim=-1) for s in student_out]
+    targets = dict(enumerate(dino_targets(teacher_out, center, teacher_temperature)))
+    total, terms = cross_entropy_terms(targets, dict(enumerate(log_softmax_at(student_out, student_temperature))))
+    return total / terms
+
+
+def log_softmax_at(outputs: List[torch.Tensor], temperature: float) -> List[torch.Tensor]:
+    """Each crop's ``log_softmax(output / temperature)``, in float32."""
+    return [F.log_softmax(o.float() / temperature, dim=-1) for o in outputs]
+
+
+def cross_entropy_terms(targets: Dict[int, torch.Tensor], log_probs: Dict[int, torch.Tensor]) -> Tuple[torch.Tensor, int]:
+    """The sum, over target crops ``i`` and predicting crops ``j != i`` (crop indices as keys), of
+    ``-(targets[i] * log_probs[j]).sum(-1).mean()``, and how many terms that is. DINO's and SwAV's
+    losses are this sum over all crops divided by its count; any subset of ``log_probs`` gives its
+    share, which is what lets a multi-crop step run one crop group at a time (:mod:`trunksplit.ssl.grouped`)."""
     total, terms = 0.0, 0
-    for i, q in enumerate(targets):
-        for j, log_p in enumerate(log_probs):
+    for i, q in targets.items():
+        for j, log_p in log_probs.items():
             if j != i:
                 total = total - (q * log_p).sum(dim=-1).mean()
                 terms += 1
-    return total / terms
+    return total, terms

@@ -80,7 +80,7 @@ class SSLModel(nn.Module):
     def forward(self, crops: List[torch.Tensor]) -> List[torch.Tensor]:
         """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop."""
         out = []
-        for i, j in _same_size_runs(crops):
+        for i, j in same_size_runs(crops):
             feature = self.trunk(torch.cat(crops[i:j]))[-1]
             if feature.dim() == 4:
                 feature = feature.mean(dim=(2, 3))
@@ -92,7 +92,7 @@ class SSLModel(nn.Module):
 
     def plan_for(self, crops: List[torch.Tensor], autocast) -> None:
         """Make the trunk's cost-aware plans for these crops now (one per resolution), not in the first step."""
-        for i, j in _same_size_runs(crops):
+        for i, j in same_size_runs(crops):
             with autocast:
                 self.trunk.plan_for(torch.cat(crops[i:j]))
 
@@ -102,7 +102,7 @@ class SSLModel(nn.Module):
             self.prototypes.weight.copy_(F.normalize(self.prototypes.weight, dim=1))
 
 
-def _same_size_runs(crops: List[torch.Tensor]):
+def same_size_runs(crops: List[torch.Tensor]):
     """(start, stop) of each run of consecutive crops of one size: they are batched through the trunk together."""
     i = 0
     while i < len(crops):

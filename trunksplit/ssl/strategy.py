@@ -63,6 +63,11 @@ class Strategy:
         """``step()`` (forward, loss, backward), its gradients reduced across ranks."""
         return step()
 
+    def accumulating(self, wrapped: nn.Module) -> ContextManager:
+        """The context of a forward and backward whose gradients stay on this rank, to be reduced
+        with the next backward's (every crop group of a step but the last)."""
+        return contextlib.nullcontext()
+
     def save(self, cfg, model, optimizer, meta: dict) -> None:
         """Write the run's checkpoint (every rank calls it)."""
         if self.rank == 0:
@@ -94,6 +99,9 @@ class DDP(Strategy):
         # stepped in backward, DDP's buckets hold the gradients (its hook updates from them): no second copy
         return DistributedDataParallel(super().wrap(cfg, model), gradient_as_bucket_view=cfg.OPTIM.IN_BACKWARD)
 
+    def accumulating(self, wrapped):
+        return wrapped.no_sync()
+
     def finish(self, wrapped, model):
         manual_sync_params(wrapped)
 
@@ -111,6 +119,9 @@ class ManualDDP(DDP):
             loss = step()
         manual_gradient_all_reduce(wrapped)
         return loss
+
+    def accumulating(self, wrapped):
+        return contextlib.nullcontext()  # the whole step runs under no_sync: one all-reduce after it
 
 
 class FSDP(Strategy):
@@ -141,6 +152,14 @@ class FSDP(Strategy):
         # the trunk and the model return views (flatten, chunk); the loop never writes into them in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return model
+
+    @contextlib.contextmanager
+    def accumulating(self, wrapped):
+        wrapped.set_requires_gradient_sync(False)  # unsharded gradients kept: one reduce-scatter, with the last group's
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
 
     def meter(self):
         # the profiler's allocation events on CPU: the tracker cannot see the weights FSDP gathers

@@ -1,0 +1,147 @@
+"""The multi-crop step backward by crop group (TRAIN.BACKWARD_BY_CROP_GROUP): the whole step's loss
+and gradients, the whole step's weights after training, in less memory; in one process, under DDP
+and FSDP2, stepped in backward, and resumed."""
+import contextlib
+import copy
+import os
+
+import pytest
+import torch
+
+from trunksplit import optimizer_in_backward
+from trunksplit.ssl import loop
+from trunksplit.ssl.config import load_config
+from trunksplit.ssl.dino import build_ssl_model
+from trunksplit.ssl.grouped import by_crop_group, grouped_step
+from trunksplit.ssl.loop import train
+
+from distributed_harness import run_processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4", "MODEL.HEAD.HIDDEN_DIM", "64",
+         "DATA.NUM_WORKERS", "0", "METHOD.NUM_PROTOTYPES", "32"]
+DINO = ["METHOD.NAME", "dino", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]",
+        "OPTIM.NAME", "adamw", "OPTIM.LR", "0.0005"]
+SWAV = ["METHOD.NAME", "swav", "DATA.CROP_SIZES", "[32, 24, 16]", "DATA.CROP_COUNTS", "[2, 1, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.2, 0.5], [0.05, 0.4]]",
+        "OPTIM.LR", "0.01"]
+# two resolutions: a parameter's gradient is two groups' parts added in either order, the same float sum
+SWAV2 = ["METHOD.NAME", "swav", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.LR", "0.01"]
+METHODS = {"dino": DINO, "swav": SWAV, "swav2": SWAV2}
+
+
+def _config(method, *more):
+    return load_config(QUICK, [*SMALL, *METHODS[method], *more])
+
+
+def _crops(cfg, batch=4):
+    g = torch.Generator().manual_seed(5)
+    sizes = [s for s, c in zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS) for _ in range(c)]
+    return [torch.randn(batch, 3, s, s, generator=g) for s in sizes]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / a.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("method", ["dino", "swav", "swav2"])
+def test_one_grouped_step_gives_the_whole_steps_loss_gradients_and_centre(method):
+    """The whole step (every crop's forward, one loss, one backward: the loop's own path with the
+    switch off) against the grouped one, from one model: the loss, every gradient, DINO's centre."""
+    cfg = _config(method)
+    torch.manual_seed(0)
+    model = build_ssl_model(cfg)
+    crops = _crops(cfg)
+    whole, grouped = copy.deepcopy(model), copy.deepcopy(model)
+    loss = loop._loss(cfg, whole, whole(crops), crops, 0)
+    loss.backward()
+    parts = []
+    got = grouped_step(cfg, grouped, grouped, crops, 0, contextlib.nullcontext(), lambda part: (parts.append(part), part.backward()), contextlib.nullcontext)
+    assert len(parts) == len(set(cfg.DATA.CROP_SIZES))  # one backward per resolution
+    assert abs(got.item() / loss.item() - 1) <= 1e-6
+    for (name, a), b in zip(whole.named_parameters(), grouped.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert _relative(a.grad, b.grad) <= 1e-6, name
+    for (name, a), b in zip(whole.named_buffers(), grouped.buffers()):
+        assert torch.equal(a, b), name  # BatchNorm saw the same crops per call; the centre the same teacher outputs
+
+
+def test_only_dino_and_swav_with_several_resolutions_run_by_group_and_the_switch_is_checked():
+    crops = _crops(_config("dino"))
+    assert by_crop_group(_config("dino"), crops) and by_crop_group(_config("swav"), _crops(_config("swav")))
+    assert not by_crop_group(_config("dino", "TRAIN.BACKWARD_BY_CROP_GROUP", "False"), crops)
+    one_size = _config("dino", "DATA.CROP_SIZES", "[32, 32]")
+    assert not by_crop_group(one_size, _crops(one_size))  # one resolution: one group, the whole step
+    simclr = load_config(QUICK, SMALL)
+    assert not by_crop_group(simclr, _crops(simclr))
+    with pytest.raises(ValueError, match="TRAIN.BACKWARD_BY_CROP_GROUP is True or False"):
+        _config("dino", "TRAIN.BACKWARD_BY_CROP_GROUP", "None")
+
+
+def _run(tmp_path, name, method, *more):
+    return train(_config(method, "OUTPUT_DIR", str(tmp_path / name), "TRAIN.STEPS", "3", *more))
+
+
+@pytest.mark.parametrize("method", ["dino", "swav2"])
+def test_a_grouped_run_trains_the_whole_step_runs_weights_in_less_memory(tmp_path, method):
+    """Three steps each way: the same weights, buffers and teacher (the sums' order aside), a lower
+    step peak, and the end-of-run comparison made group by group like the step it compares."""
+    (whole, whole_row), (grouped, grouped_row) = (_run(tmp_path, str(g), method, "TRAIN.BACKWARD_BY_CROP_GROUP", str(g)) for g in (False, True))
+    for (name, a), (_, b) in zip(whole.state_dict().items(), grouped.state_dict().items()):
+        assert a.dtype == torch.int64 and torch.equal(a, b) or _relative(a.float(), b.float()) <= 1e-5, name
+    assert grouped_row["peak_memory_bytes"] < 0.9 * whole_row["peak_memory_bytes"], (grouped_row["peak_memory_bytes"], whole_row["peak_memory_bytes"])
+    assert grouped_row["memory_vs_plain"]["checkpointed"] < 0.9 * whole_row["memory_vs_plain"]["checkpointed"]
+    assert abs(grouped_row["memory_vs_plain"]["checkpointed"] / grouped_row["peak_memory_bytes"] - 1) < 0.05
+
+
+def test_an_optimizer_stepped_in_backward_waits_for_the_last_groups_gradients():
+    """``accumulating()``: a backward inside it updates nothing; the next one updates each parameter
+    once, from the whole sum: the standard step on the same two backwards, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    standard, stepped = copy.deepcopy(model), copy.deepcopy(model)
+    xs = [torch.randn(4, 8), torch.randn(3, 8)]
+    optimizer = torch.optim.AdamW(standard.parameters(), lr=0.1)
+    for x in xs:
+        standard(x).pow(2).sum().backward()
+    optimizer.step()
+    stand_in = optimizer_in_backward(stepped, torch.optim.AdamW, lr=0.1)
+    with stand_in.accumulating():
+        stepped(xs[0]).pow(2).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), stepped.parameters()))  # nothing updated yet
+    stepped(xs[1]).pow(2).sum().backward()
+    for a, b in zip(standard.parameters(), stepped.parameters()):
+        assert torch.equal(a, b) and b.grad is None
+
+
+def test_a_run_stepped_in_backward_runs_the_whole_step():
+    """An optimizer stepped in backward frees each gradient at its update in the step's one backward:
+    a multi-crop step with it runs whole (its own saving), whatever the switch says."""
+    cfg = _config("dino", "OPTIM.IN_BACKWARD", "True")
+    assert cfg.TRAIN.BACKWARD_BY_CROP_GROUP and not by_crop_group(cfg, _crops(cfg))
+
+
+def _ranks(rank, world_size, out, method, strategy, grouped):
+    model, _ = train(_config(method, "OUTPUT_DIR", out, "TRAIN.STEPS", "3", "DISTRIBUTED.STRATEGY", strategy, "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped)))
+    if strategy == "fsdp":
+        state = {n: p.full_tensor() for n, p in model.named_parameters()}
+    else:
+        state = {n: p.detach() for n, p in model.named_parameters()}
+    torch.save(state, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("method,strategy", [("dino", "ddp"), ("swav2", "fsdp")])
+def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, strategy):
+    """2 gloo processes each way (DDP: no_sync before the last group; FSDP2: no gradient sync until
+    it): every rank ends with the same weights, those of the whole-step run."""
+    ends = {}
+    for grouped in (False, True):
+        out = str(tmp_path / str(grouped))
+        run_processes(_ranks, 2, (out, method, strategy, grouped))
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+        for name in ranks[0]:
+            assert torch.equal(ranks[0][name], ranks[1][name]), name
+        ends[grouped] = ranks[0]
+    for name, a in ends[False].items():
+        assert _relative(a, ends[True][name]) <= 1e-5, name

@@ -1,0 +1,67 @@
+"""The multi-crop step one crop group at a time: each resolution's forward, its share of the loss
+and its backward before the next resolution's forward, so that one group's activations are alive
+at a time instead of every group's until one backward.
+
+DINO's and SwAV's losses are sums of terms that each read one student crop, against targets that
+carry no gradient: the teacher's sharpened outputs (DINO), the codes of the large crops' scores,
+detached (SwAV). So the targets come first (the teacher's forward; SwAV's codes from the first
+group, which holds the large crops), then for each group its forward, its terms divided by the
+step's count of terms, and its backward. No extra compute. BatchNorm sees what it saw: the trunk
+runs once per resolution in the whole step too.
+
+Exact: the same gradients, summed in another order: a parameter's gradient is the groups' parts
+added as each backward ends, where the whole step's backward adds them in reverse order. Two
+groups add the same two numbers (bit for bit); three or more can round differently (float).
+Gradients are reduced across ranks once, with the last group's backward: the strategy's
+``accumulating`` context holds the earlier groups' gradients on each rank (DDP's ``no_sync``,
+FSDP2's ``set_requires_gradient_sync(False)``). With an optimizer stepped in backward the step runs
+whole (see :func:`by_crop_group`).
+"""
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+
+from .dino import teacher_temperature, update_center
+from .losses import cross_entropy_terms, dino_targets, log_softmax_at, sinkhorn
+from .model import SSLModel, same_size_runs
+
+
+def by_crop_group(cfg, crops) -> bool:
+    """Whether this step runs group by group: DINO or SwAV, ``TRAIN.BACKWARD_BY_CROP_GROUP``, more than one
+    resolution, and no optimizer stepped in backward (``OPTIM.IN_BACKWARD``: it frees each gradient at its
+    update, in the one backward of a whole step; grouped, every gradient would wait, alive, for the last
+    group's, beside a trunk planned to hold one at a time)."""
+    wanted = bool(cfg.TRAIN.BACKWARD_BY_CROP_GROUP) and cfg.METHOD.NAME in ("dino", "swav") and not cfg.OPTIM.IN_BACKWARD
+    return wanted and len(list(same_size_runs(crops))) > 1
+
+
+def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: ContextManager, backward: Callable[[torch.Tensor], None],
+                 accumulating: Callable[[], ContextManager]) -> torch.Tensor:
+    """One training step's forward and backward, group by group; returns the step's loss (detached).
+
+    ``wrapped``: what the loop calls (the model, or its DDP or FSDP2 wrapper); ``backward(part)``
+    runs one group's backward (scaled, for fp16); ``accumulating()`` is the context in which every
+    group but the last runs, its gradients kept on this rank for the last one's reduction."""
+    m, num_targets = cfg.METHOD, cfg.DATA.CROP_COUNTS[0]
+    terms = num_targets * (len(crops) - 1)  # every (target crop, other crop) pair of the step
+    targets, teacher_out = None, None
+    if m.NAME == "dino":
+        with torch.no_grad(), autocast:
+            teacher_out = model.teacher(crops[:num_targets])
+            targets = dict(enumerate(dino_targets(teacher_out, model.center, teacher_temperature(cfg, step))))
+    groups = list(same_size_runs(crops))
+    total = torch.zeros(())
+    for k, (start, stop) in enumerate(groups):
+        with contextlib.nullcontext() if k == len(groups) - 1 else accumulating():
+            with autocast:
+                outputs = wrapped(crops[start:stop])
+                if targets is None:  # SwAV: the large crops' codes, from the first group (it holds them)
+                    targets = {i: sinkhorn(outputs[i].detach(), m.SINKHORN_ITERATIONS, m.SINKHORN_EPSILON) for i in range(num_targets)}
+                log_probs = dict(zip(range(start, stop), log_softmax_at(outputs, m.TEMPERATURE)))
+                part = cross_entropy_terms(targets, log_probs)[0] / terms
+            backward(part)
+        total = total.to(part.device) + part.detach()
+    if teacher_out is not None:
+        update_center(model.center, teacher_out, m.DINO.CENTER_MOMENTUM)
+    return total
