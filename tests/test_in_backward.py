@@ -214,3 +214,71 @@ def test_a_learning_rate_set_after_the_optimizer_behind_it_loads_a_state_reaches
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.ones(2, 4)).sum().backward()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def _linear_steps(model, optimizer, stand_in=None):
+    """Two steps of a small regression, as a loop with a standard optimizer runs them (or with a stand-in)."""
+    for x in (torch.ones(2, 4), torch.full((2, 4), 0.5)):
+        model(x).pow(2).sum().backward()
+        (stand_in or optimizer).step()
+        (stand_in or optimizer).zero_grad()
+
+
+def test_a_second_optimizer_stepped_in_backward_takes_the_parameters_over_from_the_first():
+    """A new training phase builds a new optimizer: the old one's hooks go (with a warning), the new
+    one alone updates, as a standard loop that replaced its optimizer would."""
+    torch.manual_seed(0)
+    model, reference = nn.Linear(4, 3), None
+    reference = copy.deepcopy(model)
+    first = optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    plain_first = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(torch.ones(1, 4)).sum().backward()
+    plain_first.step()
+    plain_first.zero_grad()
+    with pytest.warns(UserWarning, match="hooks are removed"):
+        second = optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
+    _linear_steps(model, None, second)
+    _linear_steps(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    assert second.state_dict()["state"] and not first.state_dict()["state"]
+
+
+def test_frozen_parameters_are_left_to_themselves_as_a_standard_optimizer_leaves_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    reference = copy.deepcopy(model)
+    stand_in = optimizer_in_backward(list(model.parameters()), torch.optim.SGD, lr=0.1, momentum=0.9)  # torch's optimizers take frozen ones
+    _linear_steps(model, None, stand_in)
+    _linear_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_before_anything_changes():
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="LBFGS steps with a closure"):
+        optimizer_in_backward(model, torch.optim.LBFGS, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    assert model.weight.grad is not None and not model.weight._backward_hooks  # no hook was left: the gradient stays
+
+
+def test_muon_steps_a_trunks_matrices_in_backward():
+    """Muon takes only 2-D parameters; what the trunk is told an update allocates is measured on a
+    matrix, so a trunk whose matrices Muon steps plans and trains as Muon's standard step does."""
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    blocks = OrderedDict((f"fc{i}", nn.Sequential(nn.Linear(16, 16), nn.GELU())) for i in range(4))
+    reference = copy.deepcopy(nn.Sequential(*blocks.values()))
+    trunk = CheckpointedTrunk(blocks, num_splits=2, gradients="in_backward")
+    stand_in = optimizer_in_backward(trunk, torch.optim.Muon, param_groups=[{"params": [p for p in trunk.parameters() if p.dim() == 2]}], lr=0.02)
+    muon = torch.optim.Muon([p for p in reference.parameters() if p.dim() == 2], lr=0.02)
+    x = torch.randn(8, 16)
+    for model, optimizer in ((trunk, stand_in), (reference, muon)):
+        out = model(x)
+        (out[-1] if isinstance(out, list) else out).pow(2).sum().backward()
+        optimizer.step()
+    assert trunk.update_temporaries >= 0 and stand_in.state_dict()["state"]
+    for a, b in zip(reference.parameters(), trunk.parameters()):
+        assert torch.equal(a, b)

@@ -8,7 +8,10 @@ as a stand-in for the optimizer, and under DDP runs the update after the gradien
 Plan the trunk for it with ``gradients="in_backward"``.
 """
 import contextlib
+import inspect
 import threading
+import warnings
+import weakref
 from typing import Callable, Iterable, List, Optional, Union
 
 import torch
@@ -58,6 +61,9 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
             optimizer.step()  # nothing left to do
             optimizer.zero_grad()
     """
+    if _needs_closure(optimizer_class):
+        raise ValueError(f"{getattr(optimizer_class, '__name__', optimizer_class)} steps with a closure that runs forward and backward "
+                         "again; stepped in backward there is none to give: use it after backward, as usual")
     module = model.module if isinstance(model, DistributedDataParallel) else model
     trunks = [m for m in module.modules() if isinstance(m, CheckpointedTrunk)] if isinstance(module, nn.Module) else []
     for trunk in trunks:
@@ -73,8 +79,30 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     if isinstance(model, DistributedDataParallel):
         model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
         return stand_in
-    stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in stand_in._groups]
+    stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in _take_over(stand_in)]
     return stand_in
+
+
+def _needs_closure(optimizer_class) -> bool:
+    """Whether ``optimizer_class.step`` requires a closure (LBFGS): its ``closure`` has no default."""
+    closure = inspect.signature(getattr(optimizer_class, "step", lambda closure=None: None)).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _take_over(stand_in: "InBackwardOptimizer") -> List[torch.Tensor]:
+    """The parameters whose updates ``stand_in`` runs: those that can have a gradient (an optimizer
+    takes frozen ones too; they never get one). A parameter stepped in backward by an earlier
+    stand-in (a new training phase, a rebuilt optimizer) is taken from it: that one's hooks are
+    removed, with a warning, so that two optimizers never update one parameter."""
+    params = [p for p in stand_in._groups if p.requires_grad]
+    earlier = {id(e): e for e in (getattr(p, "_stepped_in_backward_by", lambda: None)() for p in params) if e is not None and e._handles}
+    for e in earlier.values():
+        e.remove()
+        warnings.warn(f"optimizer_in_backward: these parameters were stepped in backward by {e!r}; its hooks are removed and the new "
+                      "optimizer updates them", UserWarning, stacklevel=3)
+    for p in params:
+        p._stepped_in_backward_by = weakref.ref(stand_in)
+    return params
 
 
 def update_temporaries(optimizer_class: Callable[..., torch.optim.Optimizer], optimizer_kwargs: Optional[dict] = None,
@@ -82,10 +110,10 @@ def update_temporaries(optimizer_class: Callable[..., torch.optim.Optimizer], op
     """How many tensors of a parameter's size ``optimizer_class(**optimizer_kwargs)`` allocates
     while it updates one parameter on ``device``, its state aside: what a step in backward adds at
     the moment that parameter's gradient is whole (``gradients="in_backward"`` plans for it). The
-    second update of a scratch parameter of 2**16 elements, measured (an optimizer's foreach and
+    second update of a scratch 256 x 256 parameter, measured (an optimizer's foreach and
     for-loop forms differ, and the device picks between them: docs/planning.md has the figures)."""
     optimizer_kwargs = optimizer_kwargs or {}
-    p = torch.zeros(1 << 16, device=device, requires_grad=True)
+    p = torch.zeros(256, 256, device=device, requires_grad=True)  # a matrix: some optimizers (Muon) take only 2-D parameters
     optimizer = optimizer_class([p], **optimizer_kwargs)
     for _ in range(2):  # the first update allocates the state
         p.grad = torch.full_like(p, 1e-3)
