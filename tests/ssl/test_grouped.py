@@ -53,7 +53,7 @@ def test_one_grouped_step_gives_the_whole_steps_loss_gradients_and_centre(method
     model = build_ssl_model(cfg)
     crops = _crops(cfg)
     whole, grouped = copy.deepcopy(model), copy.deepcopy(model)
-    loss = loop._loss(cfg, whole, whole(crops), crops, 0)
+    loss = loop.whole_step_loss(cfg, whole, whole(crops), crops, 0)
     loss.backward()
     parts = []
     got = grouped_step(cfg, grouped, grouped, crops, 0, contextlib.nullcontext(), lambda part: (parts.append(part), part.backward()), contextlib.nullcontext)

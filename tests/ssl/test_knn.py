@@ -157,3 +157,12 @@ def test_report_draws_the_runs_metrics_and_summarises_them(tmp_path, folders, ca
         assert picture.size[0] > 400 and picture.size[1] > 400
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_knn_of_a_run_without_a_checkpoint_says_so_in_its_own_words(tmp_path, folders, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(QUICK, SMALL).dump())
+    assert main(["knn", str(run), "--train", folders["train"], "--val", folders["val"]]) != 0
+    err = capsys.readouterr().err
+    assert "trunksplit knn: no checkpoint at" in err and "--resume" not in err

@@ -178,7 +178,7 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
     model = build_ssl_model(cfg)
     step = 0
     if not untrained:
-        state = load_checkpoint(os.path.join(run_dir, CHECKPOINT))
+        state = load_checkpoint(os.path.join(run_dir, CHECKPOINT), "trunksplit knn")
         if "sharded" in state:
             raise ValueError(f"{os.path.join(run_dir, CHECKPOINT)} is a sharded (fsdp) checkpoint: evaluate it online with EVAL.KNN")
         model.load_state_dict(state["model"])

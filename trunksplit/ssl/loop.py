@@ -240,12 +240,13 @@ def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, a
     if by_crop_group(cfg, crops):
         return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
     with autocast:
-        loss = _loss(cfg, model, wrapped(crops), crops, step)
+        loss = whole_step_loss(cfg, model, wrapped(crops), crops, step)
     scaler.scale(loss).backward()
     return loss.detach()
 
 
-def _loss(cfg, model, outputs, crops, step: int) -> torch.Tensor:
+def whole_step_loss(cfg, model, outputs, crops, step: int) -> torch.Tensor:
+    """The step's loss over every crop's outputs at once (the whole step: one backward)."""
     m = cfg.METHOD
     if m.NAME == "simclr":
         return nt_xent(outputs[0], outputs[1], m.TEMPERATURE)

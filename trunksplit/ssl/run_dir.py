@@ -35,16 +35,17 @@ def check_output_dir(path: str, resume: bool) -> None:
         )
 
 
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path: str, reader: str = "--resume") -> dict:
+    """A run's checkpoint, read for ``reader`` (what the errors name: ``--resume``, ``trunksplit knn``)."""
     if not os.path.isfile(path):
-        raise ValueError(f"--resume: no checkpoint at {path}")
+        raise ValueError(f"{reader}: no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers only
         missing = ({"sharded", "step"} if "sharded" in state else {"model", "optimizer", "step"}) - set(state)
     except Exception as e:  # truncated or not a checkpoint: say so, touch nothing
-        raise ValueError(f"--resume: cannot read checkpoint {path} ({type(e).__name__}: {e}); the file is left as it is") from None
+        raise ValueError(f"{reader}: cannot read checkpoint {path} ({type(e).__name__}: {e}); the file is left as it is") from None
     if missing:
-        raise ValueError(f"--resume: {path} is not a trunksplit checkpoint (missing {sorted(missing)}); the file is left as it is")
+        raise ValueError(f"{reader}: {path} is not a trunksplit checkpoint (missing {sorted(missing)}); the file is left as it is")
     return state
 
 
