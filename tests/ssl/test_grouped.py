@@ -75,7 +75,7 @@ def test_only_dino_and_swav_with_several_resolutions_run_by_group_and_the_switch
     assert not by_crop_group(one_size, _crops(one_size))  # one resolution: one group, the whole step
     simclr = load_config(QUICK, SMALL)
     assert not by_crop_group(simclr, _crops(simclr))
-    with pytest.raises(ValueError, match="TRAIN.BACKWARD_BY_CROP_GROUP is True or False"):
+    with pytest.raises(ValueError, match="TRAIN.BACKWARD_BY_CROP_GROUP must be True or False"):
         _config("dino", "TRAIN.BACKWARD_BY_CROP_GROUP", "None")
 
 

@@ -215,6 +215,13 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
         (["OPTIM.IN_BACKWARD", "True", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"], "OPTIM.IN_BACKWARD True cannot train with DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True"),
         (["OPTIM.IN_BACKWARD", "True", "TRAIN.AUTOCAST", "fp16"], "OPTIM.IN_BACKWARD True cannot train with TRAIN.AUTOCAST fp16"),
         (["OPTIM.IN_BACKWARD", "True", "TRAIN.GRADIENTS", "kept"], "OPTIM.IN_BACKWARD True cannot train with TRAIN.GRADIENTS kept"),
+        # every key is checked for its type by name (yacs lets None through)
+        (["EVAL.KNN.K", "None"], "EVAL.KNN.K must be a whole number (default 20), got None"),
+        (["EVAL.KNN.EVERY_STEPS", "None"], "EVAL.KNN.EVERY_STEPS must be a whole number (default 0), got None"),
+        (["OPTIM.LR", "None"], "OPTIM.LR must be a number (default 0.3), got None"),
+        (["OPTIM.IN_BACKWARD", "None"], "OPTIM.IN_BACKWARD must be True or False (default False), got None"),
+        (["DATA.CROP_SIZES", "None"], "DATA.CROP_SIZES must be a list"),
+        (["TRAIN.DEVICE", "None"], "TRAIN.DEVICE must be text"),
     ],
 )
 def test_values_that_would_train_nonsense_are_refused_when_the_config_loads(args, message):

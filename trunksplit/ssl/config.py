@@ -213,7 +213,24 @@ def _set_select(cfg: CN, sub: str, text: str) -> None:
         node.SELECT[sub] = value
 
 
+def _check_types(cfg: CN, defaults: CN, prefix: str = "") -> None:
+    """Every key holds a value of its default's type (yacs lets None through): a bool is True or
+    False, a number a number, text text, a list a list; a key whose default is None takes any."""
+    kinds = [(bool, "True or False"), (int, "a whole number"), (float, "a number"), (str, "text"), ((list, tuple), "a list")]
+    for name, default in defaults.items():
+        key, value = prefix + name, cfg[name]
+        if isinstance(default, CN):
+            if key != SELECT_KEY:  # its own check: condition_from_config
+                _check_types(value, default, key + ".")
+            continue
+        kind, said = next(((k, w) for k, w in kinds if isinstance(default, k)), (None, ""))
+        numbers = (int, float) if kind is float else kind
+        if kind is not None and (not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool))):
+            raise ValueError(f"{key} must be {said} (default {default!r}), got {value!r}")
+
+
 def _check(cfg: CN) -> None:
+    _check_types(cfg, _C)
     check_backbone_name(cfg.MODEL.TRUNK.NAME)
     if fixed_resolution(cfg.MODEL.TRUNK.NAME) and len(set(cfg.DATA.CROP_SIZES)) > 1:
         raise ValueError(f"{cfg.MODEL.TRUNK.NAME} is built for one resolution; DATA.CROP_SIZES {list(cfg.DATA.CROP_SIZES)} asks for several")
@@ -244,28 +261,19 @@ def _check(cfg: CN) -> None:
         raise ValueError(f"DATA.NUM_WORKERS must be >= 0, or -1 for the machine's spare cores; got {cfg.DATA.NUM_WORKERS}")
     if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
         raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
-    if cfg.METHOD.NAME not in ("simclr", "swav", "dino"):
-        raise ValueError(f"METHOD.NAME must be simclr, swav or dino, got {cfg.METHOD.NAME!r}")
     _check_optim(cfg)
     if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
         raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
     _check_method_and_head(cfg)
     if cfg.METHOD.NAME == "simclr" and list(cfg.DATA.CROP_COUNTS) != [2]:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
-    _check_train_modes(cfg)
+    if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
+        raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
     _check_in_backward(cfg)
     _check_knn(cfg)
     check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
-
-
-def _check_train_modes(cfg: CN) -> None:
-    """How gradients are cleared, and whether a multi-crop step runs backward by crop group."""
-    if cfg.TRAIN.GRADIENTS not in ("allocated", "kept"):
-        raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
-    if not isinstance(cfg.TRAIN.BACKWARD_BY_CROP_GROUP, bool):
-        raise ValueError(f"TRAIN.BACKWARD_BY_CROP_GROUP is True or False, got {cfg.TRAIN.BACKWARD_BY_CROP_GROUP!r}")
 
 
 def _check_optim(cfg: CN) -> None:
@@ -315,6 +323,8 @@ def _check_in_backward(cfg: CN) -> None:
 
 def _check_method_and_head(cfg: CN) -> None:
     """Values that would train nonsense (a NaN loss, an empty layer) rather than fail."""
+    if cfg.METHOD.NAME not in ("simclr", "swav", "dino"):
+        raise ValueError(f"METHOD.NAME must be simclr, swav or dino, got {cfg.METHOD.NAME!r}")
     aug = cfg.DATA.AUG
     if len(aug.COLOR_JITTER) != 4 or any(v < 0 for v in aug.COLOR_JITTER) or aug.COLOR_JITTER[3] > 0.5:
         raise ValueError(f"DATA.AUG.COLOR_JITTER is [brightness, contrast, saturation, hue], each >= 0 and hue <= 0.5; got {list(aug.COLOR_JITTER)}")
