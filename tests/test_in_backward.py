@@ -282,3 +282,10 @@ def test_muon_steps_a_trunks_matrices_in_backward():
     assert trunk.update_temporaries >= 0 and stand_in.state_dict()["state"]
     for a, b in zip(reference.parameters(), trunk.parameters()):
         assert torch.equal(a, b)
+
+
+def test_reentrant_checkpointing_cannot_step_in_backward_and_says_what_to_use():
+    """Reentrant segments run their own backwards: a trunk called at two resolutions gets each
+    gradient in two parts, and an optimizer in backward would step twice (2e3 off after two SGD steps)."""
+    with pytest.raises(ValueError, match="use use_reentrant=False"):
+        CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=2, use_reentrant=True, gradients="in_backward")

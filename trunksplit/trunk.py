@@ -99,7 +99,7 @@ class CheckpointedTrunk(nn.Module):
         self.use_reentrant = bool(use_reentrant)
         self.gradients, self.objective, self._ends = gradients, objective, ends
         self._update_temporaries = UPDATE_TEMPORARIES  # in_backward: see update_temporaries
-        PlanRequest((), tuple(ends.items()), num_splits, strategy, self.memory_budget, gradients, objective)  # validates, before any change
+        PlanRequest((), tuple(ends.items()), num_splits, strategy, self.memory_budget, gradients, objective, use_reentrant)  # validates, before any change
         for name in self._keys:
             self.add_module(_child_name(name), blocks[name])
         # trunk state_dict key -> the source model's, for model_state_dict(); names only, no reference

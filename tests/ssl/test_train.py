@@ -215,6 +215,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
         (["OPTIM.IN_BACKWARD", "True", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"], "OPTIM.IN_BACKWARD True cannot train with DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True"),
         (["OPTIM.IN_BACKWARD", "True", "TRAIN.AUTOCAST", "fp16"], "OPTIM.IN_BACKWARD True cannot train with TRAIN.AUTOCAST fp16"),
         (["OPTIM.IN_BACKWARD", "True", "TRAIN.GRADIENTS", "kept"], "OPTIM.IN_BACKWARD True cannot train with TRAIN.GRADIENTS kept"),
+        (["OPTIM.IN_BACKWARD", "True", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"], "cannot train with MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True"),
         # every key is checked for its type by name (yacs lets None through)
         (["EVAL.KNN.K", "None"], "EVAL.KNN.K must be a whole number (default 20), got None"),
         (["EVAL.KNN.EVERY_STEPS", "None"], "EVAL.KNN.EVERY_STEPS must be a whole number (default 0), got None"),

@@ -58,6 +58,9 @@ class PlanRequest:
             raise ValueError(f"num_splits must be an integer >= 1 or None, got {self.num_splits!r}")
         if self.gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them, or the optimizer stepped in backward), got {self.gradients!r}")
+        if self.use_reentrant and self.gradients == "in_backward":  # each reentrant segment's backward is its own: a gradient arrives in parts
+            raise ValueError("use_reentrant=True cannot step an optimizer in backward exactly: a parameter used by several segments or "
+                             "trunk calls gets its gradient in parts, and would be updated on each; use use_reentrant=False")
         if isinstance(self.update_temporaries, bool) or not isinstance(self.update_temporaries, (int, float)) or not 0 <= self.update_temporaries < float("inf"):
             raise ValueError(f"update_temporaries is a number >= 0 (tensors of a parameter's size its update allocates), got {self.update_temporaries!r}")
         if self.objective not in OBJECTIVES:

@@ -315,6 +315,9 @@ def _check_in_backward(cfg: CN) -> None:
                                                       "vissl's manual all-reduce runs after backward, when every parameter was updated already from "
                                                       "its own rank's gradient: set it False (DDP's hook reduces each bucket before its update)"),
         "TRAIN.AUTOCAST fp16": (cfg.TRAIN.AUTOCAST == "fp16", "fp16's gradient scaler unscales gradients after backward, when they are gone: use bf16"),
+        "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True": (cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT,
+                                                              "a trunk called once per crop resolution gets each gradient in parts, one per "
+                                                              "reentrant backward, and would be updated on each: set it False"),
     }
     for setting, (bad, why) in refused.items():
         if bad:
