@@ -289,3 +289,33 @@ def test_reentrant_checkpointing_cannot_step_in_backward_and_says_what_to_use():
     gradient in two parts, and an optimizer in backward would step twice (2e3 off after two SGD steps)."""
     with pytest.raises(ValueError, match="use use_reentrant=False"):
         CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=2, use_reentrant=True, gradients="in_backward")
+
+
+SCHEDULERS = {
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10),
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.9**e),
+    "one_cycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=10),
+    "sequential": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=2), torch.optim.lr_scheduler.CosineAnnealingLR(o, 8)], milestones=[2]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_torchs_learning_rate_schedulers_drive_the_stand_in_as_they_drive_the_optimizer(name):
+    """The scheduler given the stand-in: the learning rates and the weights of the same schedule on
+    the standard optimizer, bit for bit (torch's schedulers accept only a torch.optim.Optimizer)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    reference = copy.deepcopy(model)
+    stand_in = optimizer_in_backward(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    schedules = [SCHEDULERS[name](o) for o in (stand_in, optimizer)]
+    for step in range(4):
+        x = torch.full((2, 4), 1.0 / (step + 1))
+        for m, o, schedule in ((model, stand_in, schedules[0]), (reference, optimizer, schedules[1])):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+            schedule.step()
+        assert schedules[0].get_last_lr() == schedules[1].get_last_lr()
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))

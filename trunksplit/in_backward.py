@@ -132,12 +132,14 @@ def _trainable(module: nn.Module) -> List[torch.Tensor]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class InBackwardOptimizer:
+class InBackwardOptimizer(torch.optim.Optimizer):
     """What a training loop holds in place of the optimizer when the optimizer steps in backward
     (made by :func:`optimizer_in_backward`).
 
-    ``param_groups``, ``state``, ``state_dict()`` and ``load_state_dict()`` are the wrapped
-    optimizer's own, so learning-rate and weight-decay schedules and checkpoints work unchanged,
+    ``param_groups``, ``defaults``, ``state``, ``state_dict()`` and ``load_state_dict()`` are the
+    wrapped optimizer's own, so learning-rate and weight-decay schedules and checkpoints work
+    unchanged (it is a ``torch.optim.Optimizer``, as ``torch.optim.lr_scheduler`` requires, built
+    around the wrapped one rather than by ``Optimizer.__init__``),
     and a checkpoint loads into the standard optimizer and back. ``step()`` does nothing (the
     update ran in backward) and ``zero_grad()`` clears what is left (DDP's bucket views).
     ``remove()`` takes the hooks away; the optimizer then steps only when called
@@ -163,6 +165,10 @@ class InBackwardOptimizer:
     @property
     def state(self):
         return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:  # OneCycleLR reads it to find the momentum it cycles
+        return self.optimizer.defaults
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
