@@ -319,3 +319,51 @@ def test_torchs_learning_rate_schedulers_drive_the_stand_in_as_they_drive_the_op
             schedule.step()
         assert schedules[0].get_last_lr() == schedules[1].get_last_lr()
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+class _GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on gradients divided by their norm over the whole group, as Lamb's and Adan's clipping read every parameter at once."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in group["params"] if p.grad is not None))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / norm, alpha=-group["lr"])
+
+
+class _GroupCounterSGD(torch.optim.Optimizer):
+    """SGD whose step size falls with a counter kept per group, not per parameter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] = group.get("count", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / group["count"])
+
+
+@pytest.mark.parametrize("optimizer_class", [_GlobalNormSGD, _GroupCounterSGD])
+def test_an_optimizer_that_steps_parameters_together_is_named_in_a_warning(optimizer_class):
+    """Stepped one parameter at a time it is not its standard step (the weights after two steps differ,
+    as the test shows); torch's built-in optimizers step each parameter alone and pass silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=f"{optimizer_class.__name__} does not step each parameter on its own"):
+        stand_in = optimizer_in_backward(model, optimizer_class, lr=0.1)
+    _linear_steps(model, None, stand_in)
+    _linear_steps(reference, optimizer_class(reference.parameters(), lr=0.1))
+    assert not all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))  # the warning was right
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for builtin in (torch.optim.SGD, torch.optim.AdamW, torch.optim.Adagrad, LARS):
+            optimizer_in_backward(copy.deepcopy(reference), builtin, lr=0.1)

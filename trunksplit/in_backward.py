@@ -42,7 +42,9 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     parameter, with its group's hyperparameters and its own state, so with the same ``foreach``
     setting the parameters equal a standard ``step()`` after backward bit for bit (the foreach
     and the for-loop forms of an optimizer differ from each other by rounding, in the standard
-    step too). Under DDP the gradients are averaged across ranks before the update, as DDP does.
+    step too). That holds for optimizers that step each parameter on its own (torch's, LARS);
+    one that keeps state per group or reads every parameter at once (timm's Lamb, Adan) is
+    probed when it is given and named in a ``UserWarning``: step it after backward. Under DDP the gradients are averaged across ranks before the update, as DDP does.
 
     Sharp edges: every backward is an optimizer step (to accumulate gradients over several
     backwards, run all but the last in ``stand_in.accumulating()``: the gradients then stay alive
@@ -75,12 +77,39 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     for trunk in trunks:
         trunk.update_temporaries = temporaries
     params = model if not isinstance(module, nn.Module) else _trainable(module) if param_groups is None else param_groups
+    _warn_unless_per_parameter(optimizer_class, optimizer_kwargs)
     stand_in = InBackwardOptimizer(optimizer_class(params, **optimizer_kwargs))
     if isinstance(model, DistributedDataParallel):
         model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
         return stand_in
     stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in _take_over(stand_in)]
     return stand_in
+
+
+def _warn_unless_per_parameter(optimizer_class, optimizer_kwargs: dict) -> None:
+    """Warn, naming it, where ``optimizer_class`` stepped one parameter at a time is not its standard
+    step: an optimizer that keeps state per group (a step counter) or reads every parameter at
+    once (a global norm: timm's Lamb, Adan) cannot be exact in backward. Probed on two small
+    matrices, two steps each way; torch's own optimizers and LARS pass."""
+    def probe():
+        g = torch.Generator().manual_seed(0)
+        return [torch.randn(8, 8, generator=g).requires_grad_() for _ in range(2)]
+
+    standard, stepped = probe(), probe()
+    try:
+        together, alone = optimizer_class(standard, **optimizer_kwargs), InBackwardOptimizer(optimizer_class(stepped, **optimizer_kwargs))
+        for scale in (1.0, 100.0):  # gradients of two sizes, so that a norm over both parameters shows
+            for i, (a, b) in enumerate(zip(standard, stepped)):
+                a.grad, b.grad = torch.full_like(a, scale * (i + 1)), torch.full_like(b, scale * (i + 1))
+            together.step()
+            for b in stepped:
+                alone.update(b)
+    except Exception:  # noqa: BLE001 - an optimizer that cannot be probed on CPU matrices: the real step will say
+        return
+    if not all(torch.equal(a, b) for a, b in zip(standard, stepped)):
+        warnings.warn(f"{getattr(optimizer_class, '__name__', optimizer_class)} does not step each parameter on its own (state kept per "
+                      "group, or a norm over all parameters): stepped in backward, one parameter at a time, it is not its standard step "
+                      "(two probe steps differed); step it after backward", UserWarning, stacklevel=3)
 
 
 def _needs_closure(optimizer_class) -> bool:
