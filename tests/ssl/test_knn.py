@@ -166,3 +166,19 @@ def test_knn_of_a_run_without_a_checkpoint_says_so_in_its_own_words(tmp_path, fo
     assert main(["knn", str(run), "--train", folders["train"], "--val", folders["val"]]) != 0
     err = capsys.readouterr().err
     assert "trunksplit knn: no checkpoint at" in err and "--resume" not in err
+
+
+def test_report_of_a_killed_run_draws_the_whole_rows_and_says_which_line_it_dropped(tmp_path, capsys):
+    """A run killed while writing its last metrics line (``--resume`` drops that line too): the
+    report draws the whole rows and says what it left out; a damaged line before the last is still an error."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 4.0 - s, "images_per_sec": 10.0, "peak_memory_bytes": 2**20, "data_seconds": 0.01} for s in (1, 2)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(whole + '{"step": 3, "loss": 1.')
+    with pytest.warns(UserWarning, match="line 3, the last, is torn"):
+        assert main(["report", str(run)]) == 0
+    assert "steps 1..2 (2 rows)" in capsys.readouterr().out and (run / "report.png").exists()
+    (run / "metrics.jsonl").write_text('{"step": 1, "lo\n' + whole)
+    assert main(["report", str(run)]) == 2
+    assert "line 1 is not a metrics row" in capsys.readouterr().err

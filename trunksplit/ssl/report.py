@@ -7,6 +7,7 @@ the seconds each step waited on its data loader, each against the step.
 import json
 import os
 import statistics
+import warnings
 from typing import List
 
 from .run_dir import METRICS
@@ -21,12 +22,17 @@ def read_metrics(run_dir: str) -> List[dict]:
         raise ValueError(f"{run_dir!r} holds no {METRICS}: give the OUTPUT_DIR of a run of tools/train.py")
     rows = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise ValueError(f"{path}: line {number} is not a metrics row") from None
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number == len(lines):  # torn by a killed run (--resume drops it too): draw what is whole
+                    warnings.warn(f"{path}: line {number}, the last, is torn ({line.strip()[:40]!r}...), as a killed run leaves it: "
+                                  f"drawn without it", UserWarning, stacklevel=2)
+                    break
+                raise ValueError(f"{path}: line {number} is not a metrics row") from None
     if not rows:
         raise ValueError(f"{path} is empty: the run logged no step yet")
     return rows
