@@ -182,3 +182,39 @@ def test_report_of_a_killed_run_draws_the_whole_rows_and_says_which_line_it_drop
     (run / "metrics.jsonl").write_text('{"step": 1, "lo\n' + whole)
     assert main(["report", str(run)]) == 2
     assert "line 1 is not a metrics row" in capsys.readouterr().err
+
+
+def _unreadable_folder(root):
+    for name in ("cats", "dogs"):
+        (root / name).mkdir(parents=True)
+        for i in range(2):
+            (root / name / f"{i}.png").write_bytes(b"not an image")
+    return str(root)
+
+
+def test_a_folder_of_unreadable_images_is_refused_before_training_or_extraction(tmp_path, folders, capsys):
+    """Every image unreadable: the run is refused before anything is written (it trained, then died
+    on a ZeroDivisionError, before); offline, the folder is named (it read top-1 0.0000)."""
+    bad = _unreadable_folder(tmp_path / "bad")
+    for train_path, val_path, key in ((folders["train"], bad, "EVAL.KNN.VAL_PATH"), (bad, folders["val"], "EVAL.KNN.TRAIN_PATH")):
+        out = tmp_path / "run"
+        with pytest.raises(ValueError, match=f"{key} .*none of its 4 image files can be read"):
+            train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "1", "OUTPUT_DIR", str(out), "EVAL.KNN.TRAIN_PATH", train_path, "EVAL.KNN.VAL_PATH", val_path]))
+        assert not out.exists()
+    out = tmp_path / "trained"
+    train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "1", "OUTPUT_DIR", str(out)]))
+    assert main(["knn", str(out), "--train", bad, "--val", folders["val"]]) == 2
+    assert "none of its 4 image files can be read" in capsys.readouterr().err
+
+
+def test_an_evaluation_that_fails_leaves_the_steps_checkpoint_saved(tmp_path, folders, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the evaluation broke")
+
+    monkeypatch.setattr(KnnMonitor, "evaluate", broken)
+    out = tmp_path / "run"
+    cfg = load_config(QUICK, [*SMALL, "TRAIN.STEPS", "3", "TRAIN.CHECKPOINT_EVERY", "10", "OUTPUT_DIR", str(out),
+                              "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]])
+    with pytest.raises(RuntimeError, match="the evaluation broke"):
+        train(cfg)
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3  # the last step's, saved before evaluating

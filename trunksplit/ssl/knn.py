@@ -44,6 +44,8 @@ class LabelledImages(torch.utils.data.Dataset):
         self.root, self.crop, self.mean, self.std = root, crop, list(mean), list(std)
         self.folder = labelled_folder(root, key)
         self.classes = self.folder.classes
+        if not any(self[i][1] >= 0 for i in range(len(self))):  # stops at the first readable image
+            raise ValueError(f"{key} {root!r}: none of its {len(self)} image files can be read as an image; give a folder of images")
 
     def __len__(self) -> int:
         return len(self.folder)

@@ -66,11 +66,11 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         if model.teacher is not None:
             update_teacher(model, teacher_momentum(cfg, step))
         seconds = time.perf_counter() - start_time
+        _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
         if evaluating:
             data.update(_evaluate(monitor, model, cfg, device, rank, world, autocast))
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
-        _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)
     strategy.finish(wrapped, model)
     if last is not None:
         _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain)
