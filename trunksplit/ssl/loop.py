@@ -68,7 +68,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         seconds = time.perf_counter() - start_time
         _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
         if evaluating:
-            data.update(_evaluate(monitor, model, cfg, device, rank, world, autocast))
+            data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
         if logging and rank == 0:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
@@ -88,10 +88,12 @@ def _stabilisers(cfg, model, optimizer, step: int):
     return None
 
 
-def _evaluate(monitor, model, cfg, device, rank: int, world: int, autocast) -> dict:
-    """The kNN accuracies of the trunk as it is now, and the seconds they took (not the step's)."""
+def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast) -> dict:
+    """The kNN accuracies of the trunk as the checkpoint holds it (every rank with rank 0's BatchNorm
+    statistics: each rank moves its own, and evaluates in eval mode with them), and the seconds they took."""
     start = time.perf_counter()
-    accuracies = monitor.evaluate(model.trunk, device, num_workers(cfg), rank, world, autocast)
+    strategy.finish(wrapped, model)
+    accuracies = monitor.evaluate(model.trunk, device, num_workers(cfg), strategy.rank, strategy.world, autocast)
     return {**accuracies, "knn_seconds": time.perf_counter() - start}
 
 
