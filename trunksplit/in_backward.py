@@ -80,6 +80,9 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     _warn_unless_per_parameter(optimizer_class, optimizer_kwargs)
     stand_in = InBackwardOptimizer(optimizer_class(params, **optimizer_kwargs))
     if isinstance(model, DistributedDataParallel):
+        if model.find_unused_parameters:  # a parameter no rank used keeps no gradient, as DDP leaves it: mark the local uses
+            stand_in._used = set()
+            stand_in._handles = [p.register_post_accumulate_grad_hook(lambda p: stand_in._used.add(p)) for p in _take_over(stand_in)]
         model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
         return stand_in
     stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in _take_over(stand_in)]
@@ -186,6 +189,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self.before_update: Optional[Callable[[torch.Tensor], bool]] = None
         self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
         self._accumulating = False  # see accumulating()
+        self._used: Optional[set] = None  # under DDP with find_unused_parameters: the parameters this rank used in this backward
 
     @property
     def param_groups(self) -> List[dict]:
@@ -254,10 +258,18 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         buffer = bucket.buffer()
         buffer.div_(dist.get_world_size(process_group))
         dist.all_reduce(buffer, group=process_group)
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
+        params = bucket.parameters()
+        used = [True] * len(params)
+        if self._used is not None:  # find_unused_parameters: how many ranks used each (one more small all-reduce)
+            counts = torch.tensor([float(p in self._used) for p in params], device=buffer.device)
+            dist.all_reduce(counts, group=process_group)
+            used = (counts > 0).tolist()
+            self._used.difference_update(params)
+        for p, g, anyone in zip(params, bucket.gradients(), used):
             if p in self._groups:
-                p.grad = g  # the averaged gradient: a view of the bucket
-                self.update(p)
+                p.grad = g if anyone else None  # the averaged gradient, a view of the bucket; none where no rank used p
+                if anyone:
+                    self.update(p)
         done = torch.futures.Future()
         done.set_result(buffer)
         return done

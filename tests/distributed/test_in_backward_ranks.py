@@ -106,3 +106,42 @@ def test_fsdp2_stepped_in_backward_on_the_sharded_parameters_trains_the_standard
     run_processes(_fsdp, 2, (str(tmp_path), name))
     states = torch.load(tmp_path / f"fsdp_{name}.pt")
     _assert_close(states["standard"], states["stepped"])
+
+
+class _WithUnusedBranch(torch.nn.Module):
+    """A trunk with a branch the forward never runs: under find_unused_parameters=True DDP reduces
+    zeros for it, and the standard optimizer skips it (its gradient stays None)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused(rank, world_size, out):
+    kwargs = dict(lr=0.01, weight_decay=0.1)
+    ends = {}
+    for how in ("standard", "stepped"):
+        model = DistributedDataParallel(_WithUnusedBranch(), find_unused_parameters=True, gradient_as_bucket_view=True)
+        optimizer = optimizer_in_backward(model, torch.optim.AdamW, **kwargs) if how == "stepped" else torch.optim.AdamW(model.parameters(), **kwargs)
+        for step in range(3):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        ends[how] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    torch.save(ends, os.path.join(out, f"unused_{rank}.pt"))
+
+
+def test_parameters_no_rank_used_are_left_alone_as_ddp_leaves_them(tmp_path):
+    """Stepped in backward they were updated from the bucket's zeros (weight decay and Adam's state
+    moved them 1.9e-2 in 3 steps); now as the standard step: untouched."""
+    run_processes(_unused, 2, (str(tmp_path),))
+    for rank in range(2):
+        ends = torch.load(tmp_path / f"unused_{rank}.pt")
+        untouched = _WithUnusedBranch().unused
+        for name, a in ends["standard"].items():
+            assert ((a - ends["stepped"][name]).norm() / a.norm()).item() <= 1e-6, name
+        assert torch.equal(ends["stepped"]["unused.weight"], untouched.weight) and torch.equal(ends["standard"]["unused.weight"], untouched.weight)
