@@ -17,6 +17,7 @@ from typing import Callable, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .planning.memory import PeakMemory
@@ -84,6 +85,7 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
             stand_in._used = set()
             stand_in._handles = [p.register_post_accumulate_grad_hook(lambda p: stand_in._used.add(p)) for p in _take_over(stand_in)]
         model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
+        stand_in._reduced_first = True
         return stand_in
     stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in _take_over(stand_in)]
     return stand_in
@@ -105,14 +107,42 @@ def _warn_unless_per_parameter(optimizer_class, optimizer_kwargs: dict) -> None:
             for i, (a, b) in enumerate(zip(standard, stepped)):
                 a.grad, b.grad = torch.full_like(a, scale * (i + 1)), torch.full_like(b, scale * (i + 1))
             together.step()
-            for b in stepped:
-                alone.update(b)
+            with updates_of_this_rank_alone():  # a probe on scratch tensors: nothing to reduce
+                for b in stepped:
+                    alone.update(b)
     except Exception:  # noqa: BLE001 - an optimizer that cannot be probed on CPU matrices: the real step will say
         return
     if not all(torch.equal(a, b) for a, b in zip(standard, stepped)):
         warnings.warn(f"{getattr(optimizer_class, '__name__', optimizer_class)} does not step each parameter on its own (state kept per "
                       "group, or a norm over all parameters): stepped in backward, one parameter at a time, it is not its standard step "
                       "(two probe steps differed); step it after backward", UserWarning, stacklevel=3)
+
+
+_ALONE = threading.local()  # see updates_of_this_rank_alone
+
+
+@contextlib.contextmanager
+def updates_of_this_rank_alone():
+    """Updates in backward in this context are this rank's own on purpose (a measured step of a
+    private copy of the model, say): among several ranks they are otherwise refused before any
+    reduction (see :func:`_refuse_unreduced`)."""
+    _ALONE.on = True
+    try:
+        yield
+    finally:
+        _ALONE.on = False
+
+
+def _refuse_unreduced(p: torch.Tensor) -> None:
+    """Among several ranks, a plain (unsharded) parameter's update from its own rank's gradient runs
+    before any reduction: a model wrapped in DDP after ``optimizer_in_backward`` (its replicas drift
+    apart). FSDP2's parameters are DTensors, updated after their reduce-scatter."""
+    if getattr(_ALONE, "on", False):
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(p, DTensor):
+        raise RuntimeError("optimizer_in_backward: this parameter would be updated from this rank's own gradient, before any reduction "
+                           "across the ranks (the model was wrapped in DistributedDataParallel after optimizer_in_backward?): wrap it in "
+                           "DDP first and give optimizer_in_backward the DDP model, whose hook reduces each bucket before its update")
 
 
 def _needs_closure(optimizer_class) -> bool:
@@ -190,6 +220,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
         self._accumulating = False  # see accumulating()
         self._used: Optional[set] = None  # under DDP with find_unused_parameters: the parameters this rank used in this backward
+        self._reduced_first = False  # updates run after DDP's reduction (its communication hook)
 
     @property
     def param_groups(self) -> List[dict]:
@@ -234,6 +265,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         Inside :meth:`accumulating`, nothing: the gradient is kept for the next backward."""
         if self._accumulating:
             return
+        if not self._reduced_first:
+            _refuse_unreduced(p)
         if self.before_update is not None and not self.before_update(p):
             p.grad = None
             return

@@ -145,3 +145,21 @@ def test_parameters_no_rank_used_are_left_alone_as_ddp_leaves_them(tmp_path):
         for name, a in ends["standard"].items():
             assert ((a - ends["stepped"][name]).norm() / a.norm()).item() <= 1e-6, name
         assert torch.equal(ends["stepped"]["unused.weight"], untouched.weight) and torch.equal(ends["standard"]["unused.weight"], untouched.weight)
+
+
+def _wrapped_after(rank, world_size, out):
+    model = _WithUnusedBranch().used
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    ddp = DistributedDataParallel(model)
+    try:
+        ddp(torch.randn(4, 8)).sum().backward()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    assert "wrap it in DDP first" in refused, refused
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no rank moved: the replicas stay one
+
+
+def test_a_model_wrapped_in_ddp_after_the_optimizer_in_backward_is_refused_at_its_first_backward(tmp_path):
+    run_processes(_wrapped_after, 2, (str(tmp_path),))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ..in_backward import updates_of_this_rank_alone
 from ..planning.memory import PeakMemory
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
@@ -217,7 +218,7 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: O
         try:
             m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
             steps = stepping(m) if stepping is not None else None
-            with PeakMemory(crops[0].device) as mem, autocast:
+            with PeakMemory(crops[0].device) as mem, autocast, updates_of_this_rank_alone():
                 for start, stop in same_size_runs(crops) if grouped else [(0, len(crops))]:
                     sum(o.float().pow(2).mean() for o in m(crops[start:stop])).backward()
         except torch.cuda.OutOfMemoryError:
