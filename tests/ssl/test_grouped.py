@@ -145,3 +145,29 @@ def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, 
         ends[grouped] = ranks[0]
     for name, a in ends[False].items():
         assert _relative(a, ends[True][name]) <= 1e-5, name
+
+
+def _recipe_block(heading: str) -> str:
+    page = open(os.path.join(ROOT, "docs", "integrations.md")).read()
+    return page.split(f"## {heading}", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_own_loop_recipe_gives_the_gradients_of_dinos_whole_step_loss():
+    """docs/integrations.md's block, run as printed, against DINO's loss over all crops at once."""
+    from trunksplit.ssl.losses import dino_loss
+
+    namespace = {}
+    exec(_recipe_block("Your own loop: DINO backward by crop group"), namespace)
+    torch.manual_seed(0)
+    student = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 32))
+    teacher, whole = copy.deepcopy(student), copy.deepcopy(student)
+    crops = [torch.randn(4, 3, 16, 16) for _ in range(2)] + [torch.randn(4, 3, 8, 8) for _ in range(4)]
+    center = torch.randn(1, 32) * 0.1
+    got = namespace["dino_backward_by_crop_group"](student, teacher, crops, center)
+    with torch.no_grad():
+        teacher_out = list(teacher(torch.cat(crops[:2])).chunk(2))
+    want = dino_loss([whole(c) for c in crops], teacher_out, center, 0.1, 0.04)
+    want.backward()
+    assert abs(got.item() / want.item() - 1) <= 1e-6
+    for (name, a), b in zip(whole.named_parameters(), student.parameters()):
+        assert _relative(a.grad, b.grad) <= 1e-6, name
