@@ -45,12 +45,13 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     and the for-loop forms of an optimizer differ from each other by rounding, in the standard
     step too). That holds for optimizers that step each parameter on its own (torch's, LARS);
     one that keeps state per group or reads every parameter at once (timm's Lamb, Adan) is
-    probed when it is given and named in a ``UserWarning``: step it after backward. Under DDP the gradients are averaged across ranks before the update, as DDP does.
+    probed when it is given and named in a ``UserWarning``: step it after backward. Under DDP
+    the gradients are averaged across ranks before the update, as DDP does.
 
     Sharp edges: every backward is an optimizer step (to accumulate gradients over several
-    backwards, run all but the last in ``stand_in.accumulating()``: the gradients then stay alive
-    until the last), and gradients cannot be clipped by their global norm (a gradient is gone before the last one
-    exists), nor unscaled by an fp16 ``GradScaler``; per-parameter transforms run on the whole
+    backwards, run all but the last in ``stand_in.accumulating()``: the gradients then stay
+    alive until the last); gradients cannot be clipped by their global norm (a gradient is gone
+    before the last one exists), nor unscaled by an fp16 ``GradScaler``; per-parameter transforms run on the whole
     gradient inside the update. An optimizer that needs a closure (LBFGS) is refused. Under DDP
     the all-reduce of a bucket finishes before backward goes on (no overlap). A model wrapped in
     DDP *after* this call would be updated before the all-reduce: wrap first.
@@ -118,7 +119,7 @@ def _warn_unless_per_parameter(optimizer_class, optimizer_kwargs: dict) -> None:
                       "(two probe steps differed); step it after backward", UserWarning, stacklevel=3)
 
 
-_ALONE = threading.local()  # see updates_of_this_rank_alone
+_ALONE = [0]  # how many updates_of_this_rank_alone() contexts are open: a process-wide count, as CUDA's backward runs hooks on its own threads
 
 
 @contextlib.contextmanager
@@ -126,18 +127,18 @@ def updates_of_this_rank_alone():
     """Updates in backward in this context are this rank's own on purpose (a measured step of a
     private copy of the model, say): among several ranks they are otherwise refused before any
     reduction (see :func:`_refuse_unreduced`)."""
-    _ALONE.on = True
+    _ALONE[0] += 1
     try:
         yield
     finally:
-        _ALONE.on = False
+        _ALONE[0] -= 1
 
 
 def _refuse_unreduced(p: torch.Tensor) -> None:
     """Among several ranks, a plain (unsharded) parameter's update from its own rank's gradient runs
     before any reduction: a model wrapped in DDP after ``optimizer_in_backward`` (its replicas drift
     apart). FSDP2's parameters are DTensors, updated after their reduce-scatter."""
-    if getattr(_ALONE, "on", False):
+    if _ALONE[0]:
         return
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(p, DTensor):
         raise RuntimeError("optimizer_in_backward: this parameter would be updated from this rank's own gradient, before any reduction "

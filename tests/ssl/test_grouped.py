@@ -123,7 +123,8 @@ def test_a_run_stepped_in_backward_runs_the_whole_step():
 
 
 def _ranks(rank, world_size, out, method, strategy, grouped):
-    model, _ = train(_config(method, "OUTPUT_DIR", out, "TRAIN.STEPS", "3", "DISTRIBUTED.STRATEGY", strategy, "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped)))
+    how = ["DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"] if strategy == "manual" else ["DISTRIBUTED.STRATEGY", strategy]
+    model, _ = train(_config(method, "OUTPUT_DIR", out, "TRAIN.STEPS", "3", *how, "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped)))
     if strategy == "fsdp":
         state = {n: p.full_tensor() for n, p in model.named_parameters()}
     else:
@@ -131,10 +132,11 @@ def _ranks(rank, world_size, out, method, strategy, grouped):
     torch.save(state, os.path.join(out, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("method,strategy", [("dino", "ddp"), ("swav2", "fsdp")])
+@pytest.mark.parametrize("method,strategy", [("dino", "ddp"), ("swav2", "fsdp"), ("swav2", "manual")])
 def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, strategy):
     """2 gloo processes each way (DDP: no_sync before the last group; FSDP2: no gradient sync until
-    it): every rank ends with the same weights, those of the whole-step run."""
+    it; vissl's manual path: one all-reduce after the step, as before): every rank ends with the
+    same weights, those of the whole-step run."""
     ends = {}
     for grouped in (False, True):
         out = str(tmp_path / str(grouped))
