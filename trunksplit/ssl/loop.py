@@ -121,8 +121,11 @@ def _optimizer_step(optimizer, scaler, kept: bool, device, rule=None) -> None:
 def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool) -> None:
     """Add the plan and, one step side by side where the model can be copied, the memory with and
     without checkpointing to the last row (each copy stepped in backward as the model is, if it is)."""
-    plan = model.trunk.plan
-    last["plan"] = f"{plan.strategy}, {len(plan.segments)} segments"
+    plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
+    if len(plans) > 1:
+        last["plan"] = "; ".join(f"{p.strategy}, {len(p.segments)} segments at {key[0][0][0][-1]}px" for key, p in plans.items())
+    else:
+        last["plan"] = f"{model.trunk.plan.strategy}, {len(model.trunk.plan.segments)} segments"
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
     last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
