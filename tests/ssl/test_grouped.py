@@ -124,14 +124,14 @@ def test_a_run_stepped_in_backward_runs_the_whole_step():
     assert cfg.TRAIN.BACKWARD_BY_CROP_GROUP and not by_crop_group(cfg, _crops(cfg))
 
 
-def _ranks(rank, world_size, out, method, strategy, grouped):
+def _ranks(rank, world_size, out, method, strategy):
+    """Train 3 steps whole, then grouped, in the same two processes; each rank saves its weights."""
     how = ["DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"] if strategy == "manual" else ["DISTRIBUTED.STRATEGY", strategy]
-    model, _ = train(_config(method, "OUTPUT_DIR", out, "TRAIN.STEPS", "3", *how, "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped)))
-    if strategy == "fsdp":
-        state = {n: p.full_tensor() for n, p in model.named_parameters()}
-    else:
-        state = {n: p.detach() for n, p in model.named_parameters()}
-    torch.save(state, os.path.join(out, f"rank{rank}.pt"))
+    for grouped in (False, True):
+        run = os.path.join(out, str(grouped))
+        model, _ = train(_config(method, "OUTPUT_DIR", run, "TRAIN.STEPS", "3", *how, "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped)))
+        full = strategy == "fsdp"
+        torch.save({n: p.full_tensor() if full else p.detach() for n, p in model.named_parameters()}, os.path.join(run, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("method,strategy", [("dino", "ddp"), ("swav2", "fsdp"), ("swav2", "manual")])
@@ -139,11 +139,10 @@ def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, 
     """2 gloo processes each way (DDP: no_sync before the last group; FSDP2: no gradient sync until
     it; vissl's manual path: one all-reduce after the step, as before): every rank ends with the
     same weights, those of the whole-step run."""
+    run_processes(_ranks, 2, (str(tmp_path), method, strategy))
     ends = {}
     for grouped in (False, True):
-        out = str(tmp_path / str(grouped))
-        run_processes(_ranks, 2, (out, method, strategy, grouped))
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+        ranks = [torch.load(tmp_path / str(grouped) / f"rank{r}.pt") for r in range(2)]
         for name in ranks[0]:
             assert torch.equal(ranks[0][name], ranks[1][name]), name
         ends[grouped] = ranks[0]
