@@ -30,7 +30,7 @@ from tqdm import tqdm
 from .config import load_config
 from .data import IMAGE_EXTENSIONS, read_image
 from .dino import build_ssl_model
-from .run_dir import CHECKPOINT, load_checkpoint
+from .run_dir import CHECKPOINT, load_checkpoint, load_sharded_model
 
 EVAL_CROP_FRACTION = 0.875  # the centre crop's share of the resized image (ImageNet's 224 of 256)
 BATCH = 64  # images per forward while extracting features
@@ -170,7 +170,7 @@ class KnnMonitor:
 def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = False, device: str = "cpu") -> Tuple[int, Dict[str, float]]:
     """(step, accuracies) of a finished run's trunk (its ``checkpoint.pt``), or with ``untrained`` of
     the model it started from (its config and seed): the numbers the online monitor logs at that
-    step. A sharded (FSDP2) checkpoint is refused: evaluate it online (``EVAL.KNN``)."""
+    step. A sharded (FSDP2) checkpoint's shards are read into one whole model."""
     config = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config):
         raise ValueError(f"{run_dir!r} holds no config.yaml: give the OUTPUT_DIR of a run of tools/train.py")
@@ -181,9 +181,10 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
     step = 0
     if not untrained:
         state = load_checkpoint(os.path.join(run_dir, CHECKPOINT), "trunksplit knn")
-        if "sharded" in state:
-            raise ValueError(f"{os.path.join(run_dir, CHECKPOINT)} is a sharded (fsdp) checkpoint: evaluate it online with EVAL.KNN")
-        model.load_state_dict(state["model"])
+        if "sharded" in state:  # an FSDP2 run's: its shards read into one whole model
+            load_sharded_model(os.path.join(run_dir, state["sharded"]), model)
+        else:
+            model.load_state_dict(state["model"])
         step = state["step"]
     device = torch.device(device)
     return step, monitor.evaluate(model.to(device).trunk, device, progress=True)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 from ..planning.plan import SplitPlan
 
@@ -211,3 +211,13 @@ def load_sharded(path: str, model, optimizer) -> None:
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_sharded_model(path: str, model) -> None:
+    """The model's part of a sharded checkpoint, into a whole (unsharded) model in one process:
+    DCP reshards on load, here to one rank (``trunksplit knn`` of an FSDP2 run)."""
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process": what is meant
+        dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
