@@ -174,3 +174,31 @@ def test_the_own_loop_recipe_gives_the_gradients_of_dinos_whole_step_loss():
     assert abs(got.item() / want.item() - 1) <= 1e-6
     for (name, a), b in zip(whole.named_parameters(), student.parameters()):
         assert _relative(a.grad, b.grad) <= 1e-6, name
+
+
+def _counted_reductions(rank, world_size, out):
+    """DINO under DDP, whole and grouped, each bucket's all-reduce counted by a communication hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from trunksplit.ssl import strategy
+
+    counts = {}
+    wrap = strategy.DDP.wrap
+
+    def counting_wrap(self, cfg, model):
+        ddp = wrap(self, cfg, model)
+        ddp.register_comm_hook(None, lambda state, bucket: (counts.__setitem__(grouped, counts.get(grouped, 0) + 1), allreduce_hook(None, bucket))[1])
+        return ddp
+
+    strategy.DDP.wrap = counting_wrap
+    for grouped in (False, True):
+        train(_config("dino", "OUTPUT_DIR", os.path.join(out, str(grouped)), "TRAIN.STEPS", "2", "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped)))
+    torch.save(counts, os.path.join(out, f"counts{rank}.pt"))
+
+
+def test_under_ddp_a_grouped_step_reduces_its_gradients_once_as_the_whole_step_does(tmp_path):
+    """Every group but the last under ``no_sync()``: as many bucket all-reduces per step as the whole
+    step's one backward makes (without it, one set per group)."""
+    run_processes(_counted_reductions, 2, (str(tmp_path),))
+    counts = torch.load(tmp_path / "counts0.pt")
+    assert counts[True] == counts[False] > 0, counts
