@@ -4,13 +4,12 @@
 loss, the kNN top-1 accuracy (where the run evaluated it), images/s, the step's peak memory and
 the seconds each step waited on its data loader, each against the step.
 """
-import json
 import os
 import statistics
 import warnings
 from typing import List
 
-from .run_dir import METRICS
+from .run_dir import METRICS, metrics_rows
 
 REPORT = "report.png"
 
@@ -20,19 +19,10 @@ def read_metrics(run_dir: str) -> List[dict]:
     path = os.path.join(run_dir, METRICS)
     if not os.path.isfile(path):
         raise ValueError(f"{run_dir!r} holds no {METRICS}: give the OUTPUT_DIR of a run of tools/train.py")
-    rows = []
-    with open(path) as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number == len(lines):  # torn by a killed run (--resume drops it too): draw what is whole
-                    warnings.warn(f"{path}: line {number}, the last, is torn ({line.strip()[:40]!r}...), as a killed run leaves it: "
-                                  f"drawn without it", UserWarning, stacklevel=2)
-                    break
-                raise ValueError(f"{path}: line {number} is not a metrics row") from None
+    whole, torn = metrics_rows(path, "trunksplit report")
+    if torn is not None:  # a killed run's last line (--resume drops it too): draw what is whole
+        warnings.warn(f"{path}: line {torn}, the last, is torn, as a killed run leaves it: drawn without it", UserWarning, stacklevel=2)
+    rows = [row for _, row in whole]
     if not rows:
         raise ValueError(f"{path} is empty: the run logged no step yet")
     return rows

@@ -6,7 +6,7 @@ import os
 import shutil
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,13 +69,10 @@ def remove_stale_temporaries(path: str) -> None:
         os.remove(tmp)
 
 
-def _metrics_before(path: str, step: int) -> list:
-    """On resume: the logged rows up to the checkpoint (later ones are logged again).
-
-    A torn last line (a run killed while writing it) is dropped; a damaged line
-    before it is an error that names the file and the line."""
-    if not os.path.exists(path):
-        return []
+def metrics_rows(path: str, reader: str) -> Tuple[List[Tuple[str, dict]], Optional[int]]:
+    """Each whole row of a metrics file with its line, and the number of a torn last line (a run
+    killed while writing it: left out) or None. A damaged line before the last is a ``ValueError``
+    that names ``reader`` (what reads it), the file and the line."""
     with open(path) as f:
         lines = f.readlines()
     rows = []
@@ -84,14 +81,21 @@ def _metrics_before(path: str, step: int) -> list:
             continue
         try:
             row = json.loads(line)
-            step_of_row = row["step"]
+            row["step"]
         except (ValueError, KeyError, TypeError):
             if number == len(lines):
-                break  # torn by an interruption: it will be logged again
-            raise ValueError(f"--resume: {path} line {number} is not a metrics row ({line.strip()[:60]!r}); fix or remove that line") from None
-        if step_of_row <= step:
-            rows.append(line if line.endswith("\n") else line + "\n")
-    return rows
+                return rows, number
+            raise ValueError(f"{reader}: {path} line {number} is not a metrics row ({line.strip()[:60]!r}); fix or remove that line") from None
+        rows.append((line if line.endswith("\n") else line + "\n", row))
+    return rows, None
+
+
+def _metrics_before(path: str, step: int) -> list:
+    """On resume: the logged rows up to the checkpoint (later ones are logged again); a torn last
+    line is dropped (it will be logged again)."""
+    if not os.path.exists(path):
+        return []
+    return [line for line, row in metrics_rows(path, "--resume")[0] if row["step"] <= step]
 
 
 def _check_same_model(state: dict, cfg, path: str) -> None:
