@@ -15,11 +15,10 @@ a head and loss of your own add their activations on top (small next to a
 trunk's). On a GPU the figure is the caching allocator's, so fragmentation and
 cuDNN workspaces are not modelled; leave a margin.
 """
-import copy
 import math
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -29,15 +28,12 @@ from .in_backward import optimizer_in_backward, update_temporaries
 from .lars import LARS
 from .planning.budget import format_bytes, parse_memory_size
 from .planning.memory import PeakMemory
-from .planning.peak import PeakModel
-from .planning.profile import UnitCosts, profile_units
-from .planning.search import best_plan, plan_from_cuts
-from .planning.sharding import RankMemory, gib, measured_by_allocator, rank_memory, sharded_costs
+from .planning.scaled import ScaledChain
+from .planning.sharding import RankMemory, gib, rank_memory
 from .planning.plan import SplitPlan
 from .trunk import CheckpointedTrunk, plan_key
 
 OPTIMIZERS = ("sgd", "lars", "adamw", None)
-PROFILE_BATCHES = (2, 4)  # two small batches give each cost's slope and intercept; 2, not 1: BatchNorm needs two values
 
 
 @dataclass
@@ -104,11 +100,11 @@ def fit(
     device = next(model.parameters()).device
     blocks = feature_blocks(model)
 
-    trunk = _trunk_maker(blocks, out_feat_keys, num_splits, gradients, use_reentrant, optimizer, device)
-    chain = _ScaledChain(trunk(), input_shape, device, world_size, progress)
+    trunk = trunk_maker(blocks, out_feat_keys, num_splits, gradients, use_reentrant, optimizer, device)
+    chain = ScaledChain(trunk(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
-    optimizer_peak = _optimizer_peak(chain, rank, _optimizer_step_transient(chain.trunk, optimizer))
+    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(chain.trunk, optimizer), chain.full_grad_bytes)
 
     def total(batch: int) -> int:
         return resident + max(chain.lowest_peak(batch), optimizer_peak)
@@ -118,7 +114,7 @@ def fit(
             f"memory {format_bytes(memory)} is too small for a batch of 1: the smallest that fits is "
             f"{format_bytes(total(1))} ({gib(resident)} resident and the step's peak)"
         )
-    batch = _largest(lambda b: total(b) <= memory)
+    batch = largest_fitting(lambda b: total(b) <= memory)
     measured, verify = None, verify and world_size == 1  # one process cannot run a sharded step
     for _ in range(4):  # the check may find the prediction optimistic: shrink and check again
         plan = chain.plan(batch, budget=memory - resident)
@@ -160,25 +156,25 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     counted for each world size. A prediction: nothing runs sharded here."""
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
-    base = _ScaledChain(_trunk_maker(feature_blocks(model), None, None, gradients, False, optimizer, device)(), input_shape, device)
-    transient = _optimizer_step_transient(base.trunk, optimizer)
+    base = ScaledChain(trunk_maker(feature_blocks(model), None, None, gradients, False, optimizer, device)(), input_shape, device)
+    transient = optimizer_step_transient(base.trunk, optimizer)
     rows = []
     for n in world_sizes:
         chain = base.sharded(n)
         rank = rank_memory(model, chain.units, n, optimizer, 0, gradients)
-        optimizer_peak = _optimizer_peak(chain, rank, transient)
+        optimizer_peak = optimizer_step_peak(rank, transient, chain.full_grad_bytes)
         for kind in SCALING_PLANS:
 
             def total(batch: int) -> int:
                 return rank.resident + max(chain.peak(batch, kind), optimizer_peak)
 
-            batch = _largest(lambda b: total(b) <= memory) if total(1) <= memory else 0
+            batch = largest_fitting(lambda b: total(b) <= memory) if total(1) <= memory else 0
             peak, recompute = chain.least_recompute(max(batch, 1), kind, memory - rank.resident)
             rows.append(ScalingRow(n, kind, batch, recompute, replace(rank, step_peak=peak)))
     return rows
 
 
-def _trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[str], device) -> Callable[..., CheckpointedTrunk]:
+def trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[str], device) -> Callable[..., CheckpointedTrunk]:
     """What makes fit's trunks (``maker(memory_budget=...)``); stepped in backward, planned for ``optimizer``'s updates."""
     if gradients == "in_backward" and optimizer is None:
         raise ValueError("gradients='in_backward' steps an optimizer in backward: name it (optimizer='sgd', 'lars' or 'adamw')")
@@ -193,81 +189,15 @@ def _trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentran
     return maker
 
 
-def _optimizer_peak(chain: "_ScaledChain", rank: RankMemory, transient: int) -> int:
+def optimizer_step_peak(rank: RankMemory, transient: int, full_grad_bytes: int) -> int:
     """The optimizer step's peak beyond what is resident: the gradients (all allocated by then)
-    and its temporaries (``transient``, measured on the whole model, scaled to a shard). Stepped in
+    and its temporaries (``transient``, measured on the whole model, whose gradients are
+    ``full_grad_bytes``, scaled to a shard). Stepped in
     backward there is no step after it: the updates are in the step's peak."""
     if rank.in_backward:
         return 0
-    scaled = transient * rank.gradients // max(1, chain.full_grad_bytes)
+    scaled = transient * rank.gradients // max(1, full_grad_bytes)
     return (rank.gradients if not rank.gradients_kept else 0) + scaled
-
-
-class _ScaledChain:
-    """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
-    any batch from costs scaled linearly (see :func:`_scaled`), for one of ``world_size`` ranks."""
-
-    def __init__(self, trunk: CheckpointedTrunk, input_shape: Sequence[int], device: torch.device, world_size: int = 1,
-                 progress: Optional[Callable[[str], None]] = None):
-        self.request = request = trunk.plan_request()
-        self.trunk = trunk
-        self.names = list(request.names)
-        self.units = list(request.modules)
-        self.splittable = request.splittable
-        self.forced = request.forced
-        self.features = request.feature_units
-        units = list(request.units)
-        allocator = measured_by_allocator(world_size, device)
-        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress) for b in PROFILE_BATCHES]
-        self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
-        self.small = self._costs_for(world_size)
-
-    def _costs_for(self, world_size: int) -> List[UnitCosts]:
-        return [sharded_costs(c, self.units, world_size) for c in self.unsharded] if world_size > 1 else self.unsharded
-
-    def sharded(self, world_size: int) -> "_ScaledChain":
-        """The same chain for one of ``world_size`` FSDP2 ranks, without profiling again."""
-        chain = copy.copy(self)
-        chain.small = self._costs_for(world_size)
-        return chain
-
-    def peak(self, batch: int, kind: str) -> int:
-        """The step peak at ``batch`` of a plan of :data:`SCALING_PLANS` (trunksplit's: the lowest)."""
-        if kind == "trunksplit":
-            return self.lowest_peak(batch)
-        peaks = self._peaks(batch)
-        return peaks.peak(self._fixed_starts(kind))
-
-    def least_recompute(self, batch: int, kind: str, budget: int) -> Tuple[int, float]:
-        """(step peak, FLOPs run again / forward FLOPs) at ``batch``: trunksplit's plan with the
-        least recompute within ``budget`` (where one fits; else the lowest peak), or the fixed one."""
-        peaks = self._peaks(batch)
-        starts = self._fixed_starts(kind) if kind != "trunksplit" else None
-        if starts is None:
-            cuts = best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
-            starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits)).starts
-        return peaks.peak(starts), peaks.total_recompute(starts) / max(1, sum(peaks.costs.flops))
-
-    def _peaks(self, batch: int) -> PeakModel:
-        return PeakModel(_scaled(self.small, batch), self.features, self.trunk.gradients, update_temporaries=self.trunk.update_temporaries)
-
-    def _fixed_starts(self, kind: str) -> List[int]:
-        """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
-        return [0] + ([i for i in range(1, len(self.units)) if self.splittable[i]] if kind == "every unit" else [])
-
-    def _cuts(self, batch: int, budget: Optional[int] = None):
-        peaks = self._peaks(batch)
-        return peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
-
-    def lowest_peak(self, batch: int) -> int:
-        """The lowest step peak any plan reaches at ``batch``."""
-        peaks, cuts = self._cuts(batch)
-        return peaks.peak(*cuts)
-
-    def plan(self, batch: int, budget: int):
-        """The least-recompute plan at ``batch`` whose peak fits ``budget``."""
-        peaks, cuts = self._cuts(batch, budget)
-        return plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks)
 
 
 def _check_input(batch: int, input_shape: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -282,7 +212,7 @@ def _check_input(batch: int, input_shape: Sequence[int], device: torch.device) -
         ) from None
 
 
-def _largest(fits) -> int:
+def largest_fitting(fits) -> int:
     """The largest batch ``b >= 1`` with ``fits(b)``, given ``fits(1)``: doubling, then bisection."""
     lo, hi = 1, 2
     while fits(hi):
@@ -293,26 +223,6 @@ def _largest(fits) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def _scaled(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
-    """Unit costs at ``batch``, each byte and FLOP count a line through the two profiled batches."""
-    (b0, b1), (c0, c1) = PROFILE_BATCHES, small
-
-    def line(v0, v1):
-        return tuple(max(0, round(a + (b - a) * (batch - b0) / (b1 - b0))) for a, b in zip(v0, v1))
-
-    counts = ("output", "saved", "forward_peak", "backward_excess", "backward_fresh", "flops")
-    return UnitCosts(
-        names=c1.names,
-        saves_input=c1.saves_input,
-        input_from=c1.input_from,
-        keeps_output=c1.keeps_output,
-        param_bytes=c1.param_bytes,
-        largest_param=c1.largest_param,
-        gathered=c1.gathered,
-        **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts},
-    )
 
 
 def _trainable(trunk: nn.Module):
@@ -330,7 +240,7 @@ def _make_optimizer(name: str, params):
     return optimizer_class(params, **kwargs)
 
 
-def _optimizer_step_transient(trunk: nn.Module, name: Optional[str]) -> int:
+def optimizer_step_transient(trunk: nn.Module, name: Optional[str]) -> int:
     """Peak of one optimizer step beyond its state and the gradients, measured on full-size stand-ins."""
     if name is None:
         return 0

@@ -22,6 +22,9 @@ from ..planning.request import GRADIENT_MODES, OBJECTIVES
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
 from ..ssl.backbones import build_backbone
+from ..ssl.config import load_config
+from ..ssl.fit_step import fit_step
+from ..ssl.loop import step_for_fit
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
 from .bench_data import run_data_benchmark
@@ -159,6 +162,11 @@ def _memory(text: str) -> int:
 
 
 def _fit(args) -> int:
+    if args.config_file:
+        return _fit_config(args)
+    if args.opts:
+        print(f"error: config overrides {' '.join(args.opts[:2])} ... need --config-file", file=sys.stderr)
+        return 2
     try:
         model = build_backbone(args.arch, args.input[-1]).to(args.device)
         with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
@@ -175,6 +183,23 @@ def _fit(args) -> int:
     print(found.rank)
     if args.world_size > 1:
         print(f"a prediction for one of {args.world_size} FSDP2 ranks: --memory and the batch are per rank (one process cannot run the sharded step to check it)")
+    return 0
+
+
+def _fit_config(args) -> int:
+    """``fit --config-file``: the launcher's whole step (every crop group, head, loss, teacher, optimizer
+    state), as ``TRAIN.BATCH_SIZE_PER_RANK 0`` fits it; one line per phase on stderr."""
+    try:
+        cfg = load_config(args.config_file, [*args.opts, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(args.memory))])
+        found = fit_step(cfg, torch.device(args.device), step_for_fit(cfg, contextlib.nullcontext()), args.world_size,
+                         lambda line: print(f"fit: {line}", file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(found)
+    views = sum(cfg.DATA.CROP_COUNTS)
+    print(f"images: each brings {views} crops ({' + '.join(f'{n} x {s}px' for s, n in zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS))}); "
+          f"train with TRAIN.BATCH_SIZE_PER_RANK 0 TRAIN.MEMORY_LIMIT {float(args.memory):.4g} (or BATCH_SIZE_PER_RANK {found.images})")
     return 0
 
 
@@ -236,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu, cuda or cuda:N: where the checking step runs")
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
     f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
+    f.add_argument("--config-file", default=None, help="fit the launcher's whole SSL step of this config (every crop group, head, loss, teacher); "
+                   "--arch, --input, --optimizer, --splits and --gradients are then the config's")
+    f.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
     f.set_defaults(fn=_fit)
     _add_bench_data_parser(sub)
     add_run_parsers(sub)

@@ -91,6 +91,9 @@ _C.TRAIN.BACKWARD_BY_CROP_GROUP = True
 _C.OPTIM = CN()
 _C.OPTIM.NAME = "sgd"  # sgd | lars | adamw, see trunksplit/ssl/optim.py
 _C.OPTIM.LR = 0.3
+# > 0: OPTIM.LR is the rate at this many images a step, scaled linearly to the run's total batch (all
+# ranks), the rule the SimCLR, SwAV and DINO recipes state (0.3 x batch / 256: LR 0.3, LR_BATCH_SIZE 256)
+_C.OPTIM.LR_BATCH_SIZE = 0
 _C.OPTIM.MOMENTUM = 0.9  # sgd, lars
 _C.OPTIM.BETAS = [0.9, 0.999]  # adamw
 _C.OPTIM.LARS_TRUST_COEFFICIENT = 0.001  # lars (vissl's LARC trust_coefficient)
@@ -249,8 +252,6 @@ def _check(cfg: CN) -> None:
     if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
         if not cfg.TRAIN.MEMORY_LIMIT > 0 or not math.isfinite(cfg.TRAIN.MEMORY_LIMIT):
             raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 picks the batch that fits TRAIN.MEMORY_LIMIT: give that limit in bytes (1.6e+10)")
-        if len(set(cfg.DATA.CROP_SIZES)) > 1:
-            raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits one crop resolution; DATA.CROP_SIZES has several: give the batch size")
     for key in ("TRAIN.STEPS", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "DATA.NUM_IMAGES", "DATA.IMAGE_SIZE"):
         section, name = key.split(".")
         if cfg[section][name] < 1:
@@ -280,8 +281,8 @@ def _check_optim(cfg: CN) -> None:
     """The optimizer, its schedules and DINO's stabilisers."""
     if cfg.OPTIM.NAME not in OPTIMIZERS:
         raise ValueError(f"OPTIM.NAME must be one of {', '.join(OPTIMIZERS)}, got {cfg.OPTIM.NAME!r}")
-    if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0:
-        raise ValueError(f"OPTIM.LR must be >= 0 and OPTIM.WARMUP_STEPS >= 0, got {cfg.OPTIM.LR} and {cfg.OPTIM.WARMUP_STEPS}")
+    if not (math.isfinite(cfg.OPTIM.LR) and cfg.OPTIM.LR >= 0) or cfg.OPTIM.WARMUP_STEPS < 0 or cfg.OPTIM.LR_BATCH_SIZE < 0:
+        raise ValueError(f"OPTIM.LR, OPTIM.WARMUP_STEPS and OPTIM.LR_BATCH_SIZE must be >= 0, got {cfg.OPTIM.LR}, {cfg.OPTIM.WARMUP_STEPS} and {cfg.OPTIM.LR_BATCH_SIZE}")
     end = cfg.OPTIM.WEIGHT_DECAY_END
     end_is_number = end is None or (isinstance(end, (int, float)) and not isinstance(end, bool) and math.isfinite(end) and end >= 0)
     if not (math.isfinite(cfg.OPTIM.WEIGHT_DECAY) and cfg.OPTIM.WEIGHT_DECAY >= 0) or not end_is_number:

@@ -17,13 +17,15 @@ from tqdm import tqdm
 
 from ..in_backward import updates_of_this_rank_alone
 from ..planning.memory import PeakMemory
+from ..planning.plan import SplitPlan
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
+from .fit_step import fitted_batch
 from .grouped import by_crop_group, grouped_step
 from .losses import nt_xent, swav_loss
-from .model import SSLModel, same_size_runs, student_copy, with_batch, with_fitted_batch
-from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules
+from .model import SSLModel, same_size_runs, student_copy, with_batch
+from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules, with_scaled_lr
 from .parallel import setup_distributed
 from .run_dir import CHECKPOINT, METRICS, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
@@ -34,12 +36,12 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     check_output_dir(cfg.OUTPUT_DIR, resume)
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
-    if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
-        cfg = _batch_to_train(cfg, device, strategy, resume)
+    cfg, fitted_plans = _batch_to_train(cfg, device, strategy, resume) if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0 else (cfg, [])
+    cfg = with_scaled_lr(cfg, world, rank)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     monitor = KnnMonitor(cfg) if cfg.EVAL.KNN.TRAIN_PATH else None  # and on bad kNN folders
     torch.manual_seed(cfg.SEED)
-    model = build_ssl_model(cfg).to(device)
+    model = _build_model(cfg, device, fitted_plans)
     wrapped = strategy.wrap(cfg, model)
     optimizer = build_optimizer(cfg, model, wrapped)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
@@ -78,6 +80,14 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     return model, last
 
 
+def _build_model(cfg, device, fitted_plans: list) -> SSLModel:
+    """The model to train; its trunk runs the plans a whole-step fit checked (not ones measured again)."""
+    model = build_ssl_model(cfg).to(device)
+    for key, plan in fitted_plans:
+        model.trunk.store_plan(key, SplitPlan.from_state(plan))
+    return model
+
+
 def _stabilisers(cfg, model, optimizer, step: int):
     """DINO's stabilisers for this step (``gradient_rule``), run on each reduced gradient before its
     update: stepped in backward, handed to the optimizer now, before backward (returns None); else
@@ -99,12 +109,22 @@ def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast) -> dict:
 
 
 def _batch_to_train(cfg, device, strategy, resume: bool):
-    """``TRAIN.BATCH_SIZE_PER_RANK 0``: the batch and trunk budget the resumed run trained with, or,
-    on a new run, those ``trunksplit.fit`` predicts, agreed across ranks."""
+    """``TRAIN.BATCH_SIZE_PER_RANK 0``: the config with the batch and trunk budget the resumed run
+    trained with (its checkpoint holds its plans), or, on a new run, with those the whole-step fit
+    finds (:mod:`trunksplit.ssl.fit_step`), agreed across ranks, and the fit's trunk plans."""
     saved = saved_batch(cfg) if resume else None
     if saved is not None:
-        return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:")
-    return with_fitted_batch(cfg, device, strategy.rank, strategy.fit_world_size, strategy.agree)
+        return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:"), []
+    say = (lambda line: print(f"fit: {line}", flush=True)) if strategy.rank == 0 else None
+    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, _autocast(cfg, device)), strategy.fit_world_size, say))
+    return with_batch(cfg, images, budget, strategy.rank, f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits"), plans
+
+
+def step_for_fit(cfg, autocast) -> Callable:
+    """The launcher's forward and backward of one step, as :func:`trunksplit.ssl.fit_step.fit_step`
+    measures it: ``run(model, crops)``, in this process alone, unscaled."""
+    scaler = torch.amp.GradScaler(enabled=False)
+    return lambda model, crops: _forward_backward(cfg, model, model, crops, 0, autocast, scaler, contextlib.nullcontext)
 
 
 def _optimizer_step(optimizer, scaler, kept: bool, device, rule=None) -> None:

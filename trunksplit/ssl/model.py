@@ -1,13 +1,12 @@
 """An SSL model: a checkpointed torchvision trunk, a projection head (SimCLR's, or DINO's with its
-weight-normalised last layer), SwAV's prototypes; and the batch per rank that fits a memory limit."""
+weight-normalised last layer), SwAV's prototypes."""
 import copy
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fit import fit
 from ..planning.budget import MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
 from ..recompute.wrapper import unwrap_checkpoint
@@ -143,29 +142,6 @@ def student_copy(model: SSLModel, plain: bool) -> SSLModel:
             unwrap_checkpoint(sub)
         m.trunk = CheckpointedTrunk(m.trunk.feature_blocks, m.trunk.out_feat_keys, gradients=m.trunk.gradients)
     return m
-
-
-def fit_config_batch(cfg, device: torch.device, world: int = 1) -> Tuple[int, int]:
-    """For the launcher's ``TRAIN.BATCH_SIZE_PER_RANK: 0``: (images per rank, memory budget in bytes),
-    fitted for one of ``world`` ranks that share the model's memory (FSDP2: shards, and the weights
-    each rank gathers; 1 for replicas)."""
-    size, views = cfg.DATA.CROP_SIZES[0], sum(cfg.DATA.CROP_COUNTS)
-    model = build_backbone(cfg.MODEL.TRUNK.NAME, size).to(device)
-    found = fit(model, (3, size, size), int(cfg.TRAIN.MEMORY_LIMIT), optimizer=cfg.OPTIM.NAME, out_feat_keys=list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS),
-                num_splits=cfg.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS, gradients=gradient_mode(cfg),
-                use_reentrant=cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT, verify=False, world_size=world)
-    if found.batch_size < views:
-        raise ValueError(f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:g} fits {found.batch_size} crops per step, fewer than the {views} views of one image")
-    return found.batch_size // views, found.memory - found.resident_bytes
-
-
-def with_fitted_batch(cfg, device, rank: int, world: int = 1, agree: Callable = lambda decision: decision):
-    """The config with the largest batch per rank that fits TRAIN.MEMORY_LIMIT, and the memory budget that
-    leaves the trunk (the least recompute that fits), as ``trunksplit.fit`` predicts them for one of
-    ``world`` ranks sharing the model's memory. ``agree`` makes every rank train with one answer
-    (the prediction profiles by the allocator, whose figures differ between ranks and runs)."""
-    batch, budget = agree(fit_config_batch(cfg, device, world))
-    return with_batch(cfg, batch, budget, rank, f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits")
 
 
 def with_batch(cfg, batch: int, budget: float, rank: int, why: str):

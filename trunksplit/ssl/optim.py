@@ -104,6 +104,23 @@ def _without_lars(groups: Iterable[dict]) -> List[dict]:
     return [{k: v for k, v in g.items() if k != "lars"} for g in groups]
 
 
+def with_scaled_lr(cfg, world: int, rank: int):
+    """``OPTIM.LR_BATCH_SIZE`` N > 0: the config with ``OPTIM.LR`` (the rate at N images a step)
+    scaled to this run's total batch, ``BATCH_SIZE_PER_RANK`` x ``world`` (the linear scaling rule),
+    said once (rank 0); the config as it is where N is 0. The run's saved config holds the rate applied."""
+    n = cfg.OPTIM.LR_BATCH_SIZE
+    if not n:
+        return cfg
+    batch = cfg.TRAIN.BATCH_SIZE_PER_RANK * world
+    scaled = cfg.clone()
+    scaled.defrost()
+    scaled.OPTIM.LR, scaled.OPTIM.LR_BATCH_SIZE = cfg.OPTIM.LR * batch / n, 0
+    scaled.freeze()
+    if rank == 0:
+        print(f"OPTIM.LR {cfg.OPTIM.LR:g} at {n} images a step is {scaled.OPTIM.LR:.4g} at this run's {batch} (linear scaling rule)")
+    return scaled
+
+
 def learning_rate(cfg, step: int) -> float:
     """Linear warmup over ``OPTIM.WARMUP_STEPS``, then cosine decay to zero over TRAIN.STEPS."""
     base, warmup, total = cfg.OPTIM.LR, cfg.OPTIM.WARMUP_STEPS, cfg.TRAIN.STEPS

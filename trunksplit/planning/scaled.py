@@ -1,0 +1,129 @@
+"""A trunk's units profiled at two small batches and planned at any batch, costs scaled linearly.
+
+What :func:`trunksplit.fit` and the launcher's whole-step fit plan from: one profile (two
+small batches), then the planner's peak for any batch and any budget, without allocating
+that batch. Every activation cost is a line in the batch (the same ops on more images).
+"""
+import copy
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .peak import PeakModel
+from .profile import UnitCosts, profile_units
+from .search import best_plan, plan_from_cuts
+from .sharding import measured_by_allocator, sharded_costs
+
+PROFILE_BATCHES = (2, 4)  # two small batches give each cost's slope and intercept; 2, not 1: BatchNorm needs two values
+
+
+class ScaledChain:
+    """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
+    any batch from costs scaled linearly (see :func:`_scaled`), for one of ``world_size`` ranks."""
+
+    def __init__(self, trunk, input_shape: Sequence[int], device: torch.device, world_size: int = 1,
+                 progress: Optional[Callable[[str], None]] = None):
+        self.request = request = trunk.plan_request()
+        self.trunk = trunk
+        self.names = list(request.names)
+        self.units = list(request.modules)
+        self.splittable = request.splittable
+        self.forced = request.forced
+        self.features = request.feature_units
+        units = list(request.units)
+        allocator = measured_by_allocator(world_size, device)
+        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress) for b in PROFILE_BATCHES]
+        self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
+        self.small = self._costs_for(world_size)
+
+    def _costs_for(self, world_size: int) -> List[UnitCosts]:
+        return [sharded_costs(c, self.units, world_size) for c in self.unsharded] if world_size > 1 else self.unsharded
+
+    def sharded(self, world_size: int) -> "ScaledChain":
+        """The same chain for one of ``world_size`` FSDP2 ranks, without profiling again."""
+        chain = copy.copy(self)
+        chain.small = self._costs_for(world_size)
+        return chain
+
+    def peak(self, batch: int, kind: str) -> int:
+        """The step peak at ``batch`` of a plan of :data:`SCALING_PLANS` (trunksplit's: the lowest)."""
+        if kind == "trunksplit":
+            return self.lowest_peak(batch)
+        peaks = self._peaks(batch)
+        return peaks.peak(self._fixed_starts(kind))
+
+    def least_recompute(self, batch: int, kind: str, budget: int) -> Tuple[int, float]:
+        """(step peak, FLOPs run again / forward FLOPs) at ``batch``: trunksplit's plan with the
+        least recompute within ``budget`` (where one fits; else the lowest peak), or the fixed one."""
+        peaks = self._peaks(batch)
+        starts = self._fixed_starts(kind) if kind != "trunksplit" else None
+        if starts is None:
+            cuts = best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+            starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits)).starts
+        return peaks.peak(starts), peaks.total_recompute(starts) / max(1, sum(peaks.costs.flops))
+
+    def _peaks(self, batch: int) -> PeakModel:
+        return PeakModel(scaled_costs(self.small, batch), self.features, self.trunk.gradients, update_temporaries=self.trunk.update_temporaries)
+
+    def _fixed_starts(self, kind: str) -> List[int]:
+        """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
+        return [0] + ([i for i in range(1, len(self.units)) if self.splittable[i]] if kind == "every unit" else [])
+
+    def _cuts(self, batch: int, budget: Optional[int] = None):
+        peaks = self._peaks(batch)
+        return peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+
+    def lowest_peak(self, batch: int) -> int:
+        """The lowest step peak any plan reaches at ``batch``."""
+        peaks, cuts = self._cuts(batch)
+        return peaks.peak(*cuts)
+
+    def planned_peak(self, batch: int, budget: Optional[int] = None, gradients: Optional[str] = None) -> int:
+        """The step peak at ``batch`` of the least-recompute plan within ``budget`` (None: the
+        lowest-peak plan), priced for the trunk's gradient mode, or, with ``gradients``, that same
+        plan run where the gradients are another mode's (``"kept"``: a second trunk call of a step
+        finds the first one's gradients alive)."""
+        peaks, cuts = self._cuts(batch, budget)
+        if cuts is None:
+            peaks, cuts = self._cuts(batch)
+        if gradients is not None and gradients != self.trunk.gradients:
+            peaks = PeakModel(scaled_costs(self.small, batch), self.features, gradients, update_temporaries=self.trunk.update_temporaries)
+        return peaks.peak(*cuts)
+
+    def held_after_forward(self, batch: int, budget: Optional[int] = None) -> int:
+        """What the plan of :meth:`planned_peak` holds from its forward until its backward, at most:
+        every segment's input and what the last segment keeps (its peak, gradients aside)."""
+        peaks, cuts = self._chosen(batch, budget)
+        kept = PeakModel(scaled_costs(self.small, batch), self.features, "kept", update_temporaries=self.trunk.update_temporaries)
+        return kept.segment_peaks(*cuts)[-1]
+
+    def _chosen(self, batch: int, budget: Optional[int]):
+        """(peak model, cuts) of the least-recompute plan within ``budget``; the lowest-peak plan where none fits, or for None."""
+        peaks, cuts = self._cuts(batch, budget)
+        return (peaks, cuts) if cuts is not None else self._cuts(batch)
+
+    def plan(self, batch: int, budget: Optional[int]):
+        """The least-recompute plan at ``batch`` whose peak fits ``budget`` (where none does, or for None: the lowest-peak plan)."""
+        peaks, cuts = self._chosen(batch, budget)
+        return plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks)
+
+
+
+def scaled_costs(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
+    """Unit costs at ``batch``, each byte and FLOP count a line through the two profiled batches."""
+    (b0, b1), (c0, c1) = PROFILE_BATCHES, small
+
+    def line(v0, v1):
+        return tuple(max(0, round(a + (b - a) * (batch - b0) / (b1 - b0))) for a, b in zip(v0, v1))
+
+    counts = ("output", "saved", "forward_peak", "backward_excess", "backward_fresh", "flops")
+    return UnitCosts(
+        names=c1.names,
+        saves_input=c1.saves_input,
+        input_from=c1.input_from,
+        keeps_output=c1.keeps_output,
+        param_bytes=c1.param_bytes,
+        largest_param=c1.largest_param,
+        gathered=c1.gathered,
+        **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts},
+    )

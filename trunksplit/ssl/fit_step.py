@@ -1,0 +1,265 @@
+"""``TRAIN.BATCH_SIZE_PER_RANK 0``: the most images per rank whose whole SSL step fits
+``TRAIN.MEMORY_LIMIT``, and the trunk budget that leaves (the least recompute that fits).
+
+The step is more than the trunk: the head and the loss (DINO's 65536-wide outputs and their
+softmaxes), the teacher's targets, the crops, and in a multi-crop step the trunk once per crop
+resolution: every group's activations alive at once in a whole-step backward, one group's at a
+time backward by crop group (:mod:`trunksplit.ssl.grouped`). So the fit adds three parts:
+
+- resident, exact: every parameter and buffer (a DINO teacher's too), and the gradients and
+  optimizer state of what trains (one rank's shards under FSDP2);
+- the trunk at each resolution, profiled once at two small batches
+  (:class:`trunksplit.planning.scaled.ScaledChain`): its planned peak at any batch and budget;
+- the rest of the step, measured: the launcher's own step at two small batches with a stand-in
+  trunk that holds next to nothing, a line in the batch.
+
+The step's predicted peak is the rest's plus the trunk's (the largest group's when grouped; every
+group's, gradients once, when whole). The two peaks fall at different moments, so the sum leans
+high; one real step at the batch found (world size 1) checks it, and the next batch is found again with
+what that check measured beyond the prediction; at most three checks (six while none fits), keeping the
+largest that fitted.
+
+Sharp edges: on CUDA the check's figure is the allocator's (fragmentation, cuDNN workspaces
+included), the prediction's is not; an optimizer stepped in backward makes its state in the checking
+step, so that check reads the state twice (the fit errs small).
+"""
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..fit import NAMED_OPTIMIZERS, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
+from ..in_backward import optimizer_in_backward
+from ..planning.budget import format_bytes
+from ..planning.memory import PeakMemory
+from ..planning.plan import SplitPlan, policy_counts
+from ..planning.scaled import ScaledChain
+from ..planning.sharding import gib, rank_memory, shard_bytes
+from ..trunk import plan_key
+from .dino import build_ssl_model
+from .grouped import by_crop_group
+from .model import SSLModel
+from .optim import gradient_mode
+
+RunStep = Callable[[SSLModel, List[torch.Tensor]], object]  # the launcher's forward and backward of one step
+CHECKS = 3
+
+
+@dataclass
+class StepFit:
+    """What :func:`fit_step` found, for one rank. Byte counts are of everything resident during a step."""
+
+    images: int  # per rank: each brings every crop of DATA.CROP_COUNTS
+    trunk_budget: int  # bytes: each resolution's trunk plan peaks within it
+    resident: int
+    predicted_total: int
+    measured_total: Optional[int]  # the checking step's; None where not checked (FSDP2's world)
+    memory: int
+    groups: List[str]  # one line per crop group: its crops and its trunk plan
+    plans: Dict[tuple, SplitPlan]  # the trunk's plan for each group's input (:func:`plan_key`): train what was checked
+
+    def __str__(self) -> str:
+        measured = "-" if self.measured_total is None else f"{gib(self.measured_total)} ({self.measured_total / self.memory:.1%} of memory)"
+        return "\n".join([
+            f"{self.images} images per rank fit {gib(self.memory)}: resident {gib(self.resident)}, predicted {gib(self.predicted_total)}, "
+            f"measured {measured}; trunk budget {format_bytes(self.trunk_budget)}",
+            *self.groups,
+        ])
+
+
+def crop_groups(cfg) -> List[Tuple[int, int]]:
+    """(crop size, crops per image) of each trunk call of a step, in step order."""
+    groups: List[Tuple[int, int]] = []
+    for size, count in zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS):
+        if groups and groups[-1][0] == size:
+            groups[-1] = (size, groups[-1][1] + count)
+        else:
+            groups.append((size, count))
+    return groups
+
+
+class _StandInTrunk(nn.Module):
+    """A trunk's outputs at a trunk's width that keeps next to nothing for backward: the rest of
+    the step measured without the trunk."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(3, dim))
+
+    def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
+        return [x.mean(dim=(2, 3)) @ self.weight]
+
+
+def fit_step(cfg, device: torch.device, run_step: RunStep, world: int = 1, progress: Optional[Callable[[str], None]] = None) -> StepFit:
+    """The most images per rank whose whole step fits ``cfg.TRAIN.MEMORY_LIMIT`` (bytes), for one of
+    ``world`` FSDP2 ranks (1: a process that holds the whole model, as DDP's replicas do).
+    ``run_step(model, crops)`` is the launcher's forward and backward; ``progress(line)`` hears each
+    phase. A limit too small for one image is a ``ValueError`` naming the smallest that fits."""
+    say = progress or (lambda line: None)
+    memory = int(cfg.TRAIN.MEMORY_LIMIT)
+    torch.manual_seed(cfg.SEED)
+    step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, world, run_step, say)
+    if step.total(1) > memory:
+        raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} is too small for one image per rank: the smallest that fits is "
+                         f"{format_bytes(step.total(1))} ({gib(step.rank.resident)} resident and the step's peak)")
+    say("searching the largest batch and the least recompute that fits")
+    images = largest_fitting(lambda b: step.total(b) <= memory)
+    measured = None
+    if world == 1:  # one process cannot run a sharded step
+        images, measured = _checked(step, images, memory, say)
+    budget = step.budget(images, memory)
+    plans = step.plans(images, budget)
+    lines = [_group_line(k, s, n, images, plan) for k, ((s, n), plan) in enumerate(zip(step.groups, plans.values()))]
+    return StepFit(images, budget, step.rank.resident, step.total(images, budget), measured, memory, lines, plans)
+
+
+class _StepPrediction:
+    """The step's predicted bytes at any images per rank and trunk budget: resident, the rest of
+    the step (measured with a stand-in trunk) and the trunk at each crop group (scaled profiles)."""
+
+    def __init__(self, cfg, model: SSLModel, device, world: int, run_step: RunStep, say: Callable[[str], None]):
+        self.cfg, self.model, self.device, self.run_step = cfg, model, device, run_step
+        self.groups = crop_groups(cfg)
+        self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
+        self.mode = mode = gradient_mode(cfg)
+        self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode)  # the head trains (and shards) as the trunk does
+        trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.optimizer_peak = optimizer_step_peak(self.rank, optimizer_step_transient(model, cfg.OPTIM.NAME), trained)
+        ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
+        self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
+                                mode, ac.USE_REENTRANT, cfg.OPTIM.NAME, device)
+        self.chains: Dict[int, ScaledChain] = {}
+        for size in sorted({s for s, _ in self.groups}, reverse=True):
+            say(f"profiling the trunk's units at {size}px, two small batches")
+            self.chains[size] = ScaledChain(self.make(), (3, size, size), device, world)
+        self.trunk_grads = sum(shard_bytes(p, world) for p in model.trunk.parameters() if p.requires_grad) if mode == "allocated" else 0
+        say("measuring the head, the loss and the teacher with a stand-in trunk, two small batches")
+        self.rest = _rest_of_step(model, run_step, self.groups, device, mode == "kept")
+
+    def trunk_peak(self, images: int, budget: Optional[int]) -> int:
+        """Grouped: each group's trunk alone, a later one finding the gradients the first one made.
+        Whole: the groups are backpropagated last first, each beside what the earlier ones' forwards
+        still hold, every one after the first finding the gradients made."""
+        sized = [(self.chains[s], images * n) for s, n in self.groups]
+        alone = [chain.planned_peak(b, budget) for chain, b in sized]
+        found = [chain.planned_peak(b, budget, "kept") + self.trunk_grads if self.trunk_grads else a for (chain, b), a in zip(sized, alone)]
+        if self.grouped:
+            return max([alone[0], *found[1:]])
+        held = [chain.held_after_forward(b, budget) for chain, b in sized]
+        last = len(sized) - 1
+        return max(sum(held[:j]) + (alone[j] if j == last else found[j]) for j in range(last, -1, -1))
+
+    def total(self, images: int, budget: Optional[int] = None) -> int:
+        """Everything resident during the step at ``images`` per rank (``budget`` None: the lowest-peak plans)."""
+        return self.rank.resident + max(self.rest(images) + self.trunk_peak(images, budget), self.optimizer_peak)
+
+    def budget(self, images: int, memory: int) -> int:
+        """The trunk's byte budget at ``images``: all that is left where the step still fits with it, else
+        the largest that does (a whole step adds the groups' peaks; a later group finds the gradients), by bisection."""
+        lo, hi = 0, memory - self.rest(images) - self.rank.resident  # 0: every group's lowest-peak plan; everything left
+        if self.total(images, hi) <= memory:
+            return hi
+        while hi - lo > memory // 200:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.total(images, mid) <= memory else (lo, mid)
+        return lo
+
+    def plans(self, images: int, budget: int) -> Dict[tuple, SplitPlan]:
+        """The trunk's plan for each group's input (:func:`plan_key`) at ``images`` per rank."""
+        return {plan_key([((images * n, 3, s, s), torch.get_default_dtype())], self.device): self.chains[s].plan(images * n, budget) for s, n in self.groups}
+
+    def measured(self, images: int, budget: int) -> int:
+        """Everything resident during one real step at ``images`` per rank, the trunk planned as predicted (no profiling)."""
+        trunk = self.make(memory_budget=budget)
+        for key, plan in self.plans(images, budget).items():
+            trunk.store_plan(key, plan)
+        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, self.cfg.OPTIM.NAME)
+        return self.rank.resident + max(peak, self.optimizer_peak)
+
+
+def _checked(step: _StepPrediction, images: int, memory: int, say) -> Tuple[int, int]:
+    """(images, measured bytes): the largest batch a real step showed fits, from the predicted ``images``;
+    after each check the prediction is moved by what it missed. At most :data:`CHECKS` checks (twice that while none fits)."""
+    best, checks = None, 0
+    while checks < CHECKS or best is None and checks < 2 * CHECKS:
+        say(f"checking {images} images per rank by one real step")
+        measured, checks, checked = step.measured(images, step.budget(images, memory)), checks + 1, images
+        if measured <= memory:
+            best = (images, measured)
+            if measured >= 0.95 * memory:
+                break
+        elif images == 1:
+            break
+        missed = measured - step.total(images)  # beyond the lowest-peak prediction at this batch, taken as the same at the next
+        rescaled = largest_fitting(lambda b: step.total(b) + missed <= memory) if step.total(1) + missed <= memory else 1
+        images = min(images - 1, rescaled) if measured > memory else max(images + 1, rescaled)
+        if best is not None and images <= best[0]:
+            break
+    if best is None:
+        raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} fits no batch checked: the last, {checked} images per rank, measured "
+                         f"{format_bytes(measured)}. Give more memory, or a smaller model or crops")
+    return best
+
+
+def fitted_batch(cfg, device: torch.device, run_step: RunStep, world: int = 1, progress: Optional[Callable[[str], None]] = None) -> Tuple[int, int, list]:
+    """What the launcher trains with: (images per rank, trunk budget in bytes, the trunk's plans as
+    ``[(key, plan.state())]``, plain data any rank can receive) of :func:`fit_step`."""
+    found = fit_step(cfg, device, run_step, world, progress)
+    return found.images, found.trunk_budget, [(key, plan.state()) for key, plan in found.plans.items()]
+
+
+def _group_line(k: int, size: int, count: int, images: int, plan) -> str:
+    regions = policy_counts(plan.regions)
+    return (f"  group {k + 1}: {count} x {size}px crops per image, the trunk on {images * count}: {len(plan.segments)} segment{'s' if len(plan.segments) > 1 else ''}"
+            f"{f' ({regions})' if regions else ''}, predicted trunk peak {gib(plan.predicted_peak_bytes)}")
+
+
+def _crops(groups, images: int, device) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(images, 3, s, s, generator=g).to(device) for s, n in groups for _ in range(n)]
+
+
+def _rest_of_step(model: SSLModel, run_step: RunStep, groups, device, kept: bool) -> Callable[[int], int]:
+    """Bytes of the step's peak outside the trunk, as a line in the images per rank: the step measured
+    with stand-in trunks at two batches (the crops counted too)."""
+    dim = next(m for m in model.head.modules() if isinstance(m, nn.Linear)).in_features
+    trunk, teacher = model.trunk, model.teacher
+    model.trunk = _StandInTrunk(dim).to(device)
+    if teacher is not None:
+        teacher_trunk, teacher.trunk = teacher.trunk, _StandInTrunk(dim).to(device).requires_grad_(False)
+    try:
+        figures = [_peak_of(model, run_step, _crops(groups, b, device), kept) for b in (2, 4)]
+    finally:
+        model.trunk = trunk
+        if teacher is not None:
+            teacher.trunk = teacher_trunk
+    slope = (figures[1] - figures[0]) / 2
+    return lambda images: math.ceil(figures[0] + slope * (images - 2))
+
+
+def _peak_of(model: SSLModel, run_step: RunStep, crops, kept: bool) -> int:
+    """The step's peak beyond what was live before it, with the crops; the model's gradients left as the loop leaves them."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if kept and p.requires_grad else None
+    with torch.random.fork_rng(devices=[crops[0].device] if crops[0].device.type == "cuda" else []), PeakMemory(crops[0].device) as mem:
+        run_step(model, crops)
+    for p in model.parameters():
+        p.grad = None
+    return mem.peak_bytes + sum(c.numel() * c.element_size() for c in crops)
+
+
+def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, optimizer: str) -> int:
+    """The peak of one real step of ``model`` with ``trunk`` in place of its own (stepped in backward where ``mode`` says)."""
+    saved, model.trunk = model.trunk, trunk
+    stepping = None
+    if mode == "in_backward":
+        optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
+        stepping = optimizer_in_backward([p for p in model.parameters() if p.requires_grad], optimizer_class, **kwargs)
+    try:
+        return _peak_of(model, run_step, crops, mode == "kept")
+    finally:
+        model.trunk = saved
+        if stepping is not None:
+            stepping.remove()
