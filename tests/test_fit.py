@@ -187,3 +187,18 @@ def test_scaling_compares_plans_per_rank_with_shards_counted_by_hand():
         assert none.recompute == 0 < ours.recompute <= every.recompute
     # one rank: the batch fit() finds and checks with a real step
     assert rows[0].batch_size == fit(copy.deepcopy(model), SHAPE, "300MiB", "adamw", verify=False).batch_size
+
+
+def test_costs_scaled_to_a_profiled_batch_are_that_batchs_costs(monkeypatch):
+    """fit plans any batch from two profiles by lines through them; at a profiled batch the line gives that
+    profile back, every field the planner prices included (one dropped: gloo's copy of a reduce-scatter's
+    input, which fit's per-rank predictions lost)."""
+    from trunksplit import CheckpointedTrunk
+    from trunksplit.planning import sharding
+    from trunksplit.planning.scaled import PROFILE_BATCHES, ScaledChain, scaled_costs
+
+    monkeypatch.setattr(sharding, "reduce_scatter_copies", lambda: 1)  # as under a gloo process group
+    chain = ScaledChain(CheckpointedTrunk(torchvision.models.resnet18(num_classes=10), num_splits=3, strategy="balanced"), (3, 32, 32), torch.device("cpu")).sharded(2)
+    assert chain.small[0].reduce_scatter_copies == 1
+    for batch, costs in zip(PROFILE_BATCHES, chain.small):
+        assert scaled_costs(chain.small, batch) == costs

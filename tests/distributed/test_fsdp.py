@@ -258,3 +258,34 @@ def test_a_compiled_trunk_shards_and_a_sharded_trunk_compiles_and_both_train_as_
         assert grads[order + " layout"]  # FSDP2 shards contiguous weights: no channels-last copy on a sharded trunk
         for n, ref in grads["eager"].items():
             assert torch.linalg.vector_norm(grads[order][n] - ref) <= 1e-4 * torch.linalg.vector_norm(ref) + 1e-7, (order, n)
+
+
+def _hsdp_step_peak(rank, world_size, out):
+    """HSDP: a 2 x 2 mesh, each trunk replicated over the first dimension and sharded over the second."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trunksplit.planning.sharding import sharded_world_size
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    x = _micro_batch("resnet18", 0)
+    trunk = shard_trunk(CheckpointedTrunk(small("resnet18"), num_splits=3, strategy="balanced"), mesh=mesh)
+    plan = trunk.plan_for(x)
+    step = lambda: loss_of(trunk(x)).backward()  # noqa: E731
+    step()
+    readings = []
+    for _ in range(3):
+        for p in trunk.parameters():
+            p.grad = None
+        readings.append(profiled_peak(step))
+    shards = sharded_world_size([m for _, m in trunk.units])
+    torch.save({"shards": shards, "predicted": plan.predicted_peak_bytes, "measured": min(readings)}, os.path.join(out, f"hsdp{rank}.pt"))
+
+
+def test_under_hsdp_a_rank_plans_for_the_ranks_it_shards_over_not_the_whole_mesh(tmp_path):
+    """A 2-D mesh (2 replicas x 2 shards) shards each parameter over 2 ranks, not 4: planned for 4, a
+    rank would expect half the weights it gathers and holds, and its plan would be too low."""
+    run_processes(_hsdp_step_peak, 4, (str(tmp_path),), timeout=400)
+    for rank in range(4):
+        peak = torch.load(tmp_path / f"hsdp{rank}.pt")
+        assert abs(peak["predicted"] / peak["measured"] - 1) <= 0.05, peak
+        assert peak["shards"] == 2

@@ -22,7 +22,8 @@ def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> Ch
     """Shard ``trunk`` in place with FSDP2 (``torch.distributed.fsdp.fully_shard``) and return it.
 
     Every unit with parameters is sharded on its own, then the trunk (the root, last).
-    ``mesh`` (a 1-D ``DeviceMesh``; None: every rank of the default group) and the other
+    ``mesh`` (a 1-D ``DeviceMesh``; a 2-D one for HSDP, replicas x shards, spanning every rank; None:
+    every rank of the default group) and the other
     arguments (``mp_policy``, ``reshard_after_forward``, ``offload_policy``) go to each
     ``fully_shard`` call. Any strategy works, planned before or after sharding: after it,
     planning profiles full copies of the sharded units (all-gathered, on every rank at once)
@@ -40,6 +41,8 @@ def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> Ch
         raise ValueError("this trunk is already sharded: shard_trunk once per trunk")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("shard_trunk needs a process group: run under torchrun and call torch.distributed.init_process_group() first")
+    if mesh is not None and mesh.ndim > 1 and mesh.size() != dist.get_world_size():
+        raise ValueError(f"a {mesh.ndim}-D mesh must span every rank ({mesh.size()} of {dist.get_world_size()}): its ranks agree on one plan over the default group")
     if trunk.use_reentrant:
         raise ValueError("FSDP2 runs its hooks inside the checkpointed forward, which needs use_reentrant=False; build the trunk with it")
     if trunk.compile_options is not None:  # trunk.compile() stored the weights channels-last; FSDP2 shards contiguous ones
@@ -48,5 +51,5 @@ def shard_trunk(trunk: CheckpointedTrunk, mesh=None, **fully_shard_kwargs) -> Ch
         if not isinstance(unit, FSDPModule) and any(p.requires_grad for p in unit.parameters()):
             fully_shard(unit, mesh=mesh, **fully_shard_kwargs)  # a unit run twice (shared weights) is sharded once
     fully_shard(trunk, mesh=mesh, **fully_shard_kwargs)
-    trunk.agreement = functools.partial(rank0_decides, group=mesh.get_group()) if mesh is not None else rank0_decides
+    trunk.agreement = functools.partial(rank0_decides, group=mesh.get_group()) if mesh is not None and mesh.ndim == 1 else rank0_decides
     return trunk

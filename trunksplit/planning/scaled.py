@@ -5,6 +5,7 @@ small batches), then the planner's peak for any batch and any budget, without al
 that batch. Every activation cost is a line in the batch (the same ops on more images).
 """
 import copy
+from dataclasses import replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -110,20 +111,18 @@ class ScaledChain:
 
 
 def scaled_costs(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
-    """Unit costs at ``batch``, each byte and FLOP count a line through the two profiled batches."""
+    """Unit costs at ``batch``, each byte and FLOP count a line through the two profiled batches;
+    everything that does not grow with the batch (names, parameters, FSDP2's gathered weights and
+    its backend's copies) as profiled. At a profiled batch: that batch's costs."""
     (b0, b1), (c0, c1) = PROFILE_BATCHES, small
 
-    def line(v0, v1):
-        return tuple(max(0, round(a + (b - a) * (batch - b0) / (b1 - b0))) for a, b in zip(v0, v1))
+    def at(a, b):
+        return round(a + (b - a) * (batch - b0) / (b1 - b0))
 
-    counts = ("output", "saved", "forward_peak", "backward_excess", "backward_fresh", "flops")
-    return UnitCosts(
-        names=c1.names,
-        saves_input=c1.saves_input,
-        input_from=c1.input_from,
-        keeps_output=c1.keeps_output,
-        param_bytes=c1.param_bytes,
-        largest_param=c1.largest_param,
-        gathered=c1.gathered,
-        **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts},
-    )
+    def line(v0, v1):
+        return tuple(max(0, at(a, b)) for a, b in zip(v0, v1))
+
+    counts = ("output", "saved", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
+    # a moment's bytes beyond what the forward left may be negative (freed by then): not clamped
+    moments = tuple(tuple((at(m0[0], m1[0]), m1[1]) for m0, m1 in zip(u0, u1)) for u0, u1 in zip(c0.update_moments, c1.update_moments))
+    return replace(c1, update_moments=moments, **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts})

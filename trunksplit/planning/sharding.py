@@ -53,8 +53,13 @@ def sharded_costs(costs: UnitCosts, units: Sequence[nn.Module], world_size: int)
 
 
 def sharded_world_size(units: Sequence[nn.Module]) -> int:
-    """The number of ranks the units' parameters are sharded over by FSDP2 (1 when they are not)."""
-    return next((p.device_mesh.size() for u in units for p in u.parameters() if isinstance(p, DTensor)), 1)
+    """The number of ranks the units' parameters are sharded over by FSDP2 (1 when they are not):
+    the mesh dimensions they are sharded on, not the whole mesh. HSDP's 2-D mesh (replicas x
+    shards) shards over its second dimension only; each replica holds whole shards of that size."""
+    p = next((p for u in units for p in u.parameters() if isinstance(p, DTensor)), None)
+    if p is None:
+        return 1
+    return math.prod(p.device_mesh.size(dim) for dim, placement in enumerate(p.placements) if placement.is_shard())
 
 
 def reduce_scatter_copies() -> int:
