@@ -12,7 +12,7 @@ def _with_plan(trunk, x, starts, regions):
     units = trunk.units
     spans = [s for s in region_spans(units) if any(a <= s[0] and s[1] <= b for a, b, _ in regions)]
     request = trunk.plan_request()
-    model = PeakModel(profile_units(units, x, spans), request.feature_units, trunk.gradients, spans)
+    model = PeakModel(costs=profile_units(units, x, spans), feature_units=request.feature_units, gradients=trunk.gradients, spans=spans)
     names = [n for n, _ in units]
     plan = plan_from_cuts(names, Cuts(list(starts), frozenset(regions)), request.stops, "budget", model)
     trunk.store_plan(trunk.key_for(x), plan)

@@ -75,7 +75,7 @@ def _trunk_with(base, x, plan, gradients: str, optimizer: str):
 
 def _plans(request, x, costs_model, gradients: str, temporaries: float, plain: int):
     """The floor plan and the budget plans of one gradient mode, from one profile."""
-    model = PeakModel(costs_model.costs, request.feature_units, gradients, costs_model.spans, update_temporaries=temporaries)
+    model = PeakModel(costs=costs_model.costs, feature_units=request.feature_units, gradients=gradients, spans=costs_model.spans, update_temporaries=temporaries)
     request = replace(request, gradients=gradients, update_temporaries=temporaries)
     floor = plan_from_cuts(list(request.names), best_plan(model, request.splittable, request.forced), request.stops, "budget", model)
     plans = {"floor": floor}

@@ -99,7 +99,8 @@ class CheckpointedTrunk(nn.Module):
         self.use_reentrant = bool(use_reentrant)
         self.gradients, self.objective, self._ends = gradients, objective, ends
         self._update_temporaries = UPDATE_TEMPORARIES  # in_backward: see update_temporaries
-        PlanRequest((), tuple(ends.items()), num_splits, strategy, self.memory_budget, gradients, objective, use_reentrant)  # validates, before any change
+        PlanRequest(units=(), feature_stops=tuple(ends.items()), num_splits=num_splits, strategy=strategy, budget=self.memory_budget,
+                    gradients=gradients, objective=objective, use_reentrant=use_reentrant, compiled=False, world_size=1, update_temporaries=UPDATE_TEMPORARIES)  # validates, before any change
         for name in self._keys:
             self.add_module(_child_name(name), blocks[name])
         # trunk state_dict key -> the source model's, for model_state_dict(); names only, no reference
@@ -130,8 +131,9 @@ class CheckpointedTrunk(nn.Module):
     def plan_request(self) -> PlanRequest:
         """What the planner is asked for this trunk (see :class:`trunksplit.planning.request.PlanRequest`)."""
         units = tuple(self.units)
-        return PlanRequest(units, tuple(self._ends.items()), self.num_splits, self.strategy, self.memory_budget, self.gradients, self.objective,
-                           self.use_reentrant, self._compiled is not None, sharded_world_size([m for _, m in units]), self._update_temporaries)
+        return PlanRequest(units=units, feature_stops=tuple(self._ends.items()), num_splits=self.num_splits, strategy=self.strategy,
+                           budget=self.memory_budget, gradients=self.gradients, objective=self.objective,
+                           use_reentrant=self.use_reentrant, compiled=self._compiled is not None, world_size=sharded_world_size([m for _, m in units]), update_temporaries=self._update_temporaries)
 
     def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
         """The trunk's weights and buffers under the names of the model it was built from

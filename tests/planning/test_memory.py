@@ -96,7 +96,7 @@ def test_units_profiled_by_the_allocator_predict_the_step_the_allocator_measures
     x = torch.randn(4, 3, 32, 32)
     units = trunk.units
     starts = [s.start for s in trunk.plan_for(x).segments]
-    predicted = PeakModel(profile_units(units, x, allocator=True), [len(units) - 1], "kept").peak(starts)
+    predicted = PeakModel(costs=profile_units(units, x, allocator=True), feature_units=[len(units) - 1], gradients="kept").peak(starts)
     step = lambda: trunk(x)[0].pow(2).mean().backward()  # noqa: E731
     step()
     readings = []

@@ -147,7 +147,7 @@ def test_under_fsdp2_a_rank_holds_the_gathered_weights_where_fsdp2_does():
     zeros = (0,) * 4
     costs = UnitCosts(names=("a", "b", "c", "d"), output=zeros, saved=zeros, saves_input=(False,) * 4, input_from=(-1, 0, 1, 2),
                       keeps_output=(False,) * 4, forward_peak=zeros, backward_excess=zeros, flops=(1,) * 4, param_bytes=zeros, gathered=(10, 20, 30, 5))
-    model = PeakModel(costs, [3], "kept")
+    model = PeakModel(costs=costs, feature_units=[3], gradients="kept")
     # unsplit: unit c's backward holds its weights gathered again and its whole gradients (30 + 30), the
     # reduce-scatter input of d (5) and b's weights, prefetched (20)
     assert model.peak([0]) == 85
@@ -156,14 +156,14 @@ def test_under_fsdp2_a_rank_holds_the_gathered_weights_where_fsdp2_does():
     assert model.peak([0, 3]) == 95
     # a checkpoint per unit: at most one unit's weights held from its recompute
     assert model.peak([0, 1, 2, 3]) == 30 + 30 + 5 + 20
-    assert PeakModel(replace(costs, gathered=()), [3], "kept").peak([0, 3]) == 0  # unsharded: none of it
+    assert PeakModel(costs=replace(costs, gathered=()), feature_units=[3], gradients="kept").peak([0, 3]) == 0  # unsharded: none of it
     # gloo clones a reduce-scatter's input: while c's gradients are reduce-scattered, b's prefetched weights (20),
     # the collective's input and gloo's copy of it (30 + 30) and this rank's shard of the result (15)
     gloo = replace(costs, param_bytes=(5, 10, 15, 3), reduce_scatter_copies=1)
-    assert PeakModel(gloo, [3], "kept").peak([0]) == 20 + 30 + 30 + 15
+    assert PeakModel(costs=gloo, feature_units=[3], gradients="kept").peak([0]) == 20 + 30 + 30 + 15
     # c's backward as profiled with its gradients made as it goes: 35 bytes at its peak (its 30, and 5 of a kernel's scratch)
     fresh = replace(costs, backward_fresh=(0, 0, 35, 0))
-    assert PeakModel(fresh, [3], "kept").peak([0]) == 30 + 35 + 5 + 20
+    assert PeakModel(costs=fresh, feature_units=[3], gradients="kept").peak([0]) == 30 + 35 + 5 + 20
 
 
 def test_stepped_in_backward_a_units_backward_holds_its_largest_parameters_update_and_no_later_gradient():
@@ -176,11 +176,11 @@ def test_stepped_in_backward_a_units_backward_holds_its_largest_parameters_updat
     costs = UnitCosts(names=("a", "b", "c"), output=zeros, saved=zeros, saves_input=(False,) * 3, input_from=(-1, 0, 1),
                       keeps_output=(False,) * 3, forward_peak=zeros, backward_excess=params, flops=(1,) * 3, param_bytes=params,
                       largest_param=(10, 20, 30))
-    assert PeakModel(costs, [2], "allocated").peak([0]) == 70
-    assert PeakModel(costs, [2], "kept").peak([0]) == 40
-    assert PeakModel(costs, [2], "in_backward", update_temporaries=2).peak([0]) == 100
-    assert PeakModel(costs, [2], "in_backward", update_temporaries=0).peak([0]) == 40
-    assert PeakModel(costs, [2], "kept", update_temporaries=2).peak([0]) == 40  # the optimizer steps after backward
+    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated").peak([0]) == 70
+    assert PeakModel(costs=costs, feature_units=[2], gradients="kept").peak([0]) == 40
+    assert PeakModel(costs=costs, feature_units=[2], gradients="in_backward", update_temporaries=2).peak([0]) == 100
+    assert PeakModel(costs=costs, feature_units=[2], gradients="in_backward", update_temporaries=0).peak([0]) == 40
+    assert PeakModel(costs=costs, feature_units=[2], gradients="kept", update_temporaries=2).peak([0]) == 40  # the optimizer steps after backward
 
 
 def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_passed():
@@ -197,10 +197,10 @@ def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_pa
                       recompute_bytes=(5,) * 3)
     costs = replace(costs, policies={"save_expensive": replace(costs, eligible=(True,) * 3)})
     spans, region = [(0, 1), (1, 2), (2, 3)], [(0, 3, "save_expensive")]
-    peak = {(g, c): PeakModel(costs, [2], g, spans, compiled=c).peak([0], region) for g in GRADIENT_MODES for c in (False, True)}
+    peak = {(g, c): PeakModel(costs=costs, feature_units=[2], gradients=g, spans=spans, compiled=c).peak([0], region) for g in GRADIENT_MODES for c in (False, True)}
     assert peak == {("kept", False): 40, ("kept", True): 70, ("allocated", False): 70, ("allocated", True): 70,
                     ("in_backward", False): 40, ("in_backward", True): 70}
-    [(_, eager)], [(_, compiled)] = (PeakModel(costs, [2], "kept", spans, compiled=c).segments([0], region) for c in (False, True))
+    [(_, eager)], [(_, compiled)] = (PeakModel(costs=costs, feature_units=[2], gradients="kept", spans=spans, compiled=c).segments([0], region) for c in (False, True))
     assert eager[:2] == (0, 15) and compiled[:2] == (0, 0)
 
 
@@ -218,7 +218,7 @@ def test_dp_matches_brute_force_on_random_chains(gradients):
     for _ in range(150):
         n = rng.randint(2, 9)
         costs = _random_costs(rng, n)
-        model = PeakModel(costs, rng.sample(range(n), rng.randint(1, 2)), gradients)
+        model = PeakModel(costs=costs, feature_units=rng.sample(range(n), rng.randint(1, 2)), gradients=gradients)
         splittable = [True] + [rng.random() < 0.75 for _ in range(n - 1)]
         forced = sorted(rng.sample(range(1, n), rng.randint(0, min(1, n - 1))))
         plans = list(_all_plans(n, splittable, forced))
@@ -264,7 +264,7 @@ def test_time_objective_finds_the_fastest_cuts_under_a_budget_by_brute_force():
         n = rng.randint(2, 8)
         costs = _random_costs(rng, n)
         forward = tuple(f * rng.choice([0.1, 1.0, 10.0]) for f in costs.flops)
-        timed = PeakModel(replace(costs, forward_seconds=forward), [n - 1], "kept", objective="time")
+        timed = PeakModel(costs=replace(costs, forward_seconds=forward), feature_units=[n - 1], gradients="kept", objective="time")
         splittable = [True] + [rng.random() < 0.8 for _ in range(n - 1)]
         plans = list(_all_plans(n, splittable, []))
         budget = rng.choice([timed.peak(p) for p in plans])
@@ -286,7 +286,7 @@ def test_time_objective_avoids_regions_whose_measured_overhead_costs_more_than_c
     n = len(units)
     slow = {p: replace(c, again_seconds=tuple((100.0 if p.startswith("save") else 1.0) * c.eligible[i] for i in range(n))) for p, c in costs.policies.items()}
     costs = replace(costs, forward_seconds=(1.0,) * n, policies=slow)
-    timed, counted = (PeakModel(costs, [n - 1], "kept", spans, o) for o in ("time", "flops"))
+    timed, counted = (PeakModel(costs=costs, feature_units=[n - 1], gradients="kept", spans=spans, objective=o) for o in ("time", "flops"))
     parted = 0
     for fraction in (0.8, 0.6, 0.5):
         budget = int(fraction * timed.peak([0]))
@@ -310,10 +310,10 @@ def _rerun(model, starts):
 
 def test_time_and_flops_objectives_are_checked():
     costs = replace(_random_costs(random.Random(0), 3), forward_seconds=(1.0, 2.0, 3.0))
-    assert PeakModel(costs, [2], objective="time").cost_key((100, 5, 0.5)) < PeakModel(costs, [2], objective="time").cost_key((0, 20, 1.0))
-    assert PeakModel(costs, [2], objective="flops").cost_key((100, 5, 0.5)) > PeakModel(costs, [2], objective="flops").cost_key((0, 20, 1.0))
+    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key((100, 5, 0.5)) < PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key((0, 20, 1.0))
+    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key((100, 5, 0.5)) > PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key((0, 20, 1.0))
     with pytest.raises(ValueError, match="objective must be one of"):
-        PeakModel(costs, [2], objective="speed")
+        PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="speed")
 
 
 @pytest.mark.parametrize("gradients", ["allocated", "kept"])

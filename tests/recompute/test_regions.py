@@ -267,7 +267,7 @@ def _only(model: PeakModel, policies) -> PeakModel:
     """The same measurements with every other region policy made unavailable."""
     costs = model.costs
     never = {p: replace(costs.under(p), eligible=(False,) * len(costs)) for p in costs.policies if p not in policies}
-    return PeakModel(replace(costs, policies={**costs.policies, **never}), model.features, model.gradients, model.spans)
+    return PeakModel(costs=replace(costs, policies={**costs.policies, **never}), feature_units=model.features, gradients=model.gradients, spans=model.spans)
 
 
 def test_recompute_stages_goes_below_the_floor_of_whole_block_recompute():

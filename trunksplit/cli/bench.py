@@ -61,8 +61,8 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
     profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
     # the same measurements, priced per objective, and without regions
-    priced = {o: PeakModel(model.costs, model.features, gradients, model.spans, o) for o in objectives}
-    cuts_only = PeakModel(model.costs, model.features, gradients, objective=objectives[0])
+    priced = {o: PeakModel(costs=model.costs, feature_units=model.features, gradients=gradients, spans=model.spans, objective=o) for o in objectives}
+    cuts_only = PeakModel(costs=model.costs, feature_units=model.features, gradients=gradients, objective=objectives[0])
 
     def trunk_row(name, strategy, trunk):
         if trunk.cost_aware:  # planned from the measurement above, not measured again per row

@@ -74,7 +74,7 @@ class PeakModel:
     Regions (``spans``) and compiled trunks (``compiled``): see the module docstring.
     """
 
-    def __init__(self, costs: UnitCosts, feature_units: Sequence[int], gradients: str = "allocated", spans: Iterable[Tuple[int, int]] = (),
+    def __init__(self, *, costs: UnitCosts, feature_units: Sequence[int], gradients: str, spans: Iterable[Tuple[int, int]] = (),
                  objective: str = "flops", compiled: bool = False, update_temporaries: float = UPDATE_TEMPORARIES):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")

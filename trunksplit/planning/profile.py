@@ -20,7 +20,7 @@ from .timing import forward_seconds, time_span
 from .unit_copies import private_copy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UnitCosts:
     """Measured costs of each unit of a chain, for one input shape.
 
@@ -177,7 +177,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if progress is not None:
                 progress(units[i][0])
     plain = {k: tuple(v) for k, v in fields.items()}
-    costs = UnitCosts(tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]), **plain)
+    costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]), **plain)
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})

@@ -21,7 +21,7 @@ UPDATE_TEMPORARIES = 2.0
 OBJECTIVES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanRequest:
     """One trunk's planning question, frozen.
 
@@ -35,21 +35,24 @@ class PlanRequest:
     ``update_temporaries``: with ``gradients="in_backward"``, how many tensors of a parameter's
     size the optimizer's update of one parameter allocates (:func:`trunksplit.in_backward.update_temporaries`).
 
+    Every field is given by keyword, none has a default: a field forgotten where a request is made
+    is an error there, not a default that only some runs (FSDP2's, compiled ones) would notice.
+
     Sharp edge: it holds the modules, so it is not a cache key; :func:`trunksplit.trunk.plan_key`
     is (what the plan depends on besides the request: the input's shapes, device, autocast).
     """
 
     units: Tuple[Tuple[str, nn.Module], ...]
     feature_stops: Tuple[Tuple[str, int], ...]
-    num_splits: Optional[int] = None
-    strategy: str = "vissl"
-    budget: Optional[MemoryBudget] = None
-    gradients: str = "allocated"
-    objective: str = "flops"
-    use_reentrant: bool = False
-    compiled: bool = False
-    world_size: int = 1
-    update_temporaries: float = UPDATE_TEMPORARIES
+    num_splits: Optional[int]
+    strategy: str
+    budget: Optional[MemoryBudget]
+    gradients: str
+    objective: str
+    use_reentrant: bool
+    compiled: bool
+    world_size: int
+    update_temporaries: float
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

@@ -176,7 +176,7 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     timed = request.objective == "time"
     allocator = measured_by_allocator(world_size, next(iter(tensors_in(x))).device, compiled=request.compiled)
     costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress)
-    model = PeakModel(costs, request.feature_units, request.gradients, spans, request.objective, compiled=request.compiled,
+    model = PeakModel(costs=costs, feature_units=request.feature_units, gradients=request.gradients, spans=spans, objective=request.objective, compiled=request.compiled,
                       update_temporaries=request.update_temporaries)
     return per_rank(model, list(request.modules), world_size)
 

@@ -81,8 +81,8 @@ def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> P
     """``model`` (a trunk's peak model, profiled unsharded) for one of ``world_size`` FSDP2 ranks."""
     if world_size == 1:
         return model
-    return PeakModel(sharded_costs(model.costs, units, world_size), model.features, model.gradients, model.spans, model.objective,
-                     model.compiled, model.update_temporaries)
+    return PeakModel(costs=sharded_costs(model.costs, units, world_size), feature_units=model.features, gradients=model.gradients, spans=model.spans, objective=model.objective,
+                     compiled=model.compiled, update_temporaries=model.update_temporaries)
 
 
 @dataclass(frozen=True)
