@@ -138,7 +138,7 @@ def test_dino_vit_s_16_trains_under_torchrun_with_two_processes_and_its_loss_fal
     overrides = ["OUTPUT_DIR", str(out), "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 4]", "DATA.IMAGE_SIZE", "40",
                  "TRAIN.BATCH_SIZE_PER_RANK", "8", "TRAIN.STEPS", "30", "TRAIN.CHECKPOINT_EVERY", "30", "TRAIN.AUTOCAST", "", "TRAIN.LOG_EVERY", "1",
                  "MODEL.HEAD.HIDDEN_DIM", "512", "METHOD.NUM_PROTOTYPES", "1024", "METHOD.DINO.CENTER_MOMENTUM", "0.99",
-                 "OPTIM.LR", "0.001", "OPTIM.WARMUP_STEPS", "3", "DATA.NUM_WORKERS", "0"]
+                 "OPTIM.LR", "0.001", "OPTIM.LR_BATCH_SIZE", "0", "OPTIM.WARMUP_STEPS", "3", "DATA.NUM_WORKERS", "0"]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(ROOT, "tools", "train.py"),
                              "--config-file", os.path.join(ROOT, "configs", "dino_vit_s_16.yaml"), *overrides],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)

@@ -662,3 +662,20 @@ def test_train_device_cuda_without_an_index_is_this_processs_gpu(monkeypatch):
     assert (rank, world, device, chosen) == (0, 1, torch.device("cuda", 1), [torch.device("cuda", 1)])
     with pytest.raises(ValueError, match="this machine has 2 GPU"):
         setup_distributed(load_config("", ["TRAIN.DEVICE", "cuda:2"]))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_learning_rate_given_per_256_images_is_scaled_to_the_runs_total_batch(world, capsys):
+    """OPTIM.LR_BATCH_SIZE: the recipes' linear scaling rule (0.3 x total batch / 256) applied, said,
+    and recorded in the config the run saves (applied once: the saved config's rate is the rate)."""
+    from trunksplit.ssl.optim import learning_rate, with_scaled_lr
+
+    cfg = load_config(QUICK, ["OPTIM.LR", "0.3", "OPTIM.LR_BATCH_SIZE", "256", "TRAIN.BATCH_SIZE_PER_RANK", "16", "OPTIM.WARMUP_STEPS", "0"])
+    scaled = with_scaled_lr(cfg, world, rank=0)
+    assert scaled.OPTIM.LR == pytest.approx(0.3 * 16 * world / 256) and scaled.OPTIM.LR_BATCH_SIZE == 0
+    assert learning_rate(scaled, 0) == pytest.approx(0.3 * 16 * world / 256)
+    assert f"{scaled.OPTIM.LR:.4g} at this run's {16 * world}" in capsys.readouterr().out
+    assert with_scaled_lr(scaled, world, rank=0).OPTIM.LR == scaled.OPTIM.LR  # once
+    assert cfg.OPTIM.LR == 0.3  # the given config is left as it was
+    with pytest.raises(ValueError, match="OPTIM.LR_BATCH_SIZE must be >= 0"):
+        load_config(QUICK, ["OPTIM.LR_BATCH_SIZE", "-256"])

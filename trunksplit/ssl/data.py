@@ -5,7 +5,6 @@ which flips. That is what makes a resumed run equal an uninterrupted one, and
 what shards the data across ranks without a sampler's state.
 """
 import functools
-import math
 import os
 from typing import List, Sequence
 
@@ -19,14 +18,7 @@ from .augment import Distortion, augment, crop_distortions
 
 
 class SyntheticImages(torch.utils.data.Dataset):
-    """``n`` images of ``size`` x ``size``, the same for the same index, every run: each a scene that
-    SimCLR's augmentations leave recognisable, so a short run can learn to tell them apart.
-
-    Smooth colour fields alone (this class's first version) survive colour jitter, grayscale and a
-    small crop as almost nothing: two views of one image matched no better than chance. Here each
-    image has an oriented grating in its brightness (its own orientation and frequency: it survives
-    colour changes and grayscale, and covers every crop) and a few shapes (discs, squares, bars) of
-    its own colours and places, on a smooth background."""
+    """``n`` images of ``size`` x ``size``: smooth random colour fields, the same for the same index, every run."""
 
     def __init__(self, n: int, size: int, seed: int = 0):
         self.n, self.size, self.seed = n, size, seed
@@ -36,27 +28,8 @@ class SyntheticImages(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-
-        def uniform(low: float, high: float) -> float:
-            return low + (high - low) * torch.rand((), generator=g).item()
-
-        s = self.size
-        y, x = torch.meshgrid(torch.linspace(0, 1, s), torch.linspace(0, 1, s), indexing="ij")
-        image = F.interpolate(torch.rand(1, 3, 4, 4, generator=g), size=(s, s), mode="bicubic", align_corners=False)[0] * 0.5 + 0.25
-        angle, cycles = uniform(0, math.pi), uniform(2, 8)
-        grating = torch.sin(2 * math.pi * cycles * (x * math.cos(angle) + y * math.sin(angle)) + uniform(0, 2 * math.pi))
-        image = image * (0.7 + 0.3 * grating)
-        for _ in range(3):
-            cx, cy, r, colour = uniform(0.15, 0.85), uniform(0.15, 0.85), uniform(0.1, 0.25), torch.rand(3, 1, 1, generator=g)
-            kind = int(torch.randint(3, (), generator=g))
-            if kind == 0:
-                inside = (x - cx) ** 2 + (y - cy) ** 2 < r**2
-            elif kind == 1:
-                inside = ((x - cx).abs() < r) & ((y - cy).abs() < r)
-            else:
-                inside = ((x - cx).abs() < r * 1.6) & ((y - cy).abs() < r * 0.35)
-            image = torch.where(inside, colour, image)
-        return image.clamp(0, 1)
+        coarse = torch.rand(1, 3, 6, 6, generator=g)
+        return F.interpolate(coarse, size=(self.size, self.size), mode="bicubic", align_corners=False)[0].clamp(0, 1)
 
 
 # ImageFolder's extensions and GIF, which decode_image reads (ImageFolder would not list it)

@@ -15,9 +15,9 @@ time backward by crop group (:mod:`trunksplit.ssl.grouped`). So the fit adds thr
 
 The step's predicted peak is the rest's plus the trunk's (the largest group's when grouped; every
 group's, gradients once, when whole). The two peaks fall at different moments, so the sum leans
-high; one real step at the batch found (world size 1) checks it, and the next batch is found again with
-what that check measured beyond the prediction; at most three checks (six while none fits), keeping the
-largest that fitted.
+high; one real step at the batch found (world size 1) checks it, and what a check measured beyond
+its prediction is left free by the next batch and budget; at most three checks (six while none fits),
+keeping the largest batch that fitted.
 
 Sharp edges: on CUDA the check's figure is the allocator's (fragmentation, cuDNN workspaces
 included), the prediction's is not; an optimizer stepped in backward makes its state in the checking
@@ -106,10 +106,9 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, world: int = 1, progr
                          f"{format_bytes(step.total(1))} ({gib(step.rank.resident)} resident and the step's peak)")
     say("searching the largest batch and the least recompute that fits")
     images = largest_fitting(lambda b: step.total(b) <= memory)
-    measured = None
+    budget, measured = step.budget(images, memory), None
     if world == 1:  # one process cannot run a sharded step
-        images, measured = _checked(step, images, memory, say)
-    budget = step.budget(images, memory)
+        images, budget, measured = _checked(step, images, memory, say)
     plans = step.plans(images, budget)
     lines = [_group_line(k, s, n, images, plan) for k, ((s, n), plan) in enumerate(zip(step.groups, plans.values()))]
     return StepFit(images, budget, step.rank.resident, step.total(images, budget), measured, memory, lines, plans)
@@ -179,26 +178,30 @@ class _StepPrediction:
         return self.rank.resident + max(peak, self.optimizer_peak)
 
 
-def _checked(step: _StepPrediction, images: int, memory: int, say) -> Tuple[int, int]:
-    """(images, measured bytes): the largest batch a real step showed fits, from the predicted ``images``;
-    after each check the prediction is moved by what it missed. At most :data:`CHECKS` checks (twice that while none fits)."""
-    best, checks = None, 0
-    while checks < CHECKS or best is None and checks < 2 * CHECKS:
+def _checked(step: _StepPrediction, images: int, memory: int, say) -> Tuple[int, int, int]:
+    """(images, trunk budget, measured bytes): the largest batch a real step showed fits, from the
+    predicted ``images``. What a check measured beyond its prediction is kept as a margin that the
+    next batch and budget leave free. At most :data:`CHECKS` checks (twice that while none fits)."""
+    best, margin = None, 0
+    for check in range(2 * CHECKS):
+        if check >= CHECKS and best is not None:
+            break
+        budget = step.budget(images, memory - margin)
         say(f"checking {images} images per rank by one real step")
-        measured, checks, checked = step.measured(images, step.budget(images, memory)), checks + 1, images
-        if measured <= memory:
-            best = (images, measured)
-            if measured >= 0.95 * memory:
-                break
-        elif images == 1:
+        measured = step.measured(images, budget)
+        if measured <= memory and (best is None or images > best[0]):
+            best = (images, budget, measured)
+        if memory * 0.95 <= measured <= memory or measured > memory and images == 1:
             break
-        missed = measured - step.total(images)  # beyond the lowest-peak prediction at this batch, taken as the same at the next
-        rescaled = largest_fitting(lambda b: step.total(b) + missed <= memory) if step.total(1) + missed <= memory else 1
-        images = min(images - 1, rescaled) if measured > memory else max(images + 1, rescaled)
-        if best is not None and images <= best[0]:
+        margin = max(0, measured - step.total(images, budget))  # what the prediction missed at the plans checked
+        following = largest_fitting(lambda b: step.total(b) + margin <= memory) if step.total(1) + margin <= memory else 1
+        if following == images:
+            following = images - 1 if measured > memory else images + 1
+        if following < 1 or best is not None and following <= best[0]:
             break
+        images = following
     if best is None:
-        raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} fits no batch checked: the last, {checked} images per rank, measured "
+        raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} fits no batch checked: the last, {images} images per rank, measured "
                          f"{format_bytes(measured)}. Give more memory, or a smaller model or crops")
     return best
 
