@@ -1,9 +1,12 @@
-"""Independent references: the plain torchvision model, its features read with forward hooks, a count of the convolutions a backward reruns."""
+"""Independent references: the plain torchvision model, its features read with forward hooks, a count of the convolutions a backward reruns, and one step of the plain model beside the checkpointed trunk."""
+import copy
+import warnings
+
 import torch
 import torchvision
 from torch import nn
 
-from trunksplit import PeakMemory
+from trunksplit import CheckpointedTrunk, PeakMemory
 from trunksplit.planning.memory import TorchDispatchMode  # torch's dispatch-mode base, from where trunksplit isolates the private import
 
 # Where each trunksplit feature lives in the plain torchvision model.
@@ -76,3 +79,48 @@ class ForwardConvolutions(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func.overloadpacket is torch.ops.aten.convolution
         return func(*args, **(kwargs or {}))
+
+
+def step_both(arch, keys, splits, reentrant, input_grad=False, strategy="vissl", **kw):
+    """One training step of the plain model and of the checkpointed trunk built from a copy of it."""
+    plain = build(arch)
+    model = copy.deepcopy(plain)
+    model.initial_buffers = {n: b.clone() for n, b in model.named_buffers()}
+    trunk = CheckpointedTrunk(model, keys, num_splits=splits, use_reentrant=reentrant, strategy=strategy, **kw)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    x_plain, x_trunk = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    want = plain_features(plain, x_plain, keys)
+    loss_of(want).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = trunk(x_trunk)
+    loss_of(got).backward()
+    return plain, model, trunk, want, got, (x_plain, x_trunk)
+
+
+def close(a, b, rtol=1e-5):
+    """Equal up to the rounding of a different summation order, relative to the tensor's scale."""
+    return a.shape == b.shape and bool((a - b).abs().max() <= rtol * a.abs().max().clamp_min(1e-30))
+
+
+def check_step(plain, model, trunk, want, got, reentrant, reentrant_rtol=1e-5):
+    assert len(got) == len(want)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    # Non-reentrant checkpointing replays the plain graph op for op: bit-exact. Reentrant
+    # checkpointing runs one inner backward per segment, which changes the order in which
+    # the gradients of a tensor used several times are summed: equal up to float rounding.
+    same = torch.equal if not reentrant else (lambda a, b: close(a, b, reentrant_rtol))
+    trunk_params = {id(p) for p in trunk.parameters()}
+    want_grads, got_grads = grads_by_name(plain), grads_by_name(model)
+    for name, p in model.named_parameters():
+        if id(p) in trunk_params:
+            assert got_grads[name] is not None, name
+            assert same(want_grads[name], got_grads[name]), name
+        else:  # not run by the trunk: no gradient in either model
+            assert got_grads[name] is None and want_grads[name] is None, name
+    trunk_buffers = {id(b) for b in trunk.buffers()}
+    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        # BatchNorm statistics, num_batches_tracked included: as the plain step left them
+        # where the trunk runs the layer, untouched elsewhere.
+        assert torch.equal(a if id(b) in trunk_buffers else model.initial_buffers[name], b), name

@@ -166,3 +166,14 @@ def test_the_checker_sees_an_upward_import():
     assert ("trunksplit.trunk", "trunksplit.planning.search") in arrows
     assert ("trunksplit.chains", "trunksplit.chains.families") in arrows
     assert _layer("trunksplit.ssl.loop") > _layer("trunksplit.trunk") > _layer("trunksplit.chains.blocks")
+
+
+def test_no_test_module_imports_another_test_modules_names():
+    """Shared test helpers live in helper modules (reference.py, zoo.py, conftest.py), not in another test file."""
+    tests = pathlib.Path(__file__).parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith("test_"):
+                found.append(f"{path.relative_to(tests)}: from {node.module} import ...")
+    assert found == []

@@ -9,54 +9,9 @@ from torch import nn
 
 from trunksplit import CheckpointedTrunk, feature_blocks
 
-from reference import build, grads_by_name, loss_of, plain_features
+from reference import build, check_step, close, grads_by_name, loss_of, plain_features, step_both
 
 ARCHS = ["resnet18", "resnet50", "resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf"]
-
-
-def _step_both(arch, keys, splits, reentrant, input_grad=False, strategy="vissl", **kw):
-    """One training step of the plain model and of the checkpointed trunk built from a copy of it."""
-    plain = build(arch)
-    model = copy.deepcopy(plain)
-    model.initial_buffers = {n: b.clone() for n, b in model.named_buffers()}
-    trunk = CheckpointedTrunk(model, keys, num_splits=splits, use_reentrant=reentrant, strategy=strategy, **kw)
-    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    x_plain, x_trunk = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
-    want = plain_features(plain, x_plain, keys)
-    loss_of(want).backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = trunk(x_trunk)
-    loss_of(got).backward()
-    return plain, model, trunk, want, got, (x_plain, x_trunk)
-
-
-def _close(a, b, rtol=1e-5):
-    """Equal up to the rounding of a different summation order, relative to the tensor's scale."""
-    return a.shape == b.shape and bool((a - b).abs().max() <= rtol * a.abs().max().clamp_min(1e-30))
-
-
-def _check_step(plain, model, trunk, want, got, reentrant, reentrant_rtol=1e-5):
-    assert len(got) == len(want)
-    for w, g in zip(want, got):
-        assert torch.equal(w, g)
-    # Non-reentrant checkpointing replays the plain graph op for op: bit-exact. Reentrant
-    # checkpointing runs one inner backward per segment, which changes the order in which
-    # the gradients of a tensor used several times are summed: equal up to float rounding.
-    same = torch.equal if not reentrant else (lambda a, b: _close(a, b, reentrant_rtol))
-    trunk_params = {id(p) for p in trunk.parameters()}
-    want_grads, got_grads = grads_by_name(plain), grads_by_name(model)
-    for name, p in model.named_parameters():
-        if id(p) in trunk_params:
-            assert got_grads[name] is not None, name
-            assert same(want_grads[name], got_grads[name]), name
-        else:  # not run by the trunk: no gradient in either model
-            assert got_grads[name] is None and want_grads[name] is None, name
-    trunk_buffers = {id(b) for b in trunk.buffers()}
-    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
-        # BatchNorm statistics, num_batches_tracked included: as the plain step left them
-        # where the trunk runs the layer, untouched elsewhere.
-        assert torch.equal(a if id(b) in trunk_buffers else model.initial_buffers[name], b), name
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,20 +19,20 @@ def _check_step(plain, model, trunk, want, got, reentrant, reentrant_rtol=1e-5):
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("keys", [["res3", "res4"], ["res3", "flatten"]])
 def test_training_step_equals_plain_model(arch, splits, reentrant, keys):
-    plain, model, trunk, want, got, _ = _step_both(arch, keys, splits, reentrant)
-    _check_step(plain, model, trunk, want, got, reentrant)
+    plain, model, trunk, want, got, _ = step_both(arch, keys, splits, reentrant)
+    check_step(plain, model, trunk, want, got, reentrant)
     assert len(trunk.plan.segments) == max(splits, len(keys))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_input_that_requires_grad_gets_the_plain_gradient(reentrant):
-    plain, model, trunk, want, got, (xp, xt) = _step_both("resnet18", ["flatten"], 4, reentrant, input_grad=True)
-    _check_step(plain, model, trunk, want, got, reentrant)
-    assert xt.grad is not None and (torch.equal if not reentrant else _close)(xp.grad, xt.grad)
+    plain, model, trunk, want, got, (xp, xt) = step_both("resnet18", ["flatten"], 4, reentrant, input_grad=True)
+    check_step(plain, model, trunk, want, got, reentrant)
+    assert xt.grad is not None and (torch.equal if not reentrant else close)(xp.grad, xt.grad)
 
 
 def test_batchnorm_counts_one_batch_per_step():
-    plain, model, trunk, *_ = _step_both("resnet18", ["flatten"], 8, False)
+    plain, model, trunk, *_ = step_both("resnet18", ["flatten"], 8, False)
     counts = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}
     assert counts == {1}
 
@@ -201,7 +156,7 @@ def test_bf16_autocast_step_equals_the_plain_model_under_the_same_autocast(reent
         loss_of([g.float() for g in got]).backward()
     # non-reentrant: bit-exact; reentrant: activation gradients are bf16, so a different
     # summation order rounds at bf16's precision (8 bits of mantissa)
-    _check_step(plain, model, trunk, want, got, reentrant, reentrant_rtol=2e-2)
+    check_step(plain, model, trunk, want, got, reentrant, reentrant_rtol=2e-2)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -209,10 +164,10 @@ def test_bf16_autocast_step_equals_the_plain_model_under_the_same_autocast(reent
 def test_a_feature_followed_by_an_in_place_op_trains_exactly(reentrant, how):
     # The cut forced after bn1 starts a segment with ReLU(inplace=True): the segment must
     # not overwrite its checkpointed input, and the feature is bn1's output, unmodified.
-    plain, model, trunk, want, got, _ = _step_both("resnet18", ["bn1", "flatten"], how.pop("num_splits", None), reentrant, **how)
+    plain, model, trunk, want, got, _ = step_both("resnet18", ["bn1", "flatten"], how.pop("num_splits", None), reentrant, **how)
     assert "conv1_relu" in [trunk.plan.units[s.start] for s in trunk.plan.segments]
     assert got[0].min() < 0  # pre-ReLU values: not overwritten by the in-place ReLU
-    _check_step(plain, model, trunk, want, got, reentrant)
+    check_step(plain, model, trunk, want, got, reentrant)
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])

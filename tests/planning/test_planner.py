@@ -17,8 +17,7 @@ from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
 
-from reference import build, loss_of, second_step_peak
-from test_trunk import _check_step, _step_both
+from reference import build, check_step, loss_of, second_step_peak, step_both
 
 F32 = 4
 
@@ -342,8 +341,8 @@ def test_model_predicts_measured_peaks_within_10_percent_and_ranks_them(arch, gr
 def test_cost_aware_plans_train_exactly(arch, reentrant, kw):
     kw = dict(kw)
     splits = kw.pop("splits")
-    plain, model, trunk, want, got, _ = _step_both(arch, ["res3", "flatten"], splits, reentrant, **kw)
-    _check_step(plain, model, trunk, want, got, reentrant)
+    plain, model, trunk, want, got, _ = step_both(arch, ["res3", "flatten"], splits, reentrant, **kw)
+    check_step(plain, model, trunk, want, got, reentrant)
     assert trunk.plan.strategy == ("budget" if "memory_budget" in kw else "balanced")
     assert "res3" in trunk.plan.names and len(trunk.plan.segments) >= 2
     assert ("objective time: what runs again takes" in trunk.plan.note) == ("objective" in kw)
