@@ -93,8 +93,9 @@ def test_a_grouped_run_trains_the_whole_step_runs_weights_in_less_memory(tmp_pat
     assert grouped_row["peak_memory_bytes"] < 0.9 * whole_row["peak_memory_bytes"], (grouped_row["peak_memory_bytes"], whole_row["peak_memory_bytes"])
     assert grouped_row["memory_vs_plain"]["checkpointed"] < 0.9 * whole_row["memory_vs_plain"]["checkpointed"]
     assert abs(grouped_row["memory_vs_plain"]["checkpointed"] / grouped_row["peak_memory_bytes"] - 1) < 0.05
-    sizes = _config(method).DATA.CROP_SIZES  # the summary names each resolution's plan
-    assert [f"at {s}px" in grouped_row["plan"] for s in sizes] == [True] * len(sizes), grouped_row["plan"]
+    cfg = _config(method)  # the summary names each crop group's plan
+    groups = [f"group {k + 1} ({n} x {s}px): " for k, (s, n) in enumerate(zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS))]
+    assert [g in grouped_row["plan"] for g in groups] == [True] * len(groups), grouped_row["plan"]
 
 
 def test_an_optimizer_stepped_in_backward_waits_for_the_last_groups_gradients():

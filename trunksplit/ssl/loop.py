@@ -21,7 +21,7 @@ from ..planning.plan import SplitPlan
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
-from .fit_step import fitted_batch
+from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step
 from .losses import nt_xent, swav_loss
 from .model import SSLModel, same_size_runs, student_copy, with_batch
@@ -143,7 +143,9 @@ def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, s
     without checkpointing to the last row (each copy stepped in backward as the model is, if it is)."""
     plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
-        last["plan"] = "; ".join(f"{p.strategy}, {len(p.segments)} segments at {key[0][0][0][-1]}px" for key, p in plans.items())
+        by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size
+        last["plan"] = "; ".join(f"group {k + 1} ({n} x {s}px): {by_size[s].strategy}, {len(by_size[s].segments)} segments"
+                                 for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
     else:
         last["plan"] = f"{model.trunk.plan.strategy}, {len(model.trunk.plan.segments)} segments"
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
