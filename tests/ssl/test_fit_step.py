@@ -22,31 +22,44 @@ METHODS = {"dino": DINO, "swav": SWAV, "simclr": ["DATA.CROP_SIZES", "[32]"]}
 LIMIT = 300 * 2**20
 
 
-def _fitted_run(tmp_path, method, grouped=True, limit=LIMIT, *more):
+def _fitted_run(out, method, grouped=True):
     """Train one step with the fitted batch; (batch, everything resident during that step as the run measured it)."""
-    overrides = ["OUTPUT_DIR", str(tmp_path / f"{method}-{grouped}"), *SMALL, *METHODS[method], "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped),
-                 "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(limit)), *more]
+    overrides = ["OUTPUT_DIR", str(out / f"{method}-{grouped}"), *SMALL, *METHODS[method], "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped),
+                 "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(LIMIT))]
     model, last = train(load_config(QUICK, overrides))
     trainable = [p for p in model.parameters() if p.requires_grad]
     slots = {"adamw": 2, "sgd": 1, "lars": 1}[load_config(QUICK, overrides).OPTIM.NAME]
     resident = (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
                 + slots * sum(p.numel() * p.element_size() for p in trainable) + (4 * len(trainable) if slots == 2 else 0))
-    saved = load_config(str(tmp_path / f"{method}-{grouped}" / "config.yaml"))
+    saved = load_config(str(out / f"{method}-{grouped}" / "config.yaml"))
     return saved.TRAIN.BATCH_SIZE_PER_RANK, resident + last["peak_memory_bytes"]
 
 
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """Each (method, grouped) run once for the module's tests: (batch, measured total)."""
+    out, runs = tmp_path_factory.mktemp("fitted"), {}
+
+    def run(method, grouped=True):
+        if (method, grouped) not in runs:
+            runs[method, grouped] = _fitted_run(out, method, grouped)
+        return runs[method, grouped]
+
+    return run
+
+
 @pytest.mark.parametrize("method", ["dino", "swav", "simclr"])
-def test_the_fitted_batchs_whole_step_fills_the_memory_limit_without_passing_it(tmp_path, method):
+def test_the_fitted_batchs_whole_step_fills_the_memory_limit_without_passing_it(fitted, method):
     """Head, loss, teacher and every crop group counted: the step as the run measures it lands in
     0.85-1.00 of TRAIN.MEMORY_LIMIT (before, a SimCLR run measured 2.7% over it; multi-crop was refused)."""
-    batch, total = _fitted_run(tmp_path, method)
+    batch, total = fitted(method)
     assert batch >= 2 and 0.85 * LIMIT <= total <= LIMIT, (batch, total / LIMIT)
 
 
-def test_backward_by_crop_group_fits_more_images_than_the_whole_step(tmp_path):
+def test_backward_by_crop_group_fits_more_images_than_the_whole_step(fitted):
     """One group's activations alive at a time: more images per rank in the same memory, each run within it."""
-    grouped, grouped_total = _fitted_run(tmp_path, "dino", True)
-    whole, whole_total = _fitted_run(tmp_path, "dino", False)
+    grouped, grouped_total = fitted("dino", True)
+    whole, whole_total = fitted("dino", False)
     assert grouped >= 1.4 * whole, (grouped, whole)
     assert 0.85 * LIMIT <= whole_total <= LIMIT and grouped_total <= LIMIT
 
@@ -65,7 +78,7 @@ def test_crop_groups_are_the_trunk_calls_of_a_step():
     assert crop_groups(cfg) == [(32, 3), (16, 4)]  # consecutive crops of one size are one trunk call
 
 
-def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(tmp_path, capsys):
+def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(fitted, capsys):
     """``trunksplit fit --config-file`` prints the images per rank, each group's plan, and a line per
     phase on stderr (not a terminal here); the launcher then trains with that batch."""
     code = main(["fit", "--config-file", QUICK, "--memory", "300MiB", *SMALL, *DINO])
@@ -75,7 +88,7 @@ def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(tmp_pat
     assert "group 1: 2 x 32px crops per image" in out and "group 2: 4 x 16px crops per image" in out
     phases = [line.split()[1] for line in err.splitlines() if line.startswith("fit: ")]
     assert phases[:4] == ["profiling", "profiling", "measuring", "searching"] and set(phases[4:]) == {"checking"}, err
-    batch, total = _fitted_run(tmp_path, "dino")
+    batch, total = fitted("dino")
     assert batch == images and total <= LIMIT
 
 
