@@ -105,6 +105,7 @@ def test_fit_command_prints_the_batch_the_plan_and_the_check(capsys):
     assert main(["fit", "--arch", "mobilenet_v2", "--input", "3x64x64", "--memory", "150MiB", "--optimizer", "adamw"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SplitPlan (budget") and "fits 150.0 MiB" in out and "measured" in out and "of memory)" in out
+    assert "images of 3x64x64 through the trunk alone" in out and "--config-file" in out  # what the batch counts, and where SSL runs fit
     assert main(["fit", "--arch", "mobilenet_v2", "--input", "3x64x64", "--memory", "1MiB"]) == 2
     assert "too small for a batch of 1" in capsys.readouterr().err
 

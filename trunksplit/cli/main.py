@@ -181,6 +181,8 @@ def _fit(args) -> int:
     print(found.plan)
     print(found)
     print(found.rank)
+    print(f"the batch counts images of {'x'.join(map(str, args.input))} through the trunk alone, with a surrogate loss: for an SSL run "
+          "(its views, crop groups, head, loss and teacher) fit its config: trunksplit fit --config-file CONFIG --memory SIZE")
     if args.world_size > 1:
         print(f"a prediction for one of {args.world_size} FSDP2 ranks: --memory and the batch are per rank (one process cannot run the sharded step to check it)")
     return 0
