@@ -11,6 +11,17 @@ def test_plan_prints_the_table_with_predicted_memory(capsys):
     assert "predicted peak (MiB)" in out and "of unsplit" in out
 
 
+def test_plan_and_fit_say_each_phase_to_a_log_file(capsys):
+    """stderr captured here, as in a log file, is not a terminal: no progress bar, a plain line per phase."""
+    assert main(["plan", "--arch", "resnet18", "--splits", "3", "--strategy", "balanced", "--input", "2x3x64x64"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("profiling units: ") and err[1].startswith("profiling units: done in ") and err[2] == "searching the plan", err
+    assert main(["fit", "--arch", "resnet18", "--input", "3x32x32", "--memory", "300MiB", "--no-verify"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "fitting: profiling, then searching the largest batch" and err[1].startswith("profiling units at two batches: "), err
+    assert err[2].startswith("profiling units at two batches: done in "), err
+
+
 def test_plan_with_a_budget_lists_its_regions(capsys):
     assert main(["plan", "--arch", "resnet50", "--budget", "0.6", "--gradients", "kept", "--input", "2x3x96x96"]) == 0
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 import warnings
 from typing import List, Optional
 
@@ -107,6 +108,7 @@ def _plan(args) -> int:
             # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
             with _progress(len(request.units), "profiling units") as step:
                 costs = peak_model(request, x, regions=args.budget is not None, world_size=args.world_size, progress=step)
+            _phase("searching the plan")
             plan = plan_trunk(request, x, costs) if request.cost_aware else annotate(trunk.plan_for(x), costs)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
@@ -169,6 +171,7 @@ def _fit(args) -> int:
         return 2
     try:
         model = build_backbone(args.arch, args.input[-1]).to(args.device)
+        _phase(f"fitting: profiling, then searching the largest batch{'' if args.no_verify else ', then one real step checks it'}")
         with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
             found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
                         num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size, progress=step)
@@ -207,9 +210,20 @@ def _fit_config(args) -> int:
 
 @contextlib.contextmanager
 def _progress(total: int, what: str):
-    """A progress bar on stderr (the table goes to stdout), stepped once per call of what it yields."""
+    """A progress bar on stderr (the table goes to stdout), stepped once per call of what it yields;
+    where stderr is not a terminal (a log file), a plain line as the phase starts and one as it ends."""
+    start = time.perf_counter()
     with tqdm(total=total, desc=what, file=sys.stderr, leave=False, disable=None) as bar:
+        if bar.disable:
+            print(f"{what}: {total} ...", file=sys.stderr, flush=True)
         yield lambda _name: bar.update(1)
+        if bar.disable:
+            print(f"{what}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def _phase(line: str) -> None:
+    """One phase of a command, said on stderr, terminal or not."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
