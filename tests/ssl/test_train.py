@@ -679,3 +679,11 @@ def test_a_learning_rate_given_per_256_images_is_scaled_to_the_runs_total_batch(
     assert cfg.OPTIM.LR == 0.3  # the given config is left as it was
     with pytest.raises(ValueError, match="OPTIM.LR_BATCH_SIZE must be >= 0"):
         load_config(QUICK, ["OPTIM.LR_BATCH_SIZE", "-256"])
+
+
+def test_a_run_logged_to_a_file_has_one_plain_line_per_step(tmp_path, capsys):
+    """Not a terminal (captured here, as in a log file): no progress bar's carriage returns, so the log greps."""
+    train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "TRAIN.STEPS", "2"]))
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
