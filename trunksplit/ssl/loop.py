@@ -53,8 +53,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     setup_seconds = _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast)
     if rank == 0:
         start_run_dir(cfg, resumed.rows)
-    # a bar only on a terminal: in a log file its carriage returns would share lines with the step lines
-    bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0 or not sys.stderr.isatty(), desc="train")
+    bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0 or not sys.stderr.isatty(), desc="train")  # a log file: plain lines
     batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
     last = None  # skipped: unreadable file -> times it was skipped
     for step in bar:
