@@ -162,8 +162,13 @@ def _measured_step_peaks(rank, world_size, out):
 def _measured_step_peak(rank, gradients, out):
     """This rank's step peak, by the allocator's events (the smallest of three readings, see
     tools/fsdp_memory.py), under the plan the sharded trunk makes for itself."""
-    x = _micro_batch("resnet18", 0)
     trunk = shard_trunk(CheckpointedTrunk(small("resnet18"), num_splits=3, strategy="balanced", gradients=gradients))
+    torch.save(_planned_and_measured(trunk, gradients), os.path.join(out, f"peak{rank}_{gradients}.pt"))
+
+
+def _planned_and_measured(trunk, gradients="allocated") -> dict:
+    """The sharded trunk's own plan's predicted peak, and the smallest of three allocator readings of its step."""
+    x = _micro_batch("resnet18", 0)
     plan = trunk.plan_for(x)
     step = lambda: loss_of(trunk(x)).backward()  # noqa: E731
     step()
@@ -175,7 +180,7 @@ def _measured_step_peak(rank, gradients, out):
             else:
                 p.grad.zero_()
         readings.append(profiled_peak(step))
-    torch.save({"predicted": plan.predicted_peak_bytes, "measured": min(readings)}, os.path.join(out, f"peak{rank}_{gradients}.pt"))
+    return {"predicted": plan.predicted_peak_bytes, "measured": min(readings)}
 
 
 def test_a_ranks_measured_step_peak_is_what_the_per_rank_model_predicts(tmp_path):
@@ -267,18 +272,9 @@ def _hsdp_step_peak(rank, world_size, out):
     from trunksplit.planning.sharding import sharded_world_size
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    x = _micro_batch("resnet18", 0)
     trunk = shard_trunk(CheckpointedTrunk(small("resnet18"), num_splits=3, strategy="balanced"), mesh=mesh)
-    plan = trunk.plan_for(x)
-    step = lambda: loss_of(trunk(x)).backward()  # noqa: E731
-    step()
-    readings = []
-    for _ in range(3):
-        for p in trunk.parameters():
-            p.grad = None
-        readings.append(profiled_peak(step))
-    shards = sharded_world_size([m for _, m in trunk.units])
-    torch.save({"shards": shards, "predicted": plan.predicted_peak_bytes, "measured": min(readings)}, os.path.join(out, f"hsdp{rank}.pt"))
+    peaks = _planned_and_measured(trunk)
+    torch.save({"shards": sharded_world_size([m for _, m in trunk.units]), **peaks}, os.path.join(out, f"hsdp{rank}.pt"))
 
 
 def test_under_hsdp_a_rank_plans_for_the_ranks_it_shards_over_not_the_whole_mesh(tmp_path):
