@@ -1,6 +1,5 @@
 """CheckpointedTrunk: one training step equals the plain model's, exactly."""
 import copy
-import warnings
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ from torch import nn
 
 from trunksplit import CheckpointedTrunk, feature_blocks
 
-from reference import build, check_step, close, grads_by_name, loss_of, plain_features, step_both
+from reference import build, check_step, close, loss_of, plain_features, step_both
 
 ARCHS = ["resnet18", "resnet50", "resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf"]
 
