@@ -54,8 +54,10 @@ class CheckpointedTrunk(nn.Module):
         objective: what cost-aware plans minimise among those that fit: ``"time"``
             prices recompute in seconds from the ops timed while profiling (one byte of
             cheap ops such as BatchNorm is worth so many convolution FLOPs on this
-            device), ``"flops"`` counts FLOPs run again, then cheap bytes. Timings make a
-            ``"time"`` plan depend on the machine; ``"flops"`` plans are the same everywhere.
+            device), ``"flops"`` counts FLOPs run again, then cheap bytes; ``"auto"`` (the default)
+            is ``"time"`` for inputs on a GPU (small ops cost their launch there, whatever their
+            FLOPs) and ``"flops"`` on a CPU. Timings make a ``"time"`` plan depend on the
+            machine; ``"flops"`` plans are the same everywhere.
 
     Exact: a training step gives the plain model's outputs, every parameter's
     gradient and BatchNorm buffers. The last segment is never checkpointed, and in
@@ -78,7 +80,7 @@ class CheckpointedTrunk(nn.Module):
         memory_budget: Union[None, int, float, str, MemoryBudget] = None,
         use_reentrant: bool = False,
         gradients: str = "allocated",
-        objective: str = "flops",
+        objective: str = "auto",
     ):
         super().__init__()
         source = None if isinstance(trunk, Mapping) else trunk

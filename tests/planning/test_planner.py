@@ -16,6 +16,7 @@ from trunksplit.planning.budget import format_bytes
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
+from trunksplit.planning.request import priced_in
 
 from reference import build, check_step, loss_of, second_step_peak, step_both
 
@@ -313,6 +314,20 @@ def test_time_and_flops_objectives_are_checked():
     assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key((100, 5, 0.5)) > PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key((0, 20, 1.0))
     with pytest.raises(ValueError, match="objective must be one of"):
         PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="speed")
+    with pytest.raises(ValueError, match="objective must be one of"):  # "auto" is a request's, resolved for a device first
+        PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="auto")
+
+
+def test_the_default_objective_prices_time_on_a_gpu_and_flops_on_a_cpu():
+    """A GPU runs a small op about as fast as it launches it, so its plans are priced in measured time;
+    a CPU's in FLOPs (the same plan every run). Asked for explicitly, an objective is kept everywhere."""
+    assert [priced_in("auto", d) for d in ("cpu", "cuda", torch.device("cuda", 1), "mps")] == ["flops", "time", "time", "time"]
+    assert [priced_in(o, "cuda") for o in ("flops", "time")] == ["flops", "time"]
+    assert CheckpointedTrunk(build("resnet18")).objective == "auto"
+    x = torch.randn(2, 3, 64, 64)
+    default, flops = (CheckpointedTrunk(build("resnet18"), memory_budget=0.8, gradients="kept", **kw) for kw in ({}, {"objective": "flops"}))
+    assert default.plan_for(x) == flops.plan_for(x)  # on this CPU: the FLOPs plan, no timings in its note
+    assert "objective time" not in default.plan_for(x).note
 
 
 @pytest.mark.parametrize("gradients", ["allocated", "kept"])
@@ -458,7 +473,7 @@ def test_gradients_allocated_by_the_step_are_part_of_its_peak():
         assert abs(predicted / second_step_peak(trunk, x) - 1) <= 0.05
     with pytest.raises(ValueError, match="gradients must be one of"):
         CheckpointedTrunk(build("resnet18"), gradients="none")
-    with pytest.raises(ValueError, match=r"objective must be one of \('time', 'flops'\), got 'speed'"):
+    with pytest.raises(ValueError, match=r"objective must be one of \('auto', 'time', 'flops'\), got 'speed'"):
         CheckpointedTrunk(build("resnet18"), objective="speed")
 
 

@@ -19,7 +19,7 @@ from ..chains import expand_units, feature_blocks
 from ..fit import NAMED_OPTIMIZERS, fit
 from ..in_backward import update_temporaries
 from ..planning.budget import MemoryBudget, parse_memory_size
-from ..planning.request import GRADIENT_MODES, OBJECTIVES
+from ..planning.request import GRADIENT_MODES, OBJECTIVES, PRICES
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
 from ..ssl.backbones import build_backbone
@@ -32,7 +32,8 @@ from .bench_data import run_data_benchmark
 from .runs import add_run_parsers
 
 
-OBJECTIVE_HELP = "what cost-aware plans minimise: time (recompute priced from ops timed while profiling) or flops (FLOPs run again)"
+OBJECTIVE_HELP = ("what cost-aware plans minimise: time (recompute priced from ops timed while profiling) or flops (FLOPs run again); "
+                  "auto: time on a GPU, flops on a CPU")
 GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False); "
                   "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
 
@@ -252,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
-    p.add_argument("--objective", choices=OBJECTIVES, default="flops", help=OBJECTIVE_HELP)
+    p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
     p.set_defaults(fn=_plan)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"], help="torchvision model names, one table row group each")
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=_writable_dir, default="output/bench", help="where benchmark.md and benchmark.png are written")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
     b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0])
-    b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["flops"], help=OBJECTIVE_HELP + "; several: budget rows for each")
+    b.add_argument("--objective", choices=PRICES, nargs="+", default=["flops"], help=OBJECTIVE_HELP.split("; auto")[0] + "; several: budget rows for each")
     b.set_defaults(fn=_bench)
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50", help="a torchvision classification model name")

@@ -57,7 +57,7 @@ from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequen
 
 from ..recompute.checkpoint import SELECTIVE_KEEPS
 from .profile import UnitCosts
-from .request import GRADIENT_MODES, OBJECTIVES, UPDATE_TEMPORARIES
+from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -78,8 +78,8 @@ class PeakModel:
                  objective: str = "flops", compiled: bool = False, update_temporaries: float = UPDATE_TEMPORARIES):
         if gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if objective not in PRICES:  # "auto" is resolved for a device before a model is made (request.priced_in)
+            raise ValueError(f"objective must be one of {PRICES}, got {objective!r}")
         self.costs = costs
         self.objective = objective
         self.n = len(costs)

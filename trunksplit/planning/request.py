@@ -18,7 +18,22 @@ GRADIENT_MODES = ("allocated", "kept", "in_backward")
 # in_backward: until an optimizer_in_backward measures its own, a parameter's update is taken to
 # allocate two tensors of its size (AdamW's for-loop form: the most of SGD, LARS and AdamW)
 UPDATE_TEMPORARIES = 2.0
-OBJECTIVES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
+PRICES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
+OBJECTIVES = ("auto",) + PRICES  # "auto": by the device the plan is for (see priced_in)
+
+
+def priced_in(objective: str, device: torch.device) -> str:
+    """What a plan for ``device`` prices its recompute in: ``objective``, where ``"auto"`` is
+    ``"time"`` on an accelerator and ``"flops"`` on a CPU.
+
+    Why: a GPU runs a small op about as fast as it launches it, so the cheap ops a selective
+    region runs again (norms, activations) and torch's per-op selective-checkpoint dispatch cost
+    time that FLOPs do not see (on an H100 a ResNet-50 step at budget 0.5 took 3.6x the plain
+    step under FLOPs, 2.0x under time: docs/gpu.md). On a CPU, FLOPs track time well enough, and
+    keep plans the same from run to run and machine to machine."""
+    if objective != "auto":
+        return objective
+    return "flops" if torch.device(device).type == "cpu" else "time"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ from .peak import NOTHING, PeakModel, add_costs
 from .budget import format_bytes
 from .plan import Segment, SplitPlan
 from .profile import profile_units
-from .request import PlanRequest
+from .request import PlanRequest, priced_in
 from .sharding import measured_by_allocator, per_rank
 from .templates import Region, _as_run
 from .vissl import vissl_segments
@@ -173,10 +173,12 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     units = list(request.units)
     world_size = world_size or request.world_size
     spans = region_spans(units) if regions else []
-    timed = request.objective == "time"
-    allocator = measured_by_allocator(world_size, next(iter(tensors_in(x))).device, compiled=request.compiled)
+    device = next(iter(tensors_in(x))).device
+    objective = priced_in(request.objective, device)
+    timed = objective == "time"
+    allocator = measured_by_allocator(world_size, device, compiled=request.compiled)
     costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress)
-    model = PeakModel(costs=costs, feature_units=request.feature_units, gradients=request.gradients, spans=spans, objective=request.objective, compiled=request.compiled,
+    model = PeakModel(costs=costs, feature_units=request.feature_units, gradients=request.gradients, spans=spans, objective=objective, compiled=request.compiled,
                       update_temporaries=request.update_temporaries)
     return per_rank(model, list(request.modules), world_size)
 

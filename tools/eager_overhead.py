@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Where the eager checkpointed step's extra time goes, against the plain step.
+
+    python tools/eager_overhead.py --device cuda                       # ResNet-50 and ViT-B/16, 4 x 224px
+    python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
+
+For each model and budget, five steps run interleaved (median of ``--repeats``): the plain trunk;
+the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
+regions taken out (its cuts only); the same plan with every selective region run as ``"recompute"``
+(no per-op policy); and the plan priced in measured time (``objective="time"``, the default on a GPU). Each row gives the step time, its ratio to plain, the peak ratio
+and the aten ops a step runs (counted by a dispatch mode, forward and backward). The attribution
+table splits the plan's extra time: the forward of the units its checkpointed segments run again
+(each unit's forward timed alone on the plain model: kernels and launches), the checkpoint
+machinery (the cuts-only step less the plain step less that recompute), and the regions (the
+plan less its cuts), of which the selective policy's dispatch is at least the plan less the plan
+with those regions recomputed whole.
+"""
+import argparse
+import copy
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torchvision
+from tabulate import tabulate
+
+from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
+from trunksplit.recompute.checkpoint import SELECTIVE_KEEPS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"], help="torchvision model names")
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.7, 0.5, 0.3])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--repeats", type=int, default=7)
+    return p
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(trunk, x):
+    sum(f.float().mean() for f in trunk(x)).backward()
+    for p in trunk.parameters():
+        p.grad = None
+
+
+def _peak(trunk, x):
+    _step(trunk, x)
+    with PeakMemory(x.device) as mem:
+        _step(trunk, x)
+    return mem.peak_bytes
+
+
+def _ops(trunk, x):
+    with _OpCount() as count:
+        _step(trunk, x)
+    return count.ops
+
+
+def _median_ms(steps: dict, x, repeats: int) -> dict:
+    times = {k: [] for k in steps}
+    for i in range(repeats + 1):
+        for k, trunk in steps.items():
+            _sync(x.device)
+            start = time.perf_counter()
+            _step(trunk, x)
+            _sync(x.device)
+            if i:
+                times[k].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def unit_forward_ms(trunk, x, repeats: int) -> list:
+    """Each unit's forward (with autograd, as a recompute runs it) on the plain trunk, timed alone."""
+    times = []
+    h = x
+    for _, unit in trunk.units:
+        best = float("inf")
+        for _ in range(max(repeats, 2)):
+            _sync(x.device)
+            start = time.perf_counter()
+            out = unit(h)
+            _sync(x.device)
+            best = min(best, (time.perf_counter() - start) * 1e3)
+        times.append(best)
+        h = out.detach()
+    return times
+
+
+def _with_plan(model, x, plan):
+    trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0)
+    trunk.store_plan(trunk.key_for(x), plan)
+    return trunk
+
+
+def variants(model, x, budget: float):
+    """(label -> trunk, the flops plan) or (None, the planner's reason) where the budget does not fit."""
+    planned = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="flops")
+    try:
+        plan = planned.plan_for(x)
+    except ValueError as e:
+        return None, str(e).split(";")[-1].strip()[:120]
+    timed = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time")
+    timed.plan_for(x)
+    cuts = replace(plan, segments=tuple(replace(s, regions=()) for s in plan.segments))
+    whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, "recompute" if p in SELECTIVE_KEEPS else p) for a, b, p in s.regions))
+                                         for s in plan.segments))
+    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), f"budget {budget}, objective flops": planned, "its cuts only": _with_plan(model, x, cuts),
+             "selective regions run whole": _with_plan(model, x, whole), "objective time": timed}
+    return steps, plan
+
+
+def _regions(plan) -> str:
+    counts = {}
+    for _, _, p in plan.regions:
+        counts[p] = counts.get(p, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
+
+
+def rows_for(name: str, x, budget: float, repeats: int):
+    model = getattr(torchvision.models, name)().to(x.device)
+    steps, plan = variants(model, x, budget)
+    if steps is None:
+        return [[name, budget, "-", plan, "-", "-", "-", "-"]], []
+    ms = _median_ms(steps, x, repeats)
+    peaks = {k: _peak(t, x) for k, t in steps.items()}
+    base = "plain"
+    table = []
+    for k, trunk in steps.items():
+        p = trunk.plan_for(x) if k != base else None
+        shape = "-" if p is None else f"{sum(s.checkpointed for s in p.segments)} checkpointed of {len(p.segments)}; regions: {_regions(p)}"
+        table.append([name, budget, k, shape, f"{ms[k]:.1f}", f"{ms[k] / ms[base]:.3f}", f"{peaks[k] / peaks[base]:.3f}", _ops(trunk, x)])
+    unit_ms = unit_forward_ms(steps[base], x, repeats)
+    rerun = sum(sum(unit_ms[s.start:s.stop]) for s in plan.segments if s.checkpointed)
+    label = f"budget {budget}, objective flops"
+    gap = ms[label] - ms[base]
+    parts = [("segments' recompute (forward of the units they rerun)", rerun),
+             ("checkpoint machinery (cuts only - plain - that recompute)", ms["its cuts only"] - ms[base] - rerun),
+             ("regions (plan - its cuts only)", ms[label] - ms["its cuts only"]),
+             ("  of which selective dispatch, at least (plan - regions run whole)", ms[label] - ms["selective regions run whole"])]
+    attribution = [[name, budget, what, f"{v:.1f}", f"{v / gap:.2f}" if gap > 0 else "-"] for what, v in parts]
+    attribution.append([name, budget, "the plan's extra time (plan - plain)", f"{gap:.1f}", "1.00"])
+    return table, attribution
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = False
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
+    tables, attributions = [], []
+    for name in args.models:
+        for budget in args.budgets:
+            print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
+            t, a = rows_for(name, x, budget, args.repeats)
+            tables += t
+            attributions += a
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
+    print(tabulate(tables, headers=["model", "budget", "step", "plan", "ms", "time ratio", "peak ratio", "aten ops"], tablefmt="github"))
+    print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
+    print(tabulate(attributions, headers=["model", "budget", "part", "ms", "share"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
