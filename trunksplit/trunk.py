@@ -51,13 +51,10 @@ class CheckpointedTrunk(nn.Module):
             ``"in_backward"`` (:func:`trunksplit.optimizer_in_backward` updates each parameter
             and frees its gradient as soon as it is whole). Budgets and fractions are of
             what the step allocates beyond what was live before it, in that mode.
-        objective: what cost-aware plans minimise among those that fit: ``"time"``
-            prices recompute in seconds from the ops timed while profiling (one byte of
-            cheap ops such as BatchNorm is worth so many convolution FLOPs on this
-            device), ``"flops"`` counts FLOPs run again, then cheap bytes; ``"auto"`` (the default)
-            is ``"time"`` for inputs on a GPU (small ops cost their launch there, whatever their
-            FLOPs) and ``"flops"`` on a CPU. Timings make a ``"time"`` plan depend on the
-            machine; ``"flops"`` plans are the same everywhere.
+        objective: what cost-aware plans minimise among those that fit: ``"time"``, recompute
+            in seconds timed while profiling (machine-dependent), ``"flops"``, FLOPs run again,
+            then cheap bytes (the same plan everywhere); ``"auto"``: time for inputs on a GPU
+            (a small op costs its launch there), FLOPs on a CPU (see ``request.priced_in``).
 
     Exact: a training step gives the plain model's outputs, every parameter's
     gradient and BatchNorm buffers. The last segment is never checkpointed, and in
