@@ -75,6 +75,7 @@ def test_a_real_step_at_the_fitted_batch_fills_90_to_100_percent_of_memory(optim
     total = _measured_total(model, found.trunk, found.batch_size, optimizer, gradients)
     assert 0.90 * memory <= total <= memory, (found, total)
     assert found.measured_total_bytes <= memory and found.batch_size > 8
+    assert found.measured_total_bytes <= found.predicted_total_bytes, found  # never under the step it checked
     # one image more than fits would, by the same prediction, not fit
     assert fit(model, SHAPE, memory, optimizer=optimizer, gradients=gradients, verify=False).batch_size >= found.batch_size
 

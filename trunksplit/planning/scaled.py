@@ -113,7 +113,12 @@ class ScaledChain:
 def scaled_costs(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
     """Unit costs at ``batch``, each byte and FLOP count a line through the two profiled batches;
     everything that does not grow with the batch (names, parameters, FSDP2's gathered weights and
-    its backend's copies) as profiled. At a profiled batch: that batch's costs."""
+    its backend's copies) as profiled. At a profiled batch: that batch's costs.
+
+    Sharp edge: a peak (``forward_peak``, ``backward_excess``, ``backward_fresh``) is the largest of
+    lines, so its line through two small batches runs below it where a steeper moment overtakes
+    (a weight gradient's bytes at 2 and 4 images, an activation's at 24): a lower bound there.
+    ``fit`` and the launcher's fit check a real step and keep what it missed free."""
     (b0, b1), (c0, c1) = PROFILE_BATCHES, small
 
     def at(a, b):
