@@ -10,8 +10,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("gpu_check_tool", ROOT / "tools" / "gpu_check.py")
+def _tool(name: str = "gpu_check"):
+    spec = importlib.util.spec_from_file_location(f"{name}_tool", ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,3 +45,19 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_run_instead(tmp_path, capsys
     report = tmp_path / "report.md"
     assert _tool().main(["--report", str(report)]) == 2
     assert "--device cpu --quick" in capsys.readouterr().err and not report.exists()
+
+
+def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_memory(capsys):
+    """tools/eager_overhead.py (docs/gpu.md, docs/benchmarks.md): five steps per budget; the budget plans
+    meet the budget as measured, the cuts alone keep more, and the parts add up to the plan's extra time."""
+    assert _tool("eager_overhead").main(["--device", "cpu", "--models", "mobilenet_v3_small", "--size", "96", "--batch", "2",
+                                         "--budgets", "0.7", "--repeats", "1"]) == 0
+    text = capsys.readouterr().out
+    steps = {r[2]: r for r in _table(text, "Eager steps")}
+    assert list(steps) == ["plain", "budget 0.7, objective flops", "its cuts only", "selective regions run whole", "objective time"], steps
+    peak = {k: float(r[6]) for k, r in steps.items()}
+    assert peak["budget 0.7, objective flops"] <= 0.7 * 1.02 and peak["objective time"] <= 0.7 * 1.02, peak
+    assert peak["its cuts only"] > peak["budget 0.7, objective flops"]  # the regions are what reach the budget
+    parts = {r[2]: float(r[3]) for r in _table(text, "The plan's extra time")}
+    extra = float(steps["budget 0.7, objective flops"][4]) - float(steps["plain"][4])
+    assert abs(parts["the plan's extra time (plan - plain)"] - extra) <= 0.11, (parts, extra)

@@ -12,8 +12,9 @@ and the aten ops a step runs (counted by a dispatch mode, forward and backward).
 table splits the plan's extra time: the forward of the units its checkpointed segments run again
 (each unit's forward timed alone on the plain model: kernels and launches), the checkpoint
 machinery (the cuts-only step less the plain step less that recompute), and the regions (the
-plan less its cuts), of which the selective policy's dispatch is at least the plan less the plan
-with those regions recomputed whole.
+plan less its cuts); then the selective policy against the same regions recomputed whole: above 0
+its per-op dispatch costs more than the convolutions it keeps from rerunning (a GPU), below 0 less
+(a CPU).
 """
 import argparse
 import copy
@@ -156,7 +157,7 @@ def rows_for(name: str, x, budget: float, repeats: int):
     parts = [("segments' recompute (forward of the units they rerun)", rerun),
              ("checkpoint machinery (cuts only - plain - that recompute)", ms["its cuts only"] - ms[base] - rerun),
              ("regions (plan - its cuts only)", ms[label] - ms["its cuts only"]),
-             ("  of which selective dispatch, at least (plan - regions run whole)", ms[label] - ms["selective regions run whole"])]
+             ("  selective against whole (plan - regions run whole; < 0: saves)", ms[label] - ms["selective regions run whole"])]
     attribution = [[name, budget, what, f"{v:.1f}", f"{v / gap:.2f}" if gap > 0 else "-"] for what, v in parts]
     attribution.append([name, budget, "the plan's extra time (plan - plain)", f"{gap:.1f}", "1.00"])
     return table, attribution
