@@ -182,6 +182,14 @@ class ProfiledPeak:
         self.peak_bytes = peak
 
 
+def allocator_meter(device: Union[str, torch.device]):
+    """The allocator's meter for ``device`` (its ``peak_bytes``: beyond what was live at its start):
+    on CUDA the caching allocator's statistics (:class:`PeakMemory`), which see cuDNN's workspaces;
+    elsewhere torch.profiler's allocation events (:class:`ProfiledPeak`), which see oneDNN's
+    scratch. A step measured so is planned from units profiled so (``profile_units(allocator=True)``)."""
+    return PeakMemory(device) if torch.device(device).type == "cuda" else ProfiledPeak()
+
+
 def _cpu_memory_changes(roots) -> list:
     """(time, bytes) of every CPU allocation (+) and free (-) under ``roots``, with the missing
     frees put back (see :class:`ProfiledPeak`)."""

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..recompute.checkpoint import map_tensors
 from ..recompute.regions import REGION_POLICIES, run_region
 from ..recompute.stages import staged_graph
-from .memory import ProfiledPeak, StorageWeakRef, _TensorAccounting, storage_bytes, tensors_in
+from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, storage_bytes, tensors_in
 from .timing import forward_seconds, time_span
 from .unit_copies import private_copy
 
@@ -132,11 +132,10 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
 
     ``allocator``: measure the transient peaks (``forward_peak``, ``backward_excess`` and
     ``backward_fresh``, by a backward of its own with no gradients yet) as the allocator's
-    requests (:class:`trunksplit.planning.memory.ProfiledPeak`), not as tensor storages: kernels'
-    scratch counts (oneDNN's reordered weights and gradients, im2col buffers: docs/distributed.md),
-    and what backward frees of the forward's saved tensors counts against it.
-    The figures a step measured by the allocator needs (FSDP2 on CPU); about twice the profiling.
-    CPU only: torch.profiler's CPU memory events. ``progress(name)`` is called as each unit is done
+    requests (:func:`trunksplit.planning.memory.allocator_meter`), not as tensor storages: kernels'
+    scratch counts (cuDNN's workspaces; oneDNN's reordered weights, im2col buffers: docs/distributed.md),
+    and what backward frees of the forward's saved tensors counts against it. The figures a step
+    measured by the allocator needs (CUDA; FSDP2 on CPU); about twice the profiling. ``progress(name)`` is called as each unit is done
     (a command line's progress bar: profiling a big trunk takes tens of seconds).
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
@@ -261,7 +260,8 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     """One forward and backward of ``m`` on a copy of ``h``, run plainly (``"keep"``) or as one
     region under ``policy``: the figures of :class:`UnitCosts` for it (``allocator``: its
     transient peaks as the allocator's, see :func:`profile_units`)."""
-    forward_meter, backward_meter = (ProfiledPeak() if allocator else contextlib.nullcontext() for _ in range(2))
+    device = next(tensors_in(h)).device
+    forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
     tracker, inp = _TensorAccounting(), _unit_input(h, input_needs_grad)
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy)
@@ -307,7 +307,7 @@ def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str) -
     out, _ = _forward_keeping(m, _unit_input(h, input_needs_grad), _TensorAccounting(), policy)
     loss = _unit_loss(out)
     seed = torch.ones_like(loss)
-    with ProfiledPeak() as meter:
+    with allocator_meter(seed.device) as meter:
         loss.backward(seed)
     for p, g in grads:
         p.grad = g

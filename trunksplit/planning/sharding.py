@@ -71,10 +71,13 @@ def reduce_scatter_copies() -> int:
 
 def measured_by_allocator(world_size: int, device: torch.device, compiled: bool = False) -> bool:
     """Whether one rank's step is measured by the allocator, so that its units must be profiled by
-    it (``profile_units(..., allocator=True)``): on CPU, FSDP2, where only torch.profiler's allocation
-    events see the gathered weights (see :class:`trunksplit.planning.memory.ProfiledPeak`), and a
-    compiled trunk, whose step only they see (a tracker around compiled code stops dynamo compiling)."""
-    return (world_size > 1 or compiled) and torch.device(device).type == "cpu"
+    it (``profile_units(..., allocator=True)``): always on CUDA, where the step's meter is the caching
+    allocator, which also holds cuDNN's workspaces (a tensor count missed 30 MB of them at a ResNet-50
+    region's backward: docs/gpu.md); on CPU, FSDP2, where only torch.profiler's allocation events see
+    the gathered weights (see :class:`trunksplit.planning.memory.ProfiledPeak`), and a compiled trunk,
+    whose step only they see (a tracker around compiled code stops dynamo compiling)."""
+    device = torch.device(device).type
+    return device == "cuda" or (world_size > 1 or compiled) and device == "cpu"
 
 
 def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> PeakModel:
