@@ -314,3 +314,38 @@ def test_a_budget_reaches_below_gradient_checkpointing_enable_with_gradients_kep
     switch_peak = _step_peak(switch, x, loss, gradients="kept")
     apply_activation_checkpointing(budgeted, memory_budget=switch_peak, example_inputs=(x,), gradients="kept")
     assert _step_peak(budgeted, x, loss, gradients="kept") < switch_peak
+
+
+def _recipe_blocks(heading: str) -> list:
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "integrations.md")).read()
+    section = page.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    return [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+
+
+def test_the_crop_group_recipe_with_lightlys_dinoloss_trains_as_dinoloss_over_the_whole_step():
+    """docs/integrations.md's two blocks, run as printed, against lightly's own ``DINOLoss`` called once
+    on every crop (its whole-step loss): the same gradients, the same weights after the step, the same centre."""
+    pytest.importorskip("lightly")
+    from lightly.loss import DINOLoss
+
+    namespace = {}
+    for block in _recipe_blocks("Your own loop: DINO backward by crop group"):
+        exec(block.replace("DINOLoss(output_dim=65536)", "DINOLoss(output_dim=32)"), namespace)
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 32))
+    teacher, whole = copy.deepcopy(student), copy.deepcopy(student)
+    crops = [torch.randn(4, 3, 16, 16) for _ in range(2)] + [torch.randn(4, 3, 8, 8) for _ in range(6)]
+    namespace["criterion"].center.normal_(0, 0.1)
+    reference = DINOLoss(output_dim=32)
+    reference.center.copy_(namespace["criterion"].center)
+    grouped_opt, whole_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (student, whole))
+    got = namespace["lightly_dino_step"](student, teacher, crops, grouped_opt)
+    with torch.no_grad():
+        teacher_out = list(teacher(torch.cat(crops[:2])).chunk(2))
+    want = reference(teacher_out, [whole(c) for c in crops])
+    want.backward()
+    whole_opt.step()
+    assert abs(got.item() / want.item() - 1) <= 1e-6
+    for (name, a), b in zip(whole.named_parameters(), student.parameters()):
+        assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-6, name
+    assert torch.allclose(namespace["criterion"].center, reference.center, rtol=0, atol=1e-7)

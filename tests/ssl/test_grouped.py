@@ -167,12 +167,13 @@ def test_the_own_loop_recipe_gives_the_gradients_of_dinos_whole_step_loss():
     teacher, whole = copy.deepcopy(student), copy.deepcopy(student)
     crops = [torch.randn(4, 3, 16, 16) for _ in range(2)] + [torch.randn(4, 3, 8, 8) for _ in range(4)]
     center = torch.randn(1, 32) * 0.1
-    got = namespace["dino_backward_by_crop_group"](student, teacher, crops, center)
+    got, targets = namespace["dino_backward_by_crop_group"](student, teacher, crops, center)
     with torch.no_grad():
         teacher_out = list(teacher(torch.cat(crops[:2])).chunk(2))
     want = dino_loss([whole(c) for c in crops], teacher_out, center, 0.1, 0.04)
     want.backward()
     assert abs(got.item() / want.item() - 1) <= 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(targets, teacher_out))  # what the centre moves by
     for (name, a), b in zip(whole.named_parameters(), student.parameters()):
         assert _relative(a.grad, b.grad) <= 1e-6, name
 
