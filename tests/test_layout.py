@@ -177,3 +177,23 @@ def test_no_test_module_imports_another_test_modules_names():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith("test_"):
                 found.append(f"{path.relative_to(tests)}: from {node.module} import ...")
     assert found == []
+
+
+def _policy_names_spelled(tree: ast.AST) -> list:
+    """String constants in code (docstrings aside) that are a checkpoint policy's name."""
+    from trunksplit.recompute.policies import POLICIES
+
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in POLICIES and id(node) not in docstrings]
+
+
+def test_only_the_policy_registry_spells_a_policys_name_as_code():
+    """A policy is a type chosen by name in one place (trunksplit/recompute/policies.py): what it keeps,
+    how it nests and how it is priced are its attributes, so no other module decides by its name."""
+    spelled = {name: found for name, path in _modules() if name != "trunksplit.recompute.policies"
+               for found in [_policy_names_spelled(ast.parse(path.read_text()))] if found}
+    assert spelled == {}
+    assert _policy_names_spelled(ast.parse('def f(p):\n    """a "recompute" region"""\n    return p == "recompute"\n')) == [(3, "recompute")]

@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk, PeakMemory
 from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
-from trunksplit.recompute.checkpoint import SELECTIVE_KEEPS
+from trunksplit.recompute.policies import POLICIES, RECOMPUTE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +123,7 @@ def variants(model, x, budget: float):
     timed = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time")
     timed.plan_for(x)
     cuts = replace(plan, segments=tuple(replace(s, regions=()) for s in plan.segments))
-    whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, "recompute" if p in SELECTIVE_KEEPS else p) for a, b, p in s.regions))
+    whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, RECOMPUTE.name if POLICIES[p].selective else p) for a, b, p in s.regions))
                                          for s in plan.segments))
     steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), f"budget {budget}, objective flops": planned, "its cuts only": _with_plan(model, x, cuts),
              "selective regions run whole": _with_plan(model, x, whole), "objective time": timed}

@@ -1,5 +1,7 @@
 """Regions: nested checkpoints under "save_expensive" or "recompute", below the block level."""
 import copy
+import json
+import pathlib
 from collections import OrderedDict
 import functools
 from dataclasses import replace
@@ -13,6 +15,7 @@ from trunksplit import CheckpointedTrunk
 from trunksplit.chains.blocks import expand_units, layer_splittable_before
 from trunksplit.planning.memory import PeakMemory
 from trunksplit.planning.peak import PeakModel
+from trunksplit.planning.plan import SplitPlan
 from trunksplit.planning.profile import profile_units
 from trunksplit.planning.search import best_plan, peak_model, plan_from_cuts, plan_trunk
 from trunksplit.recompute.checkpoint import is_expensive, is_heavy, is_recomputing, run_checkpointed
@@ -83,6 +86,28 @@ def test_a_plan_with_regions_trains_exactly_like_the_plain_model(layout, gradien
     for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
         assert torch.equal(a, b), name
 
+
+
+def test_a_plan_saved_before_the_policies_were_types_still_runs_exactly():
+    """tests/data/plan_before_policy_types.json was written by SplitPlan.state() before the policy registry
+    (trunksplit/recompute/policies.py): every policy by name, nested in a checkpointed segment and not.
+    Loaded as a checkpoint of an earlier run would be, it trains as the plain model, and its table names them all."""
+    state = json.loads((pathlib.Path(__file__).parents[1] / "data" / "plan_before_policy_types.json").read_text())
+    plan = SplitPlan.from_state(state)
+    plain = build("resnet18")
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["flatten"], memory_budget=0.8, gradients="kept")
+    x = X()
+    trunk.store_plan(trunk.key_for(x), plan)
+    want, got = plain_features(plain, x, ["flatten"]), trunk(x)
+    loss_of(want).backward()
+    loss_of(got).backward()
+    assert trunk.plan is plan and torch.equal(want[0], got[0])
+    want_grads = grads_by_name(plain)
+    assert all(torch.equal(want_grads[name], g) for name, g in grads_by_name(model).items() if not name.startswith("fc."))
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), model.buffers()))
+    table = str(plan)
+    assert all(f"{name} regions (" in table for name in ("save_expensive", "save_heavy", "recompute", "recompute_stages")), table
 
 class _ForwardFlops(TorchDispatchMode):
     """FLOPs of the forward convolutions and matmuls run (in backward: run again), by torch's own formulas."""

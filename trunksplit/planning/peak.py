@@ -55,7 +55,7 @@ docs/benchmarks.md#torchcompile).
 import itertools
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..recompute.checkpoint import SELECTIVE_KEEPS
+from ..recompute.policies import POLICIES, Policy
 from .profile import UnitCosts
 from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
 from .templates import Region, RegionTemplates, _as_run
@@ -205,15 +205,15 @@ class PeakModel:
             seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
             # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
             # the light ones, or none ("save_expensive"); and its cheap ops
-            compiled = self.compiled and policy in SELECTIVE_KEEPS
+            chosen = POLICIES[policy]
+            compiled = self.compiled and chosen.selective
             alone = self._alone(r, s, compiled)
             if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
                 cheap, seconds = 0, 0.0
-            again = {"recompute": alone.cost[:2], "recompute_stages": (2 * flops, 2 * cheap),
-                     "save_heavy": (self._light_prefix[s] - self._light_prefix[r], cheap)}.get(policy, (0, cheap)) + (seconds,)
-            if policy == "recompute_stages":
+            again = _rebuilt(chosen, alone.cost[:2], (flops, cheap), self._light_prefix[s] - self._light_prefix[r]) + (seconds,)
+            if chosen.staged:
                 if (r, s) not in self.spans:
-                    raise ValueError(f"a recompute_stages region is one span of units, not {(r, s)}")
+                    raise ValueError(f"a {policy} region is one span of units, not {(r, s)}")
                 # measured whole: its recompute's holdings and its stages' backward, beyond its input
                 gathered = self._gathered_prefix[s] - self._gathered_prefix[r]
                 backward = c.saved[r] + c.backward_excess[r] + max(self._update[r:s]) + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
@@ -374,3 +374,13 @@ _EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING)  # a segment's input is its boun
 def add_costs(a: Cost, b: Cost) -> Cost:
     return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
+
+def _rebuilt(policy: Policy, as_far_as_needed: Tuple[int, int], whole: Tuple[int, int], light: int) -> Tuple[int, int]:
+    """(FLOPs, cheap bytes) a region's backward runs again under ``policy``: its cheap ops, and its
+    light expensive ones, or all it ran (as far as backward needs it; in stages, all of it each pass)."""
+    flops, cheap = whole
+    if policy.rebuilds == "cheap":
+        return 0, cheap
+    if policy.rebuilds == "light":
+        return light, cheap
+    return as_far_as_needed if policy.passes == 1 else (policy.passes * flops, policy.passes * cheap)

@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from tabulate import tabulate
 
-from ..recompute.regions import REGION_POLICIES
+from ..recompute.policies import POLICIES
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,10 @@ class SplitPlan:
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
         if self.note:
             text += f"\n{self.note}"
-        for policy, meaning in REGION_POLICIES.items():
-            chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy]
+        for policy in POLICIES.values():
+            chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy.name]
             if chosen:
-                text += f"\n{policy} regions ({meaning}): " + " ".join(chosen)
+                text += f"\n{policy.name} regions ({policy.description}): " + " ".join(chosen)
         if self.compiled:
             text += "\ncompiled (trunk.compile()): each unit one graph inside eager checkpoints, the last segment's selective regions one graph each"
         return text

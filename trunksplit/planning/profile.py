@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..recompute.checkpoint import map_tensors
-from ..recompute.regions import REGION_POLICIES, run_region
+from ..recompute.policies import POLICIES
+from ..recompute.regions import run_region
 from ..recompute.stages import staged_graph
 from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, storage_bytes, tensors_in
 from .timing import forward_seconds, time_span
@@ -141,7 +142,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
     fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
     span_stop = dict(spans)
-    under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in REGION_POLICIES}
+    under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
     span = None  # (start, its input, private copies of its units so far) while inside a span
     source = -1  # the unit that allocated the storage of the current activation
     device = next(iter(tensors_in(x))).device
@@ -224,7 +225,7 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
     whose units runs in stages (see :func:`trunksplit.recompute.stages.staged_graph`) is not
     eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
     copies = private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
-    if policy == "recompute_stages" and not any(staged_graph(m) for m in copies):
+    if POLICIES[policy].staged and not any(staged_graph(m) for m in copies):
         return None
     try:
         return _measure_unit(copies, h, input_needs_grad, policy, allocator)
@@ -380,7 +381,8 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
         # what is alive after the forward is kept for backward, but for outputs: those only
         # where a selective policy caches them (a convolution's, say)
         saves_input = True
-        cached = {"save_expensive": tracker.expensive, "save_heavy": tracker.heavy}.get(policy, set())
+        keeps = POLICIES[policy].keeps if policy in POLICIES else None  # "keep": a unit run plainly
+        cached = getattr(tracker, keeps) if keeps else set()  # the tracker's storages of the ops it keeps: .expensive, .heavy
         keeps_output = any(k in cached for k in out_keys)
         saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
     else:

@@ -7,7 +7,8 @@ The search over cuts stays exact; the one over regions is as good as its templat
 """
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from ..recompute.regions import REGION_POLICIES, nested_policy
+from ..recompute.policies import POLICIES, RECOMPUTE
+from ..recompute.regions import run_as
 
 Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoint under a policy
 
@@ -18,9 +19,9 @@ class RegionTemplates:
 
     def __init__(self, model):
         self.model = model
-        # what a region runs again under each policy, the measure its templates are ranked by
-        self.prices = {"save_expensive": model._cheap_prefix, "save_heavy": model._light_prefix, "recompute": model._flops_prefix,
-                       "recompute_stages": [2 * f for f in model._flops_prefix]}
+        # what a region runs again under each policy (as prefix sums over the units), the measure its templates are ranked by
+        measures = {"cheap": model._cheap_prefix, "light": model._light_prefix, "all": model._flops_prefix}
+        self.prices = {p.name: [p.passes * v for v in measures[p.rebuilds]] for p in POLICIES.values()}
         self._options: Dict[int, Dict[int, list]] = {}
         self._templates: Optional[List[List[Region]]] = None
 
@@ -66,20 +67,21 @@ class RegionTemplates:
         templates: List[List[Region]] = [[]]
         seen = {frozenset()}
         shapes = [(size, offset) for size in (1, 2, 3, 4, 6, None) for offset in range(size or 1)] if self.model.spans else []
-        eligible = {policy: self._eligible(policy) for policy in REGION_POLICIES} if self.model.spans else {}
-        grouped = [p for p in REGION_POLICIES if p != "recompute_stages"]  # the policies a region of several spans may have
+        names = list(POLICIES)  # each keeps less than the one before
+        eligible = {policy: self._eligible(policy) for policy in names} if self.model.spans else {}
+        grouped = [p for p in names if not POLICIES[p].staged]  # the policies a region of several spans may have
         for size, offset in shapes:
             chunks = {policy: _chunks(eligible[policy], size, offset) for policy in grouped}
             if size not in (1, None) and all(len(chunks[p]) == len(eligible[p]) for p in grouped):
                 continue  # no run is longer than one span: the same as size 1
-            chunks["recompute_stages"] = eligible["recompute_stages"] if size == 1 else []
+            chunks.update({p: eligible[p] if size == 1 else [] for p in names if POLICIES[p].staged})
             found = []
-            for policy in REGION_POLICIES:
+            for policy in names:
                 ranked = self._ranked(chunks[policy], policy)
                 found += [[(r, s, policy) for r, s in ranked[:j]] for j in range(1, len(ranked) + 1)]
-            upgrades = (("save_expensive", "save_heavy", chunks["save_heavy"]), ("save_expensive", "recompute", eligible["recompute"]),
-                        ("save_heavy", "recompute", eligible["recompute"]), ("save_expensive", "recompute_stages", eligible["recompute_stages"]),
-                        ("save_heavy", "recompute_stages", eligible["recompute_stages"]), ("recompute", "recompute_stages", eligible["recompute_stages"]))
+            # upgrades to a policy that keeps less: selective regions of the shape, else single spans
+            upgrades = [(base, policy, chunks[policy] if POLICIES[policy].selective else eligible[policy])
+                        for j, policy in enumerate(names) for base in names[:j]]
             for base, policy, candidates in upgrades:
                 every = [(r, s, base) for r, s in chunks[base]]
                 ranked = self._ranked(candidates, policy, base)
@@ -108,8 +110,8 @@ class RegionTemplates:
         for ``"recompute_stages"``, also what its backward's peak falls below a ``"recompute"`` region's."""
         r, s = chunk
         freed = sum(self.model.costs.saved[r:s]) - sum(self.model.costs.under(policy).saved[r:s])
-        if policy == "recompute_stages":
-            freed += max(0, self.model._region((r, s, "recompute"))[2] - self.model._region((r, s, policy))[2])
+        if POLICIES[policy].staged:  # against the same span rebuilt at once
+            freed += max(0, self.model._region((r, s, RECOMPUTE.name))[2] - self.model._region((r, s, policy))[2])
         return freed
 
     def _eligible(self, policy: str) -> List[Tuple[int, int]]:
@@ -150,4 +152,4 @@ def _pareto_options(entries: list, cost_key) -> list:
 def _as_run(region: Region, last: bool) -> Region:
     """``region`` with the policy it runs under in the last segment (``last``) or a checkpointed one (see :func:`nested_policy`)."""
     r, s, policy = region
-    return region if last else (r, s, nested_policy(policy))
+    return (r, s, run_as(policy, not last))

@@ -16,14 +16,12 @@ from torch import nn
 
 from ..recompute.checkpoint import map_tensors
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
+from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region
 from .memory import tensors_in
 from .unit_copies import private_copy
 
 REPEATS = 2
-# How many times a region's backward reruns its forward at least, per policy: a floor under
-# the measured extra time of a region (the difference of two timings may come out below it)
-RERUNS = {"save_expensive": 0, "save_heavy": 0, "recompute": 1, "recompute_stages": 2}
 
 
 def fastest(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
@@ -127,4 +125,4 @@ def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: di
     plain = step_seconds(span, h, input_needs_grad, "keep")
     for policy, cost in costs.items():
         if cost is not None:
-            cost["again_seconds"] = max(step_seconds(span, h, input_needs_grad, policy) - plain, RERUNS[policy] * forward)
+            cost["again_seconds"] = max(step_seconds(span, h, input_needs_grad, policy) - plain, POLICIES[policy].reruns * forward)  # a floor: two timings' difference may come out below it

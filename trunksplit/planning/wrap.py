@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..recompute.policies import RECOMPUTE
 from ..recompute.select import Condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .budget import MemoryBudget, format_bytes
@@ -65,7 +66,7 @@ class WrapPlan:
         return (f"WrapPlan: {len(self.names)} block(s) wrapped ({counts}), measured step peak {self.peak_bytes / 2**20:.1f} MiB = "
                 f"{self.peak_bytes / self.unwrapped_peak_bytes:.2f} of unwrapped ({self.unwrapped_peak_bytes / 2**20:.1f} MiB), "
                 f"recompute {self.recompute_flops / max(1, self.forward_flops):.2f} of a forward\n  "
-                + " ".join(n if p == "recompute" else f"{n}[{p}]" for n, p in zip(self.names, self.policies)))
+                + " ".join(n if p == RECOMPUTE.name else f"{n}[{p}]" for n, p in zip(self.names, self.policies)))
 
 
 def apply_activation_checkpointing(model: nn.Module, condition: Optional[Condition] = None, offload_to_cpu: bool = False, *,
@@ -147,7 +148,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     chosen = sorted(ladder[k], key=lambda c: order[c.name])
     for c in chosen:
         checkpoint_wrapper(c.block.module, policy=c.policy)
-    recompute_flops = sum(c.block.flops for c in chosen if c.policy == "recompute")  # the selective ones rerun no counted FLOP
+    recompute_flops = sum(c.block.flops for c in chosen if c.policy == RECOMPUTE.name)  # the selective ones rerun no counted FLOP
     return WrapPlan(tuple(c.name for c in chosen), tuple(c.policy for c in chosen), peaks[k], unwrapped, recompute_flops, forward_flops)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import flop_registry
 
 from ..chains.blocks import layer_splittable_before
+from ..recompute.policies import RECOMPUTE, SAVE_EXPENSIVE
 from ..recompute.wrapper import is_checkpoint_wrapped
 from .memory import TorchDispatchMode, tensors_in
 
@@ -34,9 +35,9 @@ class Block:
         bytes it writes again (a norm or an activation does no FLOP a counter sees, yet is not
         free); under "save_expensive" only the cheap ops run again, and they count no FLOP."""
         cheap = self.saved - self.saved_expensive
-        options = [Choice(self, "recompute", self.saved - self.inputs, max(1, self.flops + self.saved), self.saved)]
+        options = [Choice(self, RECOMPUTE.name, self.saved - self.inputs, max(1, self.flops + self.saved), self.saved)]
         if self.selective:
-            options.append(Choice(self, "save_expensive", self.saved - self.inputs - self.expensive_out, max(1, cheap), cheap))
+            options.append(Choice(self, SAVE_EXPENSIVE.name, self.saved - self.inputs - self.expensive_out, max(1, cheap), cheap))
         return [c for c in options if c.freed > 0]
 
 

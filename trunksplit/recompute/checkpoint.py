@@ -202,10 +202,6 @@ def is_heavy(func, args: Sequence) -> bool:
     return macs is None or macs >= HEAVY_MACS
 
 
-# the selective policies (regions and checkpoint_wrapper): which ops' outputs each keeps for backward
-SELECTIVE_KEEPS = {"save_expensive": is_expensive, "save_heavy": is_heavy}
-
-
 def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if name in ("convolution", "_convolution") and len(tensors) >= 2:
@@ -282,7 +278,7 @@ def run_checkpointed(
     reruns a nested checkpoint as the outer one's first forward ran it, and there it
     would keep its saved outputs outside the autograd graph, where the outer
     checkpoint cannot drop them, from that forward to the backward (see
-    :func:`trunksplit.recompute.regions.nested_policy`).
+    :attr:`trunksplit.recompute.policies.Policy.nested`).
     """
     kwargs = kwargs or {}
     if torch.compiler.is_compiling() and not use_reentrant:

@@ -15,8 +15,9 @@ from typing import Callable, Dict, FrozenSet, Hashable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import SELECTIVE_KEEPS, run_checkpointed
-from .regions import nested_policy, run_region, runs
+from .checkpoint import run_checkpointed
+from .policies import POLICIES, RECOMPUTE
+from .regions import run_as, run_region, runs
 
 # owner (a trunk) -> {key: compiled function}; weak, so a trunk's compiled code dies with it
 _COMPILED: "weakref.WeakKeyDictionary[object, Dict[Hashable, Callable]]" = weakref.WeakKeyDictionary()
@@ -144,7 +145,7 @@ def compiled_apart(segments, units: Sequence[nn.Module]) -> List[Tuple[int, int]
     groups = []
     for seg in segments:
         for a, b, policy in runs(len(seg), [(r - seg.start, s - seg.start, p) for r, s, p in seg.regions]):
-            if policy is None or (nested_policy(policy) if seg.checkpointed else policy) == "recompute":
+            if policy is None or run_as(policy, seg.checkpointed) == RECOMPUTE.name:
                 first = seg.start + a
                 groups += [(first + i, first + j) for i, j in weight_group_bounds(units[first : seg.start + b])]
     return groups
@@ -192,8 +193,8 @@ class CompiledUnits:
         policy; ``"recompute_stages"`` eagerly, for it rebuilds its stages op by op. Under dynamo's
         ``"eager"`` backend, which runs a graph without AOT autograd, nothing would keep a compiled
         region's recompute from moving BatchNorm's statistics again: selective regions run eagerly there."""
-        if policy == "recompute":
+        if policy == RECOMPUTE.name:
             return run_region(layers, x, policy, run=self.units)
-        if policy not in SELECTIVE_KEEPS or self.options.get("backend") == "eager":
+        if not POLICIES[policy].selective or self.options.get("backend") == "eager":
             return eager_region(layers, x, policy)
         return compiled_once(self, ("region", tuple(map(id, layers)), policy), run_region_dense, self.options)(tuple(layers), x, policy)

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from ..chains.blocks import layer_splittable_before
-from .checkpoint import SELECTIVE_KEEPS, map_tree, run_checkpointed
-
-WRAP_POLICIES = ("recompute", *SELECTIVE_KEEPS)  # what a wrapped module keeps for backward, as the region policies of the same names
+from .checkpoint import map_tree, run_checkpointed
+from .policies import POLICIES, RECOMPUTE, WRAP_POLICIES
 
 
 class _Checkpointed:
@@ -29,7 +28,7 @@ class _Checkpointed:
     # A class default, not only an instance attribute: containers build new instances of
     # their own class (``wrapped_sequential[1:]``), and those must run too.
     _checkpoint_offload_to_cpu = False
-    _checkpoint_policy = "recompute"
+    _checkpoint_policy = RECOMPUTE.name
 
     def forward(self, *args, **kwargs):
         forward = super().forward
@@ -38,7 +37,7 @@ class _Checkpointed:
         if self._checkpoint_offload_to_cpu:
             args, kwargs = _offload(args), _offload(kwargs)
             forward = _loading_back(forward)
-        return run_checkpointed(forward, [self], args, kwargs, keep=SELECTIVE_KEEPS.get(self._checkpoint_policy))
+        return run_checkpointed(forward, [self], args, kwargs, keep=POLICIES[self._checkpoint_policy].keep)
 
     def __reduce_ex__(self, protocol):
         # Rebuild through the plain class so pickle never looks the generated class up by name.
@@ -62,7 +61,7 @@ def _rebuild_checkpointed(base: type) -> nn.Module:
     return module
 
 
-def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, *, policy: str = "recompute") -> nn.Module:
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, *, policy: str = RECOMPUTE.name) -> nn.Module:
     """Make every later call of ``module`` run under activation checkpointing.
 
     Returns ``module`` itself (its class swapped for a checkpointed subclass), so
