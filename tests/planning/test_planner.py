@@ -13,6 +13,7 @@ from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, optimizer_in_backward
 from trunksplit.planning.budget import format_bytes
+from trunksplit.planning.costs import Cost
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
@@ -310,8 +311,8 @@ def _rerun(model, starts):
 
 def test_time_and_flops_objectives_are_checked():
     costs = replace(_random_costs(random.Random(0), 3), forward_seconds=(1.0, 2.0, 3.0))
-    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key((100, 5, 0.5)) < PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key((0, 20, 1.0))
-    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key((100, 5, 0.5)) > PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key((0, 20, 1.0))
+    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key(Cost(100, 5, 0.5)) < PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key(Cost(0, 20, 1.0))
+    assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key(Cost(100, 5, 0.5)) > PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key(Cost(0, 20, 1.0))
     with pytest.raises(ValueError, match="objective must be one of"):
         PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="speed")
     with pytest.raises(ValueError, match="objective must be one of"):  # "auto" is a request's, resolved for a device first

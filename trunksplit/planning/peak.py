@@ -55,7 +55,8 @@ docs/benchmarks.md#torchcompile).
 import itertools
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..recompute.policies import POLICIES, Policy
+from ..recompute.policies import POLICIES
+from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
 from .templates import Region, RegionTemplates, _as_run
@@ -116,7 +117,7 @@ class PeakModel:
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         self._regions: Dict[Region, tuple] = {}  # see _region
-        self._region_steps: Dict[Tuple[Region, bool], tuple] = {}  # see _step_region
+        self._region_steps: Dict[Tuple[Region, bool], _RegionStep] = {}  # see _step_region
         self._choices = RegionTemplates(self)
 
     def cost_key(self, cost: "Cost") -> tuple:
@@ -124,7 +125,7 @@ class PeakModel:
         under ``"flops"`` FLOPs first, then bytes; under ``"time"`` the measured seconds
         first (see :mod:`trunksplit.planning.timing`), then FLOPs. Without timings in the
         profile, seconds are all 0 and ``"time"`` compares FLOPs, then bytes."""
-        return cost[:2] if self.objective == "flops" else (cost[2], cost[0], cost[1])
+        return (cost.flops, cost.cheap_bytes) if self.objective == "flops" else (cost.seconds, cost.flops, cost.cheap_bytes)
 
     def boundary(self, a: int, previous: Optional[int] = None) -> int:
         """Bytes a segment starting at unit ``a`` keeps as its input: none for the chain's own input,
@@ -160,7 +161,7 @@ class PeakModel:
             # input, as a lone convolution does, needs only the units before it).
             if c.saves_input[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
-            pending = add_costs(pending, (c.flops[i], self._cheap[i], self._seconds[i]))
+            pending = add_costs(pending, Cost(c.flops[i], self._cheap[i], self._seconds[i]))
             if c.saved[i] or c.keeps_output[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
         return _Scan(kept, forward, backward, counted, cost, pending)
@@ -172,27 +173,25 @@ class PeakModel:
         step = self._region_steps.get((region, last))
         if step is None:
             r, s, _ = region
-            gathered = (self._gathered_prefix[s] - self._gathered_prefix[r], max(self._gathered[r:s]))  # FSDP2: see _fsdp_in_backward
-            step = self._region_steps[region, last] = (*self._region(_as_run(region, last)), self.costs.input_from[r], *gathered)
-        held, region_forward, backward_peak, output_counted, again, body, source, gathered, largest = step
+            step = self._region_steps[region, last] = _RegionStep(
+                self._region(_as_run(region, last)), source=self.costs.input_from[r],
+                gathered=self._gathered_prefix[s] - self._gathered_prefix[r], largest=max(self._gathered[r:s]))  # FSDP2: see _fsdp_in_backward
+        g = step.region
         kept, forward, backward, counted, cost, pending = state
-        forward = max(forward, kept + region_forward + largest)
-        if source >= a and not counted:  # the region keeps its input
-            kept, counted = kept + self.costs.output[source], True
+        forward = max(forward, kept + g.forward + step.largest)
+        if step.source >= a and not counted:  # the region keeps its input
+            kept, counted = kept + self.costs.output[step.source], True
         # the region's backward recomputes it holding its weights: in a recomputed segment, held already
-        backward = max(backward, kept + backward_peak - (0 if last else gathered))
-        kept += held + (0 if last else gathered)
-        counted = counted if output_counted is None else output_counted
+        backward = max(backward, kept + g.backward - (0 if last else step.gathered))
+        kept += g.held + (0 if last else step.gathered)
+        counted = counted if g.output_counted is None else g.output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
-            cost, pending = add_costs(cost, pending), body
-        return _Scan(kept, forward, backward, counted, add_costs(cost, again), pending)
+            cost, pending = add_costs(cost, pending), g.body
+        return _Scan(kept, forward, backward, counted, add_costs(cost, g.again), pending)
 
-    def _region(self, region: Region) -> tuple:
-        """What a region adds to a scan, whatever comes before it: (bytes it keeps, its
-        forward's peak, its backward's peak, whether its output is counted as kept (None:
-        its output is its input's storage), what its own backward runs again, what running
-        it once costs: (FLOPs, cheap bytes, seconds) both; a region's seconds are measured
-        under its policy, overhead included)."""
+    def _region(self, region: Region) -> "RegionCosts":
+        """What a region adds to a scan, whatever comes before it (see :class:`RegionCosts`; a
+        region's seconds are measured under its policy, overhead included)."""
         if region not in self._regions:
             r, s, policy = region
             c = self.costs.under(policy)
@@ -210,7 +209,7 @@ class PeakModel:
             alone = self._alone(r, s, compiled)
             if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
                 cheap, seconds = 0, 0.0
-            again = _rebuilt(chosen, alone.cost[:2], (flops, cheap), self._light_prefix[s] - self._light_prefix[r]) + (seconds,)
+            again = Cost(*rebuilt(chosen, (alone.cost.flops, alone.cost.cheap_bytes), (flops, cheap), self._light_prefix[s] - self._light_prefix[r]), seconds)
             if chosen.staged:
                 if (r, s) not in self.spans:
                     raise ValueError(f"a {policy} region is one span of units, not {(r, s)}")
@@ -219,8 +218,8 @@ class PeakModel:
                 backward = c.saved[r] + c.backward_excess[r] + max(self._update[r:s]) + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
             else:
                 backward = self._region_backward(alone, s)
-            body = (flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])
-            self._regions[region] = (held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
+            body = Cost(flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])
+            self._regions[region] = RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
         return self._regions[region]
 
     def _alone(self, r: int, s: int, compiled: bool = False) -> "_Scan":
@@ -299,7 +298,7 @@ class PeakModel:
 
     def total_recompute(self, starts: Sequence[int], regions: Iterable[Region] = ()) -> int:
         """The FLOPs a step runs again (see :meth:`_step`)."""
-        return sum(cost[0] for _, cost in self.segments(starts, regions))
+        return sum(cost.flops for _, cost in self.segments(starts, regions))
 
 
 def _update_excess(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: bool) -> List[int]:
@@ -366,21 +365,13 @@ class _Scan(NamedTuple):
     pending: "Cost"  # recompute of the units since the last that saves a tensor: paid only if a later one does
 
 
-Cost = Tuple[int, int, float]  # what a plan runs again: (FLOPs, bytes written by cheap ops, seconds where timed)
-NOTHING: Cost = (0, 0, 0.0)
+class _RegionStep(NamedTuple):
+    """A region's figures as the scan of one segment reads them (see PeakModel._step_region)."""
+
+    region: RegionCosts
+    source: int  # the unit that allocated its input's storage
+    gathered: int  # FSDP2: the whole weights its units gather
+    largest: int  # FSDP2: the largest of them
+
+
 _EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING)  # a segment's input is its boundary, counted in the prefix
-
-
-def add_costs(a: Cost, b: Cost) -> Cost:
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
-
-
-def _rebuilt(policy: Policy, as_far_as_needed: Tuple[int, int], whole: Tuple[int, int], light: int) -> Tuple[int, int]:
-    """(FLOPs, cheap bytes) a region's backward runs again under ``policy``: its cheap ops, and its
-    light expensive ones, or all it ran (as far as backward needs it; in stages, all of it each pass)."""
-    flops, cheap = whole
-    if policy.rebuilds == "cheap":
-        return 0, cheap
-    if policy.rebuilds == "light":
-        return light, cheap
-    return as_far_as_needed if policy.passes == 1 else (policy.passes * flops, policy.passes * cheap)

@@ -16,7 +16,8 @@ from torch import nn
 
 from ..chains.blocks import layer_splittable_before
 from .memory import tensors_in
-from .peak import NOTHING, PeakModel, add_costs
+from .costs import NOTHING, Cost, add_costs
+from .peak import PeakModel
 from .budget import format_bytes
 from .plan import Segment, SplitPlan
 from .profile import profile_units
@@ -74,14 +75,14 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
     forced_set = set(forced)
     allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
     limit = num_segments or max_segments or n
-    # states[p]: {count: [(prefix, peak, recompute, starts, regions)]}, prefix without the boundary at p, Pareto-pruned
-    states: Dict[int, Dict[int, list]] = {0: {0: [(0, 0, NOTHING, (), frozenset())]}}
+    # states[p]: {count: [_Entry]}, prefix without the boundary at p, Pareto-pruned
+    states: Dict[int, Dict[int, list]] = {0: {0: [_Entry(0, 0, NOTHING, (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
             # the boundary at p depends on where the segment before it started: added before pruning,
             # the entries' futures depend on (prefix, peak, recompute) alone
-            entries = _pareto([(prefix + model.boundary(p, starts[-1] if starts else None), peak, recompute, starts, regions)
-                               for prefix, peak, recompute, starts, regions in entries], model.cost_key, with_cost)
+            entries = _pareto([e._replace(prefix=e.prefix + model.boundary(p, e.starts[-1] if e.starts else None)) for e in entries],
+                              model.cost_key, with_cost)
             if count >= limit:
                 continue
             next_forced = min([f for f in forced_set if f > p] + [n])
@@ -89,30 +90,40 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
                 options = model.options(p, q)
                 if not with_cost:  # only the lowest local peak matters
                     options = [min(options, key=lambda o: o[0])]
-                for prefix, peak, recompute, starts, regions in entries:
+                for e in entries:
                     for local, cost, chosen in options:  # by cost, then lower local peak
-                        new_peak = max(peak, prefix + local)
+                        new_peak = max(e.peak, e.prefix + local)
                         if budget is not None and new_peak > budget:
                             continue
-                        new_recompute = add_costs(recompute, cost)
-                        if max_recompute is not None and new_recompute[0] > max_recompute:
+                        new_recompute = add_costs(e.recompute, cost)
+                        if max_recompute is not None and new_recompute.flops > max_recompute:
                             continue
-                        states.setdefault(q, {}).setdefault(count + 1, []).append((prefix, new_peak, new_recompute, starts + (p,), regions | chosen))
+                        states.setdefault(q, {}).setdefault(count + 1, []).append(_Entry(e.prefix, new_peak, new_recompute, e.starts + (p,), e.regions | chosen))
                         if budget is not None:
                             break  # the cheapest option that fits: more cost buys nothing under a budget
     finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
     if not finals:
         return None
     cost = model.cost_key
-    key = (lambda e: (cost(e[2]), e[1])) if budget is not None else (lambda e: (e[1], cost(e[2])))
+    key = (lambda e: (cost(e.recompute), e.peak)) if budget is not None else (lambda e: (e.peak, cost(e.recompute)))
     best = min(finals, key=key)
-    return Cuts(list(best[3]), best[4])
+    return Cuts(list(best.starts), best.regions)
+
+
+class _Entry(NamedTuple):
+    """One way to cut the chain up to a boundary, in the dynamic programme of :func:`_search`."""
+
+    prefix: int  # bytes of the boundaries kept before it
+    peak: int  # the highest segment peak so far
+    recompute: Cost  # what its segments run again
+    starts: Tuple[int, ...]  # where its segments start
+    regions: FrozenSet[Region]
 
 
 def _pareto(entries: list, cost_key, with_cost: bool = True) -> list:
     """Entries not dominated in (prefix, peak, recompute as ``cost_key`` ranks it), or in
     (prefix, peak) without ``with_cost``; the first of equals is kept."""
-    ranked = sorted(((e[0], e[1], cost_key(e[2]), e) for e in set(entries)), key=lambda r: (*r[:3], r[3][3], sorted(r[3][4])))
+    ranked = sorted(((e.prefix, e.peak, cost_key(e.recompute), e) for e in set(entries)), key=lambda r: (*r[:3], r[3].starts, sorted(r[3].regions)))
     kept = []
     for r in ranked:
         if not any(k[0] <= r[0] and k[1] <= r[1] and (k[2] <= r[2] or not with_cost) for k in kept):
@@ -124,13 +135,13 @@ def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
     """``plan`` with the model's predicted peak and recompute per segment."""
     predicted = model.segments([s.start for s in plan.segments], plan.regions)
     segments = tuple(
-        replace(s, predicted_bytes=peak, recompute_flops=flops, recompute_bytes=cheap)
-        for s, (peak, (flops, cheap, _)) in zip(plan.segments, predicted)
+        replace(s, predicted_bytes=peak, recompute_flops=cost.flops, recompute_bytes=cost.cheap_bytes)
+        for s, (peak, cost) in zip(plan.segments, predicted)
     )
     plan = replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
     if model.objective != "time":
         return plan
-    seconds = sum(cost[2] for _, cost in predicted)
+    seconds = sum(cost.seconds for _, cost in predicted)
     timed = f"objective time: what runs again takes {seconds * 1e3:.0f} ms per step, from times measured while profiling"
     return replace(plan, note="\n".join(filter(None, [plan.note, timed])))
 

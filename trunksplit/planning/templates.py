@@ -111,7 +111,7 @@ class RegionTemplates:
         r, s = chunk
         freed = sum(self.model.costs.saved[r:s]) - sum(self.model.costs.under(policy).saved[r:s])
         if POLICIES[policy].staged:  # against the same span rebuilt at once
-            freed += max(0, self.model._region((r, s, RECOMPUTE.name))[2] - self.model._region((r, s, policy))[2])
+            freed += max(0, self.model._region((r, s, RECOMPUTE.name)).backward - self.model._region((r, s, policy)).backward)
         return freed
 
     def _eligible(self, policy: str) -> List[Tuple[int, int]]:
