@@ -134,7 +134,7 @@ def test_update_temporaries_count_what_the_update_allocates():
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw_loop"])
-@pytest.mark.parametrize("arch", ["resnet18", "regnet_x_400mf"])
+@pytest.mark.parametrize("arch", ["resnet18", pytest.param("regnet_x_400mf", marks=pytest.mark.slow)])
 def test_predicted_peaks_are_within_5_percent_of_the_measured_step_and_budgets_are_met(arch, name):
     optimizer_class, kwargs = OPTIMIZERS[name]
     with warnings.catch_warnings():

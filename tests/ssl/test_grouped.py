@@ -135,7 +135,7 @@ def _ranks(rank, world_size, out, method, strategy):
         torch.save({n: p.full_tensor() if full else p.detach() for n, p in model.named_parameters()}, os.path.join(run, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("method,strategy", [("dino", "ddp"), ("swav2", "fsdp"), ("swav2", "manual")])
+@pytest.mark.parametrize("method,strategy", [("dino", "ddp"), ("swav2", "fsdp"), pytest.param("swav2", "manual", marks=pytest.mark.slow)])
 def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, strategy):
     """2 gloo processes each way (DDP: no_sync before the last group; FSDP2: no gradient sync until
     it; vissl's manual path: one all-reduce after the step, as before): every rank ends with the

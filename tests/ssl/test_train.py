@@ -478,6 +478,7 @@ def test_resume_with_another_architecture_is_refused(tmp_path):
     assert _snapshot(out) == before
 
 
+@pytest.mark.slow  # two big trunks trained for real: python -m pytest -q -m slow
 @pytest.mark.parametrize("config,name", [("simclr_vit_b_16.yaml", "vit_b_16"), ("swav_convnext_tiny_multicrop.yaml", "convnext_tiny")])
 def test_shipped_configs_train_vit_and_convnext(tmp_path, config, name):
     crops = "[64]" if name.startswith("vit") else "[96, 64]"
@@ -498,7 +499,7 @@ def test_maxvit_with_several_resolutions_is_refused():
                                                                              "DATA.CROP_SCALES", "[[0.1, 1.0], [0.05, 0.1]]", "METHOD.NAME", "swav"])
 
 
-@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+@pytest.mark.parametrize("gradients", ["allocated", pytest.param("kept", marks=pytest.mark.slow)])
 def test_batch_size_zero_trains_the_largest_batch_that_fits_the_memory_limit(tmp_path, gradients):
     limit = 220 * 2**20
     overrides = ["OUTPUT_DIR", str(tmp_path / "run"), "TRAIN.STEPS", "2", *SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0",
