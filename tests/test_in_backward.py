@@ -183,6 +183,40 @@ def test_a_budget_wrapped_model_stepped_in_backward_meets_its_budget_as_measured
     assert all(p.grad is None for p in model.parameters())
 
 
+
+def test_a_budget_wrapped_model_plans_for_its_optimizers_update_and_an_already_stepped_one_is_refused():
+    """SGD's update allocates nothing: wrapped for it (``update_temporaries``), the plan's measured peak is the
+    real step's within 2%, where the default (AdamW's two tensors per update) plans a step that much higher. A
+    model whose parameters an optimizer already steps in backward is refused: measuring would train it."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    x = torch.randn(4, 3, 128, 128)
+    sgd = update_temporaries(torch.optim.SGD, dict(lr=0.1))
+    assert sgd == 0
+    plan = apply_activation_checkpointing(model, memory_budget=0.85, example_inputs=(x,), gradients="in_backward", update_temporaries=sgd)
+    optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    for _ in range(2):
+        with PeakMemory() as mem:
+            model(x).sum().backward()
+    assert abs(mem.peak_bytes / plan.peak_bytes - 1) <= 0.02, (mem.peak_bytes, plan.peak_bytes)
+    stepped = torchvision.models.resnet18()
+    optimizer_in_backward(stepped, torch.optim.SGD, lr=0.1)
+    before = copy.deepcopy(stepped.state_dict())
+    with pytest.raises(ValueError, match="stepped in backward by optimizer_in_backward.*Wrap first.*nothing was changed"):
+        apply_activation_checkpointing(stepped, memory_budget=0.85, example_inputs=(x,), gradients="in_backward")
+    assert all(torch.equal(v, stepped.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_trunk_handed_over_as_its_parameters_plans_for_its_optimizers_update():
+    """``optimizer_in_backward(trunk.parameters(), ...)`` tells the trunk what an update allocates, as
+    handing over the trunk itself does: the same request, the same plan."""
+    x = torch.randn(2, 3, 64, 64)
+    trunks = [CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.8, gradients="in_backward") for _ in range(2)]
+    optimizer_in_backward(trunks[0], torch.optim.SGD, lr=0.1)
+    optimizer_in_backward(trunks[1].parameters(), torch.optim.SGD, lr=0.1)
+    assert trunks[0].plan_request().update_temporaries == trunks[1].plan_request().update_temporaries == 0
+    assert trunks[0].plan_for(x) == trunks[1].plan_for(x)
+
 def test_fit_in_backward_fits_at_least_the_default_batch_and_needs_an_optimizer():
     torch.manual_seed(0)
     model = torchvision.models.resnet18()

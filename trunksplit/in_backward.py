@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .planning.memory import PeakMemory
+from .planning.request import UPDATE_TEMPORARIES, UPDATE_TEMPORARIES_ATTR
 from .trunk import CheckpointedTrunk
 
 Params = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
@@ -74,13 +75,13 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
         if trunk.gradients != "in_backward":
             raise ValueError(f"this model's CheckpointedTrunk plans for gradients={trunk.gradients!r}; an optimizer stepped in backward "
                              "frees each gradient at its update: build the trunk with gradients=\"in_backward\"")
-    device = next((p.device for t in trunks for p in t.parameters()), torch.device("cpu"))
-    temporaries = update_temporaries(optimizer_class, optimizer_kwargs, device) if trunks else None
-    for trunk in trunks:
-        trunk.update_temporaries = temporaries
     params = model if not isinstance(module, nn.Module) else _trainable(module) if param_groups is None else param_groups
     _warn_unless_per_parameter(optimizer_class, optimizer_kwargs)
     stand_in = InBackwardOptimizer(optimizer_class(params, **optimizer_kwargs))
+    # what one update allocates, marked on each parameter taken over (_take_over): a trunk plans for it however it was handed over
+    stand_in.update_temporaries = update_temporaries(optimizer_class, optimizer_kwargs, next((p.device for p in stand_in._groups), torch.device("cpu")))
+    for trunk in trunks:
+        trunk.update_temporaries = stand_in.update_temporaries  # and its plans made before are made again
     if isinstance(model, DistributedDataParallel):
         if model.find_unused_parameters:  # a parameter no rank used keeps no gradient, as DDP leaves it: mark the local uses
             stand_in._used = set()
@@ -165,6 +166,7 @@ def _take_over(stand_in: "InBackwardOptimizer") -> List[torch.Tensor]:
                       "optimizer updates them", UserWarning, stacklevel=3)
     for p in params:
         p._stepped_in_backward_by = weakref.ref(stand_in)
+        setattr(p, UPDATE_TEMPORARIES_ATTR, stand_in.update_temporaries)
     return params
 
 
@@ -216,6 +218,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         # (``load_state_dict`` replaces the group dicts, from here or from torch.distributed.checkpoint)
         self._groups = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._handles: List = []
+        self.update_temporaries = UPDATE_TEMPORARIES  # tensors of a parameter's size one update allocates (measured by optimizer_in_backward)
         # run on each parameter's whole gradient before its update (clip it; False: no update this step)
         self.before_update: Optional[Callable[[torch.Tensor], bool]] = None
         self._lock = threading.Lock()  # one update at a time: it swaps the optimizer's groups for a moment
@@ -286,6 +289,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         for h in self._handles:
             h.remove()
         self._handles = []
+        for p in self._groups:  # no longer stepped in backward by this one: plans and wrapping see so
+            if getattr(p, "_stepped_in_backward_by", lambda: None)() is self and hasattr(p, UPDATE_TEMPORARIES_ATTR):
+                delattr(p, UPDATE_TEMPORARIES_ATTR)
 
     def _ddp_hook(self, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook: average the bucket across ranks, then update its parameters."""

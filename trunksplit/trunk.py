@@ -12,7 +12,7 @@ from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, l
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
 from .planning.plan import SplitPlan
-from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, plan_key
+from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, plan_key, planned_temporaries
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
 from .planning.timing import run_eagerly
@@ -132,7 +132,8 @@ class CheckpointedTrunk(nn.Module):
         units = tuple(self.units)
         return PlanRequest(units=units, feature_stops=tuple(self._ends.items()), num_splits=self.num_splits, strategy=self.strategy,
                            budget=self.memory_budget, gradients=self.gradients, objective=self.objective,
-                           use_reentrant=self.use_reentrant, compiled=self._compiled is not None, world_size=sharded_world_size([m for _, m in units]), update_temporaries=self._update_temporaries)
+                           use_reentrant=self.use_reentrant, compiled=self._compiled is not None, world_size=sharded_world_size([m for _, m in units]),
+                           update_temporaries=planned_temporaries(self.parameters(), self._update_temporaries))  # its optimizer's, where one steps in backward
 
     def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
         """The trunk's weights and buffers under the names of the model it was built from

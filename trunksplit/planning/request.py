@@ -5,7 +5,7 @@ the request carries everything of the trunk that a plan depends on, so the plann
 reaches back into the trunk that asked.
 """
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ GRADIENT_MODES = ("allocated", "kept", "in_backward")
 # in_backward: until an optimizer_in_backward measures its own, a parameter's update is taken to
 # allocate two tensors of its size (AdamW's for-loop form: the most of SGD, LARS and AdamW)
 UPDATE_TEMPORARIES = 2.0
+# set on each parameter by trunksplit.optimizer_in_backward: what its optimizer's update allocates
+# (see planned_temporaries), so a trunk handed over as its parameters plans for it too
+UPDATE_TEMPORARIES_ATTR = "_trunksplit_update_temporaries"
 PRICES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
 OBJECTIVES = ("auto",) + PRICES  # "auto": by the device the plan is for (see priced_in)
 
@@ -118,6 +121,14 @@ class PlanRequest:
     def cost_aware(self) -> bool:
         """Planned from measured costs (balanced, or a budget), not by module count as vissl did."""
         return self.strategy != "vissl" or self.budget is not None
+
+
+def planned_temporaries(params: Iterable[torch.Tensor], default: float) -> float:
+    """Tensors of a parameter's size that the update of ``params`` allocates in backward: the most
+    that an optimizer stepping them there measured (``optimizer_in_backward`` marks each parameter
+    it takes over), else ``default``."""
+    marked = [getattr(p, UPDATE_TEMPORARIES_ATTR) for p in params if hasattr(p, UPDATE_TEMPORARIES_ATTR)]
+    return max(marked) if marked else default
 
 
 def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device) -> Tuple:

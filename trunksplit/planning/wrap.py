@@ -46,7 +46,7 @@ from ..recompute.select import Condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .budget import MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
-from .request import GRADIENT_MODES, UPDATE_TEMPORARIES
+from .request import GRADIENT_MODES, UPDATE_TEMPORARIES, UPDATE_TEMPORARIES_ATTR
 from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
 
 
@@ -71,7 +71,7 @@ class WrapPlan:
 
 def apply_activation_checkpointing(model: nn.Module, condition: Optional[Condition] = None, offload_to_cpu: bool = False, *,
                                    memory_budget=None, example_inputs=None, gradients: str = "allocated",
-                                   loss_fn: Optional[Callable[[Any], torch.Tensor]] = None):
+                                   loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, update_temporaries: Optional[float] = None):
     """Checkpoint submodules of ``model`` in place: those ``condition`` selects, or, with a
     ``memory_budget``, those that meet it with the least recompute.
 
@@ -83,7 +83,7 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
     With ``memory_budget`` (bytes, or a fraction in (0, 1] of the unwrapped step) and
     ``example_inputs`` (a tuple of positional inputs, or a lone tensor): works on any
     ``nn.Module``, traceable or not, and returns a :class:`WrapPlan` (see
-    :func:`wrap_for_budget`, and its ``loss_fn``); ``condition``, if given, limits the candidates.
+    :func:`wrap_for_budget`, and its ``loss_fn`` and ``update_temporaries``); ``condition``, if given, limits the candidates.
     """
     memory_budget = MemoryBudget.parse(memory_budget)  # 0 is no budget, as everywhere
     if memory_budget is None:
@@ -92,11 +92,12 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
         return wrap_selected(model, condition, offload_to_cpu)
     if offload_to_cpu:
         raise ValueError("offload_to_cpu is not planned for: a memory budget is met on the device; drop one of the two")
-    return wrap_for_budget(model, memory_budget, example_inputs, gradients, condition, loss_fn)
+    return wrap_for_budget(model, memory_budget, example_inputs, gradients, condition, loss_fn, update_temporaries)
 
 
 def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: str = "allocated",
-                    condition: Optional[Condition] = None, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> WrapPlan:
+                    condition: Optional[Condition] = None, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+                    update_temporaries: Optional[float] = None) -> WrapPlan:
     """Wrap, in place, the blocks of ``model`` whose checkpointing meets ``memory_budget`` with the
     least recompute; returns the :class:`WrapPlan`.
 
@@ -109,6 +110,10 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     backward, so a loss that does (``out.pow(2).mean()`` keeps ``out`` and makes gradients the
     size of it) adds to your step what the search did not see: pass yours. A budget no wrapping
     meets raises ``ValueError`` naming the smallest measured peak; the model is then left as it was.
+    ``update_temporaries``: with ``gradients="in_backward"``, tensors of a parameter's size that its
+    optimizer's update allocates (``trunksplit.in_backward.update_temporaries(optimizer_class, kwargs)``:
+    SGD's none, AdamW's for-loop form 2, the default). Wrap before ``optimizer_in_backward``: the
+    measured steps would update parameters it already steps (refused).
     """
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
@@ -123,8 +128,9 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
             "(trunksplit.recompute.wrapper.unwrap_checkpoint on each); nothing was changed")
     if example_inputs is None:
         raise ValueError("a memory budget is measured on example inputs: pass example_inputs=(batch,) shaped as in training")
+    _refuse_stepped_in_backward(model)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    step = _Step(model, inputs, gradients, loss_fn)
+    step = _Step(model, inputs, gradients, loss_fn, UPDATE_TEMPORARIES if update_temporaries is None else update_temporaries)
     unwrapped = step.peak()
     budget = memory_budget.in_bytes(unwrapped)
     blocks, forward_flops = measure_blocks(model, inputs, condition)
@@ -278,13 +284,14 @@ def _best_antichain(allowed: List[Choice], price: float, ancestors: Dict[str, Li
 class _Step:
     """One measured training step of the model on the inputs, leaving no trace (see :func:`kept_as_it_was`)."""
 
-    def __init__(self, model: nn.Module, inputs: Tuple, gradients: str, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None):
-        self.model, self.inputs, self.gradients, self.loss_fn = model, inputs, gradients, loss_fn
+    def __init__(self, model: nn.Module, inputs: Tuple, gradients: str, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+                 temporaries: float = UPDATE_TEMPORARIES):
+        self.model, self.inputs, self.gradients, self.loss_fn, self.temporaries = model, inputs, gradients, loss_fn, temporaries
         self.device = next((t.device for t in tensors_in(inputs)), torch.device("cpu"))
 
     def peak(self) -> int:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        with kept_as_it_was(self.model), _updated_in_backward(params if self.gradients == "in_backward" else []):
+        with kept_as_it_was(self.model), _updated_in_backward(params if self.gradients == "in_backward" else [], self.temporaries):
             for p in params:
                 p.grad = torch.zeros_like(p) if self.gradients == "kept" else None
             self._step()  # the first step allocates what later steps reuse (lazy state); measure the second
@@ -324,13 +331,12 @@ class _Step:
 
 
 @contextlib.contextmanager
-def _updated_in_backward(params: Sequence[torch.Tensor]):
+def _updated_in_backward(params: Sequence[torch.Tensor], temporaries: float):
     """Each of ``params`` as an optimizer stepped in backward leaves it, without changing it: its
-    gradient freed once whole, after ``UPDATE_TEMPORARIES`` tensors of its size were made (an
-    update's temporaries, as :func:`trunksplit.optimizer_in_backward` plans by default)."""
+    gradient freed once whole, after ``temporaries`` tensors of its size were made (its update's)."""
 
     def update(p):
-        scratch = torch.empty(int(UPDATE_TEMPORARIES * p.numel()), dtype=p.dtype, device=p.device)
+        scratch = torch.empty(int(temporaries * p.numel()), dtype=p.dtype, device=p.device)
         del scratch
         p.grad = None
 
@@ -340,6 +346,15 @@ def _updated_in_backward(params: Sequence[torch.Tensor]):
     finally:
         for h in handles:
             h.remove()
+
+
+def _refuse_stepped_in_backward(model: nn.Module) -> None:
+    """Measuring a budget runs training steps: refuse a model whose parameters an optimizer already
+    updates in backward (:func:`trunksplit.optimizer_in_backward` marks them), which those steps would train."""
+    if any(hasattr(p, UPDATE_TEMPORARIES_ATTR) for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__}'s parameters are stepped in backward by optimizer_in_backward: the steps that measure a "
+                         "budget would update them. Wrap first, then call optimizer_in_backward (give its update's size with "
+                         "update_temporaries=trunksplit.in_backward.update_temporaries(optimizer_class, kwargs)); nothing was changed")
 
 
 def _described(value: Any) -> str:
