@@ -35,8 +35,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if last is not None:
+        chance = last["chance_loss"]
+        learned = f" ({last['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" if chance else ""
         print(
-            f"done: step {last['step']}, loss {last['loss']:.4f}, {last['images_per_sec']:.1f} images/s, "
+            f"done: step {last['step']}, loss {last['loss']:.4f}{learned}, {last['images_per_sec']:.1f} images/s, "
             f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {_beyond(cfg)} "
             f"(trunk plan: {last['plan']})"
         )

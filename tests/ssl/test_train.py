@@ -60,6 +60,9 @@ def test_quickstart_cli_writes_finite_metrics(tmp_path):
     assert load_config(str(out / "config.yaml")).TRAIN.STEPS == 3  # the resolved config, loadable
     assert "without checkpointing" in result.stdout and "images/s" in result.stdout
     assert (out / "checkpoint.pt").exists()
+    # SimCLR's chance level, by hand: each of the 2 x batch views picks its partner among all the others
+    chance = math.log(2 * int(SMALL[SMALL.index("TRAIN.BATCH_SIZE_PER_RANK") + 1]) - 1)
+    assert f"loss {rows[-1]['loss']:.4f} ({rows[-1]['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" in result.stdout
 
 
 def _two_rank_run(rank, world_size, out, manual):

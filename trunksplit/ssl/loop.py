@@ -24,7 +24,7 @@ from .knn import KnnMonitor
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
 from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step
-from .losses import nt_xent, swav_loss
+from .losses import chance_loss, nt_xent, swav_loss
 from .model import SSLModel, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules, with_scaled_lr
 from .parallel import setup_distributed
@@ -77,7 +77,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
     if last is not None:
-        _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain)
+        _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain, world)
     return model, last
 
 
@@ -139,9 +139,11 @@ def _optimizer_step(optimizer, scaler, kept: bool, device, rule=None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool) -> None:
-    """Add the plan and, one step side by side where the model can be copied, the memory with and
-    without checkpointing to the last row (each copy stepped in backward as the model is, if it is)."""
+def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool, world: int) -> None:
+    """Add the plan, the loss of a model that learned nothing (where the method has one) and, one step
+    side by side where the model can be copied, the memory with and without checkpointing to the last
+    row (each copy stepped in backward as the model is, if it is)."""
+    last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
         by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size

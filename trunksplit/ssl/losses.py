@@ -1,5 +1,6 @@
 """SimCLR's NT-Xent, SwAV's swapped prediction (both across ranks) and DINO's distillation loss."""
-from typing import Dict, List, Tuple
+import math
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,13 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
     return torch.cat(_Gather.apply(x), dim=0)
+
+
+def chance_loss(method: str, views: int) -> Optional[float]:
+    """The loss of a model that cannot tell a view's partner from the other ``views - 1`` (all ranks'
+    views: twice the total batch): SimCLR's ln(views - 1), what a run that learned nothing ends at.
+    None for SwAV and DINO, whose targets move with the model (no fixed chance level)."""
+    return math.log(views - 1) if method == "simclr" and views > 1 else None
 
 
 def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Tensor:
