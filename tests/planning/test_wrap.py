@@ -8,6 +8,7 @@ import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, WrapPlan, apply_activation_checkpointing, is_checkpoint_wrapped
+import trunksplit.planning.wrap as wrap_module
 from trunksplit.planning.wrap import _cheapest_fit
 from trunksplit.planning.wrap_blocks import measure_blocks
 
@@ -142,10 +143,24 @@ def test_an_impossible_budget_names_the_smallest_feasible_and_leaves_the_model_a
     model = Untraceable()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=r"smallest feasible budget found is [\d.]+ MiB \(\d+ bytes\) \(0\.\d+ of unwrapped\)"):
-        apply_activation_checkpointing(model, memory_budget=0.01, example_inputs=torch.randn(4, 3, 32, 32))
+        apply_activation_checkpointing(model, memory_budget=0.01, example_inputs=torch.randn(4, 3, 32, 32), gradients="kept")
     assert not any(is_checkpoint_wrapped(m) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # measuring trained nothing
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_budget_below_the_gradients_the_step_allocates_is_refused_before_any_block_is_measured(monkeypatch):
+    """torch's default zero_grad() leaves the gradients to the step, and no checkpoint frees them: a budget
+    under their bytes is refused after one measured step, naming them and what would help, the model unchanged."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    measured = []
+    monkeypatch.setattr(wrap_module, "measure_blocks", lambda *a, **k: measured.append(a) or measure_blocks(*a, **k))
+    with pytest.raises(ValueError, match=r"gradients, which this step allocates .* are 44\.6 MiB .* no checkpoint frees them.*nothing was changed"):
+        apply_activation_checkpointing(model, memory_budget=grads - 1, example_inputs=torch.randn(2, 3, 32, 32))
+    assert measured == []  # known from the one step: no block was measured
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules()) and all(p.grad is None for p in model.parameters())
 
 
 class DenseOutput(nn.Module):
@@ -212,7 +227,7 @@ def test_bytes_a_lone_tensor_and_a_condition_are_taken():
     plan = apply_activation_checkpointing(model, lambda name, m: name.startswith("layer1."), memory_budget=10**12, example_inputs=x)
     assert plan.names == ()  # the budget is above the unwrapped step: nothing needs wrapping
     with pytest.raises(ValueError, match="smallest feasible"):
-        apply_activation_checkpointing(model, lambda name, m: name.startswith("layer1."), memory_budget=0.2, example_inputs=x)
+        apply_activation_checkpointing(model, lambda name, m: name.startswith("layer1."), memory_budget=0.2, example_inputs=x, gradients="kept")
 
 
 def test_bad_arguments_are_clear_errors():

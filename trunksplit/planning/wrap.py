@@ -133,6 +133,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     step = _Step(model, inputs, gradients, loss_fn, UPDATE_TEMPORARIES if update_temporaries is None else update_temporaries)
     unwrapped = step.peak()
     budget = memory_budget.in_bytes(unwrapped)
+    _refuse_below_the_gradients(model, gradients, budget, unwrapped)  # before the blocks are measured: minutes on a big model
     blocks, forward_flops = measure_blocks(model, inputs, condition)
     ladder = [[]] + _ladder(blocks)
     peaks: Dict[int, int] = {0: unwrapped}
@@ -346,6 +347,19 @@ def _updated_in_backward(params: Sequence[torch.Tensor], temporaries: float):
     finally:
         for h in handles:
             h.remove()
+
+
+def _refuse_below_the_gradients(model: nn.Module, gradients: str, budget: int, unwrapped: int) -> None:
+    """A budget below the gradients that the step allocates: no wrapping meets it, and that is known
+    from one measured step, before any block is measured."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if gradients == "allocated" and budget < grads:
+        raise ValueError(
+            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
+            f"unwrapped {format_bytes(unwrapped)}): the parameters' gradients, which this step allocates (gradients=\"allocated\"), are "
+            f"{format_bytes(grads)} ({grads / unwrapped:.2f} of the step at this input) and no checkpoint frees them. A larger batch makes "
+            "activations the larger share; gradients=\"kept\" (zero_grad(set_to_none=False)) or \"in_backward\" "
+            "(trunksplit.optimizer_in_backward) leaves them out of the step; nothing was changed")
 
 
 def _refuse_stepped_in_backward(model: nn.Module) -> None:
