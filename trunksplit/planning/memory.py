@@ -186,7 +186,11 @@ def allocator_meter(device: Union[str, torch.device]):
     """The allocator's meter for ``device`` (its ``peak_bytes``: beyond what was live at its start):
     on CUDA the caching allocator's statistics (:class:`PeakMemory`), which see cuDNN's workspaces;
     elsewhere torch.profiler's allocation events (:class:`ProfiledPeak`), which see oneDNN's
-    scratch. A step measured so is planned from units profiled so (``profile_units(allocator=True)``)."""
+    scratch. A step measured so is planned from units profiled so (``profile_units(allocator=True)``).
+
+    Sharp edge: on CUDA each reading resets the allocator's peak statistics, so a reading of your own
+    around a first training step that plans inside it (a cost-aware trunk profiling its units) starts
+    again at the last unit profiled: plan up front (``trunk.plan_for(sample)``), as the launcher does."""
     return PeakMemory(device) if torch.device(device).type == "cuda" else ProfiledPeak()
 
 
