@@ -4,6 +4,8 @@ trunksplit, and budgets met as measured. Optional extras (``pip install -e ".[cl
 test skips cleanly where its library is missing."""
 import copy
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -349,3 +351,14 @@ def test_the_crop_group_recipe_with_lightlys_dinoloss_trains_as_dinoloss_over_th
     for (name, a), b in zip(whole.named_parameters(), student.parameters()):
         assert ((a - b).abs().max() / a.abs().max()).item() <= 1e-6, name
     assert torch.allclose(namespace["criterion"].center, reference.center, rtol=0, atol=1e-7)
+
+
+def test_the_lightning_recipe_script_runs_as_shipped():
+    """docs/recipes/lightning_lightly_simclr.py, run as a user runs it (a few steps, generated images):
+    lightly's SimCLR example with its two changed lines trains on a checkpointed trunk."""
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("lightly")
+    script = os.path.join(os.path.dirname(__file__), "..", "docs", "recipes", "lightning_lightly_simclr.py")
+    result = subprocess.run([sys.executable, script, "--steps", "3", "--batch", "8", "--size", "32"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trained 3 steps; last loss" in result.stdout and "trunk plan: balanced, 3 segments" in result.stdout
