@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from trunksplit import CheckpointedTrunk, PeakMemory, optimizer_in_backward
+from trunksplit import CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward
 from trunksplit.planning.budget import format_bytes
 from trunksplit.planning.costs import Cost
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import annotate, best_plan, peak_model
+from trunksplit.planning.memory import meter_name
 from trunksplit.planning.request import priced_in
 
 from reference import build, check_step, loss_of, second_step_peak, step_both
@@ -558,3 +559,14 @@ def test_a_unit_that_holds_most_weights_is_predicted_in_every_gradient_mode(grad
     with PeakMemory() as mem:
         loss_of(trunk(x)).backward()
     assert abs(plan.predicted_peak_bytes / mem.peak_bytes - 1) <= 0.02, (plan.predicted_peak_bytes, mem.peak_bytes)
+
+
+
+def test_a_plan_says_which_meter_its_predicted_peaks_count():
+    """A predicted peak is compared with the meter that measures the step: tensor bytes on this CPU (PeakMemory),
+    the caching allocator on CUDA; the plan's title says which, for the trunk's plans and fit's alike."""
+    x = torch.randn(2, 3, 64, 64)
+    plan = CheckpointedTrunk(build("resnet18"), num_splits=3, strategy="balanced").plan_for(x)
+    assert plan.meter == "tensor bytes" and str(plan).splitlines()[0].endswith("MiB of tensor bytes)")
+    assert "max_memory_allocated" in meter_name("cuda", True) and meter_name("cpu", True) != meter_name("cpu", False)
+    assert fit(build("resnet18"), (3, 64, 64), "200MiB", verify=False).plan.meter == "tensor bytes"

@@ -182,6 +182,14 @@ class ProfiledPeak:
         self.peak_bytes = peak
 
 
+def meter_name(device: Union[str, torch.device], allocator: bool) -> str:
+    """What a figure measured on ``device`` counts, as a plan says it: tensor storages (the tracker of
+    :class:`PeakMemory` on CPU), the caching allocator (CUDA), or torch.profiler's allocation events."""
+    if torch.device(device).type == "cuda":
+        return "the CUDA allocator's bytes (max_memory_allocated)"
+    return "allocations torch.profiler saw" if allocator else "tensor bytes"
+
+
 def allocator_meter(device: Union[str, torch.device]):
     """The allocator's meter for ``device`` (its ``peak_bytes``: beyond what was live at its start):
     on CUDA the caching allocator's statistics (:class:`PeakMemory`), which see cuDNN's workspaces;

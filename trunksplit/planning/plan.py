@@ -41,6 +41,7 @@ class SplitPlan:
     predicted_peak_bytes: Optional[int] = None
     note: str = ""  # why the plan is what it is, where that is not obvious ("runs unsplit: ...")
     compiled: bool = False  # run by a trunk.compile()d trunk: each unit compiled inside eager checkpoints
+    meter: str = ""  # what the predicted peaks count (memory.meter_name): the figure to compare them with
 
     @property
     def names(self) -> List[str]:
@@ -88,7 +89,7 @@ class SplitPlan:
         count = len(self.segments)
         title = f"SplitPlan ({self.strategy}, {count} segment{'' if count == 1 else 's'}"
         if self.predicted_peak_bytes is not None:
-            title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB"
+            title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB" + (f" of {self.meter}" if self.meter else "")
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
         if self.note:
             text += f"\n{self.note}"

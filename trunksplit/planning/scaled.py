@@ -10,6 +10,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .memory import meter_name
 from .peak import PeakModel
 from .profile import UnitCosts, profile_units
 from .search import best_plan, plan_from_cuts
@@ -33,6 +34,7 @@ class ScaledChain:
         self.features = request.feature_units
         units = list(request.units)
         allocator = measured_by_allocator(world_size, device)
+        self.meter = meter_name(device, allocator)  # what its plans' peaks count
         self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress) for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
         self.small = self._costs_for(world_size)
@@ -106,7 +108,7 @@ class ScaledChain:
     def plan(self, batch: int, budget: Optional[int]):
         """The least-recompute plan at ``batch`` whose peak fits ``budget`` (where none does, or for None: the lowest-peak plan)."""
         peaks, cuts = self._chosen(batch, budget)
-        return plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks)
+        return replace(plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks), meter=self.meter)
 
 
 

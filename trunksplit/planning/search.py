@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..chains.blocks import layer_splittable_before
-from .memory import tensors_in
+from .memory import meter_name, tensors_in
 from .costs import NOTHING, Cost, add_costs
 from .peak import PeakModel
 from .budget import format_bytes
@@ -207,14 +207,16 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None) -> Sp
     budgeted = request.budget is not None
     model = model or peak_model(request, x, regions=budgeted and not request.use_reentrant)
     strategy = "budget" if budgeted else "balanced"
+    device = next(iter(tensors_in(x))).device
+    meter = meter_name(device, measured_by_allocator(request.world_size, device, compiled=request.compiled))
     unsplit = model.peak([0])
     if budgeted and request.budget.in_bytes(unsplit) >= unsplit:
-        return unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step")
+        return replace(unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step"), meter=meter)
     cuts = _budget_cuts(request, x, model) if budgeted else _balanced_cuts(request, model)
     plan = plan_from_cuts(names, cuts, request.stops, strategy, model)
     if not budgeted and plan.predicted_peak_bytes > unsplit:
-        return unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
-    return plan
+        plan = unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
+    return replace(plan, meter=meter)
 
 
 def unsplit_plan(units: Sequence[str], feature_stops: Dict[str, int], strategy: str, unsplit: int, why: str) -> SplitPlan:
