@@ -32,7 +32,7 @@ def test_crop_areas_stay_within_the_scale_and_aspect_ratios_within_three_to_four
 
 
 def test_grayscale_and_blur_happen_at_their_configured_rates(monkeypatch):
-    cfg = load_config(QUICK, [])
+    cfg = load_config("", [])  # the defaults
     d = crop_distortions(cfg)[0]
     assert (d.jitter, d.jitter_p, d.grayscale_p, d.blur_p, d.solarize_p) == ((0.8, 0.8, 0.8, 0.2), 0.8, 0.2, 0.5, 0.0)  # SimCLR's published values
     g = torch.Generator().manual_seed(1)
@@ -74,7 +74,8 @@ def test_views_flip_at_their_configured_rate(flip):
     assert _within_binomial(flipped, 400, flip), flipped
 
 
-@pytest.mark.parametrize("key,value", [("DATA.AUG.COLOR_JITTER", "[0.8, 0.8, 0.8]"), ("DATA.AUG.BLUR_PROB", "1.5"), ("DATA.AUG.FLIP_PROB", "1.5"), ("DATA.AUG.SOLARIZE_PROB", "[0.0, -0.2]"), ("DATA.AUG.STD", "[0.2, 0.0, 0.2]")])
+@pytest.mark.parametrize("key,value", [("DATA.AUG.COLOR_JITTER", "[0.8, 0.8, 0.8]"), ("DATA.AUG.BLUR_PROB", "1.5"), ("DATA.AUG.FLIP_PROB", "1.5"), ("DATA.AUG.SOLARIZE_PROB", "[0.0, -0.2]"), ("DATA.AUG.STD", "[0.2, 0.0, 0.2]"),
+                                       ("DATA.SYNTHETIC", "noise")])
 def test_bad_augmentation_values_are_refused(key, value):
     with pytest.raises(ValueError, match=key.split(".")[-1]):
         load_config(QUICK, [key, value])

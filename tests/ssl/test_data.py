@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.data import image_dataset, read_image, step_loader
+from trunksplit.ssl.data import SyntheticImages, image_dataset, read_image, step_loader
 from trunksplit.ssl.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -130,3 +130,14 @@ def test_bench_data_on_a_folder_with_a_bomb_and_gifs_measures_instead_of_crashin
     _odd_files(tmp_path)
     assert main(["bench-data", "--recipes", "simclr", "--workers", "0", "--steps", "1", "--batch", "4", "--folder", str(tmp_path), "--jpegs", "4"]) == 0
     assert "images/s, 0 workers" in capsys.readouterr().out
+
+
+
+def test_stripes_are_black_and_white_gratings_the_same_every_run_and_each_its_own():
+    a, b = SyntheticImages(8, 32, seed=1, kind="stripes"), SyntheticImages(8, 32, seed=1, kind="stripes")
+    images = [a[i] for i in range(8)]
+    assert all(torch.equal(x, b[i]) for i, x in enumerate(images))  # a function of (seed, index)
+    assert all(x.shape == (3, 32, 32) and set(x.unique().tolist()) == {0.0, 1.0} and torch.equal(x[0], x[2]) for x in images)
+    assert len({tuple(x.flatten().tolist()) for x in images}) == 8
+    with pytest.raises(ValueError, match="synthetic images are one of"):
+        SyntheticImages(8, 32, kind="noise")

@@ -691,3 +691,16 @@ def test_a_run_logged_to_a_file_has_one_plain_line_per_step(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "\r" not in out + err
     assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == ["1/2", "2/2"]
+
+
+
+@pytest.mark.slow  # 30 steps of ResNet-50: about 40 s on 2 cores (python -m pytest -q -m slow)
+def test_the_quick_start_learns(tmp_path):
+    """The README's first command, as shipped: its last ten losses average well below SimCLR's chance level
+    (each of 2 x 16 views picking its partner among 31 at random: ln 31), where smooth colour fields under
+    SimCLR's colour distortions ended at it."""
+    out = tmp_path / "run"
+    result = _script("--config-file", QUICK, "OUTPUT_DIR", str(out))
+    assert result.returncode == 0, result.stderr
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 30 and sum(losses[-10:]) / 10 <= 0.9 * math.log(31), losses

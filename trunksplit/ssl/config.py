@@ -15,6 +15,7 @@ from fvcore.common.config import CfgNode as CN
 from ..planning.budget import MemoryBudget
 from ..recompute.select import condition_from_config
 from .backbones import check_backbone_name, fixed_resolution
+from .data import SYNTHETIC_KINDS
 from .optim import OPTIMIZERS
 from .strategy import check_strategy
 
@@ -56,6 +57,7 @@ _C.METHOD.DINO.FREEZE_LAST_LAYER_STEPS = 0  # the head's last layer not updated 
 _C.DATA = CN()
 _C.DATA.PATH = ""  # an ImageFolder root; empty: deterministic synthetic images
 _C.DATA.NUM_IMAGES = 256  # synthetic data set size
+_C.DATA.SYNTHETIC = "fields"  # without DATA.PATH: "fields" (smooth colour fields) or "stripes" (black-and-white gratings)
 _C.DATA.IMAGE_SIZE = 96  # synthetic images, and what ImageFolder images are resized to
 _C.DATA.CROP_SIZES = [64]  # one entry per resolution; the trunk runs once per resolution per step
 _C.DATA.CROP_COUNTS = [2]
@@ -275,6 +277,8 @@ def _check(cfg: CN) -> None:
     check_strategy(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+    if cfg.DATA.SYNTHETIC not in SYNTHETIC_KINDS:
+        raise ValueError(f"DATA.SYNTHETIC must be one of {SYNTHETIC_KINDS}, got {cfg.DATA.SYNTHETIC!r}")
 
 
 def _check_optim(cfg: CN) -> None:

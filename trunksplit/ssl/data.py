@@ -5,6 +5,7 @@ which flips. That is what makes a resumed run equal an uninterrupted one, and
 what shards the data across ranks without a sampler's state.
 """
 import functools
+import math
 import os
 from typing import List, Sequence
 
@@ -17,19 +18,40 @@ from torchvision.transforms.v2 import functional as TF
 from .augment import Distortion, augment, crop_distortions
 
 
-class SyntheticImages(torch.utils.data.Dataset):
-    """``n`` images of ``size`` x ``size``: smooth random colour fields, the same for the same index, every run."""
+SYNTHETIC_KINDS = ("fields", "stripes")
 
-    def __init__(self, n: int, size: int, seed: int = 0):
-        self.n, self.size, self.seed = n, size, seed
+
+class SyntheticImages(torch.utils.data.Dataset):
+    """``n`` images of ``size`` x ``size``, the same for the same index, every run. ``kind``:
+    ``"fields"``, smooth random colour fields; ``"stripes"``, black-and-white gratings (two sinusoids
+    of random orientation, spacing and phase, summed and thresholded), whose orientation and
+    spacing survive crops and flips, so that a short contrastive run learns to match two views of
+    one (configs/quickstart.yaml)."""
+
+    def __init__(self, n: int, size: int, seed: int = 0, kind: str = "fields"):
+        if kind not in SYNTHETIC_KINDS:
+            raise ValueError(f"synthetic images are one of {SYNTHETIC_KINDS}, got {kind!r}")
+        self.n, self.size, self.seed, self.kind = n, size, seed, kind
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        if self.kind == "stripes":
+            return _stripes(self.size, g)
         coarse = torch.rand(1, 3, 6, 6, generator=g)
         return F.interpolate(coarse, size=(self.size, self.size), mode="bicubic", align_corners=False)[0].clamp(0, 1)
+
+
+def _stripes(size: int, g: torch.Generator) -> torch.Tensor:
+    """Two gratings (orientation, 2 to 12 cycles across, phase drawn from ``g``), summed, thresholded at 0: black and white."""
+    y, x = torch.meshgrid(torch.linspace(-1, 1, size), torch.linspace(-1, 1, size), indexing="ij")
+    total = torch.zeros(size, size)
+    for _ in range(2):
+        angle, cycles, phase = (torch.rand(3, generator=g) * torch.tensor([math.pi, 10.0, 2 * math.pi])).tolist()
+        total += torch.sin((2 + cycles) * math.pi * (x * math.cos(angle) + y * math.sin(angle)) + phase)
+    return (total > 0).float().expand(3, size, size).clone()
 
 
 # ImageFolder's extensions and GIF, which decode_image reads (ImageFolder would not list it)
@@ -38,7 +60,7 @@ IMAGE_EXTENSIONS = tuple(torchvision.datasets.folder.IMG_EXTENSIONS) + (".gif",)
 
 def image_dataset(cfg) -> torch.utils.data.Dataset:
     if not cfg.DATA.PATH:
-        return SyntheticImages(cfg.DATA.NUM_IMAGES, cfg.DATA.IMAGE_SIZE, cfg.SEED)
+        return SyntheticImages(cfg.DATA.NUM_IMAGES, cfg.DATA.IMAGE_SIZE, cfg.SEED, cfg.DATA.SYNTHETIC)
     if not os.path.isdir(cfg.DATA.PATH):
         raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} is not a directory; give an ImageFolder root (class folders of images) or leave it empty for synthetic data")
     try:
