@@ -12,7 +12,7 @@ import shlex
 import pytest
 
 from trunksplit.cli.bench_ddp import build_parser as bench_ddp_parser
-from trunksplit.cli.main import build_parser as cli_parser
+from trunksplit.cli.parser import build_parser as cli_parser
 from trunksplit.ssl.config import load_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

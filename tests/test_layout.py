@@ -45,12 +45,25 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list:
     return found
 
 
+def _loaded_by_name(module: str, is_package: bool, tree):
+    """The modules a lazy table names (the package's ``PUBLIC``, the command line's ``COMMANDS``):
+    loaded on first use, they are imports all the same, held to the same layers."""
+    package = module if is_package else module.rsplit(".", 1)[0]
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("PUBLIC", "COMMANDS") for t in node.targets):
+            for value in node.value.values:
+                yield f"{package}.{value.value}", node.lineno
+
+
 def _imports():
     """(importer, imported, line, at module level) for every trunksplit import in the package."""
     for module, path in _modules():
         tree = ast.parse(path.read_text())
-        top = set(map(id, tree.body))
+        typing_only = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"]
+        top = set(map(id, tree.body + [s for n in typing_only for s in n.body]))  # what editors read is imported at the top too
         is_package = path.name == "__init__.py"
+        for target, line in _loaded_by_name(module, is_package, tree):
+            yield module, target, line, True
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 targets = _resolve(module, is_package, node)

@@ -43,7 +43,7 @@ class CheckpointedTrunk(nn.Module):
             the plan with the least recompute whose predicted peak fits. Non-reentrant
             trunks may also run regions of units under a nested checkpoint that keeps less
             (``plan.regions``; the policies: :mod:`trunksplit.recompute.regions`).
-        use_reentrant: torch's reentrant checkpoint (vissl's, for manual DDP) or not.
+        use_reentrant: torch's reentrant checkpoint (vissl's, for manual DDP), or not: the plain step bit for bit (reentrant sums a cut feature's gradients in another order).
         gradients: how the training loop clears gradients, which cost-aware plans
             must know: ``"allocated"`` (torch's default ``zero_grad()`` sets them to
             None, so every step allocates them during backward) or ``"kept"``

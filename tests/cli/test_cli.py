@@ -1,6 +1,10 @@
 """The trunksplit command: plan and bench."""
+import subprocess
+import sys
+
 import pytest
 
+import trunksplit
 from trunksplit.cli import main
 
 
@@ -143,7 +147,7 @@ def test_plan_counts_only_the_parameters_the_trunk_trains(capsys):
 
 
 def test_every_option_of_every_subcommand_says_what_it_is_and_its_default(capsys):
-    from trunksplit.cli.main import build_parser
+    from trunksplit.cli.parser import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if a.choices and "plan" in a.choices).choices  # argparse keeps them here
@@ -153,3 +157,28 @@ def test_every_option_of_every_subcommand_says_what_it_is_and_its_default(capsys
                 assert action.help, f"{name} {action.option_strings[0]} has no help"
         text = sub.format_help()
         assert "(default:" in text or not any(a.option_strings and a.dest != "help" for a in sub._actions), name
+
+
+def test_help_and_argument_errors_answer_without_importing_torch():
+    """A new user's first call: ``trunksplit --help`` or a typo must answer in a moment, not after
+    torch loads (seconds on a busy machine). Run in a fresh interpreter, where nothing imported torch."""
+    script = ("import sys\nfrom trunksplit.cli import main\n"
+              "for argv in (['--help'], ['plan', '--help'], ['fit', '--memory', 'lots'], ['plan', '--input', '3x3']):\n"
+              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+              "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().endswith("no torch"), done.stdout[-300:] + done.stderr[-300:]
+    assert "expected a shape like 8x3x224x224, got '3x3'" in done.stderr and "--memory" in done.stderr
+
+
+def test_the_public_names_load_on_first_use_and_stay_what_they_name():
+    """``import trunksplit`` loads no torch; each public name is what its module defines, even where a
+    submodule shares its name (``trunksplit.fit``, the function, once the module fit.py is imported)."""
+    script = ("import sys, trunksplit\nassert 'torch' not in sys.modules\nimport trunksplit.fit, trunksplit.ssl.fit_step\n"
+              "from trunksplit import fit\nimport inspect\nassert inspect.isfunction(fit) and trunksplit.fit is fit, trunksplit.fit\n"
+              "missing = [n for n in trunksplit.__all__ if not hasattr(trunksplit, n)]\nassert not missing, missing\n"
+              "assert set(trunksplit.__all__) <= set(dir(trunksplit))\nprint('ok')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-600:]
+    with pytest.raises(AttributeError, match="no attribute 'CheckpointTrunk'"):
+        trunksplit.CheckpointTrunk  # noqa: B018 (a near miss is an AttributeError, not an import)

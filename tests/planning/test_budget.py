@@ -8,7 +8,7 @@ import torchvision
 from torch import nn
 
 import trunksplit
-from trunksplit.cli.main import build_parser
+from trunksplit.cli.parser import build_parser
 from trunksplit.planning.budget import MemoryBudget, format_bytes, parse_memory_size
 from trunksplit.ssl.config import load_config
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from trunksplit.cli.main import main
+from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.fit_step import crop_groups
 from trunksplit.ssl.loop import train

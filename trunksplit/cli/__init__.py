@@ -1,4 +1,5 @@
-"""The ``trunksplit`` command: ``plan``, ``bench``, ``fit`` and ``bench-data`` (see ``main.py``)."""
-from .main import main
+"""The ``trunksplit`` command: its arguments in ``parser.py`` (no torch), what each command runs in
+``commands.py`` and ``runs.py``."""
+from .parser import main
 
 __all__ = ["main"]

@@ -12,17 +12,14 @@ from torch import nn
 
 from ..chains.blocks import layer_splittable_before
 from .budget import MemoryBudget
+from .choices import GRADIENT_MODES, OBJECTIVES, PRICES, STRATEGIES
 
-STRATEGIES = ("vissl", "balanced")
-GRADIENT_MODES = ("allocated", "kept", "in_backward")
 # in_backward: until an optimizer_in_backward measures its own, a parameter's update is taken to
 # allocate two tensors of its size (AdamW's for-loop form: the most of SGD, LARS and AdamW)
 UPDATE_TEMPORARIES = 2.0
 # set on each parameter by trunksplit.optimizer_in_backward: what its optimizer's update allocates
 # (see planned_temporaries), so a trunk handed over as its parameters plans for it too
 UPDATE_TEMPORARIES_ATTR = "_trunksplit_update_temporaries"
-PRICES = ("time", "flops")  # what a plan's recompute is priced in (see PeakModel.cost_key)
-OBJECTIVES = ("auto",) + PRICES  # "auto": by the device the plan is for (see priced_in)
 
 
 def priced_in(objective: str, device: torch.device) -> str:

@@ -1,0 +1,158 @@
+"""What ``trunksplit plan``, ``bench``, ``fit`` and ``bench-data`` run, once their arguments parse
+(:mod:`trunksplit.cli.parser`); ``knn`` and ``report`` run in ``runs.py``."""
+import contextlib
+import sys
+import time
+import warnings
+
+import torch
+
+from tqdm import tqdm
+
+from ..chains import expand_units, feature_blocks
+from ..fit import NAMED_OPTIMIZERS, fit
+from ..in_backward import update_temporaries
+from ..planning.search import annotate, peak_model, plan_trunk
+from ..planning.sharding import rank_memory
+from ..ssl.backbones import build_backbone
+from ..ssl.config import load_config
+from ..ssl.fit_step import fit_step
+from ..ssl.loop import step_for_fit
+from ..trunk import CheckpointedTrunk
+from .bench import run_benchmark
+from .bench_data import run_data_benchmark
+from .runs import device_of
+
+
+def run_plan(args) -> int:
+    x = torch.randn(*args.input)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model = build_backbone(args.arch, args.input[-1])
+            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
+                                     objective=args.objective)
+            if args.gradients == "in_backward":
+                trunk.update_temporaries = _update_temporaries(args.optimizer)
+            request = trunk.plan_request()
+            # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
+            with _progress(len(request.units), "profiling units") as step:
+                costs = peak_model(request, x, regions=args.budget is not None, world_size=args.world_size, progress=step)
+            _phase("searching the plan")
+            plan = plan_trunk(request, x, costs) if request.cost_aware else annotate(trunk.plan_for(x), costs)
+        except ValueError as e:
+            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            return 2
+        except RuntimeError as e:  # the model cannot run this input (channels, size)
+            print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    unsplit = costs.peak([0])
+    print(plan)
+    print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit ({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, args.input))}")
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    # the trunk, not the model: blocks after the last requested feature, and the classifier, are not trained
+    print(rank_memory(trunk, list(request.modules), args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
+    return 0
+
+
+def _update_temporaries(optimizer: str) -> float:
+    """What one parameter's update allocates, for ``--optimizer`` stepped in backward."""
+    if optimizer == "none":
+        raise ValueError("--gradients in_backward steps an optimizer in backward: name it with --optimizer (sgd, lars or adamw)")
+    return update_temporaries(*NAMED_OPTIMIZERS[optimizer])
+
+
+def run_bench(args) -> int:
+    for arch in args.arch:  # every name checked before an hour of measuring
+        try:
+            build_backbone(arch, args.resolution)
+        except ValueError as e:
+            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            return 2
+
+    try:
+        table = run_benchmark(
+            args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
+            repeats=args.repeats, device=device_of(args.device), out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
+            objectives=args.objective,
+        )
+    except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
+        print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"\nwritten to {args.out}/benchmark.md and {args.out}/benchmark.png")
+    return 0
+
+
+def run_fit(args) -> int:
+    if args.config_file:
+        return _fit_config(args)
+    if args.opts:
+        print(f"error: config overrides {' '.join(args.opts[:2])} ... need --config-file", file=sys.stderr)
+        return 2
+    try:
+        model = build_backbone(args.arch, args.input[-1]).to(device_of(args.device))
+        _phase(f"fitting: profiling, then searching the largest batch{'' if args.no_verify else ', then one real step checks it'}")
+        with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
+            found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
+                        num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size, progress=step)
+    except ValueError as e:
+        print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(found.plan)
+    print(found)
+    print(found.rank)
+    print(f"the batch counts images of {'x'.join(map(str, args.input))} through the trunk alone, with a surrogate loss: for an SSL run "
+          "(its views, crop groups, head, loss and teacher) fit its config: trunksplit fit --config-file CONFIG --memory SIZE")
+    if args.world_size > 1:
+        print(f"a prediction for one of {args.world_size} FSDP2 ranks: --memory and the batch are per rank (one process cannot run the sharded step to check it)")
+    return 0
+
+
+def _fit_config(args) -> int:
+    """``fit --config-file``: the launcher's whole step (every crop group, head, loss, teacher, optimizer
+    state), as ``TRAIN.BATCH_SIZE_PER_RANK 0`` fits it; one line per phase on stderr."""
+    try:
+        cfg = load_config(args.config_file, [*args.opts, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(args.memory))])
+        found = fit_step(cfg, torch.device(device_of(args.device)), step_for_fit(cfg, contextlib.nullcontext()), args.world_size,
+                         lambda line: print(f"fit: {line}", file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(found)
+    views = sum(cfg.DATA.CROP_COUNTS)
+    print(f"images: each brings {views} crops ({' + '.join(f'{n} x {s}px' for s, n in zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS))}); "
+          f"train with TRAIN.BATCH_SIZE_PER_RANK 0 TRAIN.MEMORY_LIMIT {float(args.memory):.4g} (or BATCH_SIZE_PER_RANK {found.images})")
+    return 0
+
+
+@contextlib.contextmanager
+def _progress(total: int, what: str):
+    """A progress bar on stderr (the table goes to stdout), stepped once per call of what it yields;
+    where stderr is not a terminal (a log file), a plain line as the phase starts and one as it ends."""
+    start = time.perf_counter()
+    with tqdm(total=total, desc=what, file=sys.stderr, leave=False, disable=None) as bar:
+        if bar.disable:
+            print(f"{what}: {total} ...", file=sys.stderr, flush=True)
+        yield lambda _name: bar.update(1)
+        if bar.disable:
+            print(f"{what}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def _phase(line: str) -> None:
+    """One phase of a command, said on stderr, terminal or not."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_bench_data(args) -> int:
+    try:
+        run_data_benchmark(args.recipes, args.workers, args.steps, args.batch, args.folder, args.jpegs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,168 @@
+"""The ``trunksplit`` command's arguments: ``plan`` shows how a trunk would be cut, ``bench`` measures
+plans, ``fit`` finds the largest batch whose training step fits a memory size, ``bench-data`` measures
+the recipes' input pipelines, ``knn`` evaluates a run's trunk by k-nearest neighbours, ``report``
+draws a run's metrics.
+
+This module imports no torch: ``--help`` and an argument error answer in a fraction of a second. The
+module that runs a command (``COMMANDS``) is loaded once its arguments parse."""
+import argparse
+import importlib
+import os
+import tempfile
+from typing import List, Optional
+
+from ..planning.budget import MemoryBudget, parse_memory_size
+from ..planning.choices import GRADIENT_MODES, OBJECTIVES, PRICES
+
+# each command and the module of this package that runs it, as ``run_<command>(args)``
+COMMANDS = {"plan": "commands", "bench": "commands", "fit": "commands", "bench-data": "commands", "knn": "runs", "report": "runs"}
+
+OBJECTIVE_HELP = ("what cost-aware plans minimise: time (recompute priced from ops timed while profiling) or flops (FLOPs run again); "
+                  "auto: time on a GPU, flops on a CPU")
+GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False); "
+                  "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
+DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse, then load the module that runs the command and run it."""
+    args = build_parser().parse_args(argv)
+    runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
+    return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
+
+
+class _ParserWithDefaults(argparse.ArgumentParser):
+    """A subcommand's parser whose ``--help`` shows every option's default beside its help."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (``main`` runs what they ask; the docs test parses the documented calls)."""
+    parser = argparse.ArgumentParser(prog="trunksplit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
+    p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
+    p.add_argument("--arch", default="resnet50", help="a torchvision classification model name")
+    p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
+    p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
+    p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
+    p.add_argument("--features", nargs="+", default=["flatten"], help="feature blocks the trunk returns (res4 res5 ...)")
+    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
+    p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
+    p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
+    p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
+    p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
+    b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
+    b.add_argument("--arch", nargs="+", default=["resnet50"], help="torchvision model names, one table row group each")
+    b.add_argument("--batch", type=_positive, default=4, help="images per step")
+    b.add_argument("--resolution", type=_positive, default=224, help="image height and width")
+    b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6], help="segment counts of the vissl and balanced rows")
+    b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="budget rows: fractions of the unsplit peak, bytes (2e9) or sizes (2GiB)")
+    b.add_argument("--repeats", type=_positive, default=5, help="timed steps per row (the median is reported)")
+    b.add_argument("--device", default="auto", help=DEVICE_HELP)
+    b.add_argument("--out", type=_writable_dir, default="output/bench", help="where benchmark.md and benchmark.png are written")
+    b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
+    b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0])
+    b.add_argument("--objective", choices=PRICES, nargs="+", default=["flops"], help=OBJECTIVE_HELP.split("; auto")[0] + "; several: budget rows for each")
+    f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
+    f.add_argument("--arch", default="resnet50", help="a torchvision classification model name")
+    f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
+    f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
+    f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state is resident (sgd, lars: one buffer per parameter; adamw: two)")
+    f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
+    f.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
+    f.add_argument("--device", default="auto", help=DEVICE_HELP + ": where the checking step runs")
+    f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
+    f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
+    f.add_argument("--config-file", default=None, help="fit the launcher's whole SSL step of this config (every crop group, head, loss, teacher); "
+                   "--arch, --input, --optimizer, --splits and --gradients are then the config's")
+    f.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
+    _add_bench_data_parser(sub)
+    _add_run_parsers(sub)
+    return parser
+
+
+def _add_bench_data_parser(sub) -> None:
+    d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
+    d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
+    d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4], help="DataLoader worker counts, one table column each")
+    d.add_argument("--steps", type=_positive, default=8, help="timed steps per run, after one untimed step per worker")
+    d.add_argument("--batch", type=_positive, default=16, help="images per step")
+    d.add_argument("--folder", default="", help="an ImageFolder root of JPEGs; default: synthetic images written as JPEGs")
+    d.add_argument("--jpegs", type=_positive, default=64, help="how many JPEGs to write when --folder is not given")
+
+
+def _add_run_parsers(sub) -> None:
+    k = sub.add_parser("knn", help="kNN accuracy of a run's trunk on labelled image folders (DINO's weighted kNN)")
+    k.add_argument("run_dir", help="a run's OUTPUT_DIR (its config.yaml and checkpoint.pt)")
+    k.add_argument("--train", required=True, help="an ImageFolder root (a folder per class): the neighbours")
+    k.add_argument("--val", required=True, help="an ImageFolder root with the same classes: the images classified")
+    k.add_argument("--untrained", action="store_true", help="evaluate the model the run started from (its config and seed): a baseline")
+    k.add_argument("--device", default="auto", help=DEVICE_HELP)
+    r = sub.add_parser("report", help="draw a run's loss, kNN accuracy, speed, memory and data wait into RUN_DIR/report.png")
+    r.add_argument("run_dir", help="a run's OUTPUT_DIR (its metrics.jsonl)")
+
+
+def _dims(text: str, count: int, example: str):
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if len(dims) != count or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected a shape like {example}, got {text!r}")
+    return dims
+
+
+def _shape(text: str):
+    return _dims(text, 4, "8x3x224x224")
+
+
+def _image_shape(text: str):
+    return _dims(text, 3, "3x224x224 (one image)")
+
+
+def _budget(text: str) -> MemoryBudget:
+    try:
+        value = MemoryBudget.parse(text, "a budget")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value is None:
+        raise argparse.ArgumentTypeError("a budget must be above 0: a fraction in (0, 1], bytes (2e9) or a size (2GiB)")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _whole(text, 0)
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {least}, got {text!r}")
+    return value
+
+
+def _writable_dir(path: str) -> str:
+    """Checked before a long run, not after it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write to {path!r}: {e.strerror or e}") from None
+    return path
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_memory_size(text, "--memory")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
