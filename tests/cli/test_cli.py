@@ -182,3 +182,23 @@ def test_the_public_names_load_on_first_use_and_stay_what_they_name():
     assert done.stdout.strip() == "ok", done.stderr[-600:]
     with pytest.raises(AttributeError, match="no attribute 'CheckpointTrunk'"):
         trunksplit.CheckpointTrunk  # noqa: B018 (a near miss is an AttributeError, not an import)
+
+
+@pytest.mark.parametrize("arch,near", [("resnet05", "did you mean resnet50"), ("convnext_tinny", "did you mean convnext_tiny")])
+def test_a_near_miss_names_the_nearest_models_not_all_of_them(arch, near, capsys):
+    assert main(["plan", "--arch", arch, "--input", "2x3x64x64"]) == 2
+    err = capsys.readouterr().err
+    assert near in err and "alexnet" not in err  # not the 80 names
+
+
+def test_plan_takes_a_timm_model_by_name(capsys):
+    pytest.importorskip("timm")
+    assert main(["plan", "--arch", "timm:convnext_atto", "--input", "4x3x64x64", "--budget", "0.7", "--gradients", "kept"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("SplitPlan (budget") and "stem .. output" in out and "= 0.70 of unsplit" in out
+    # the same budget with the gradients allocated in the step: they alone are 0.70 of it at this batch, and the refusal says so
+    assert main(["plan", "--arch", "timm:convnext_atto", "--input", "4x3x64x64", "--budget", "0.7"]) == 2
+    assert "The parameters' gradients, which this step allocates" in capsys.readouterr().err
+    for wrong, near in (("timm/convnext_atto", "did you mean timm:convnext_atto?"), ("timm:convnext_atoo", "did you mean timm:convnext_atto")):
+        assert main(["plan", "--arch", wrong]) == 2
+        assert near in capsys.readouterr().err

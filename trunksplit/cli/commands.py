@@ -30,7 +30,7 @@ def run_plan(args) -> int:
         warnings.simplefilter("always")
         try:
             model = build_backbone(args.arch, args.input[-1])
-            trunk = CheckpointedTrunk(model, args.features, num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
+            trunk = CheckpointedTrunk(model, args.features or list(feature_blocks(model))[-1:], num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
                                      objective=args.objective)
             if args.gradients == "in_backward":
                 trunk.update_temporaries = _update_temporaries(args.optimizer)

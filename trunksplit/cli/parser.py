@@ -21,6 +21,7 @@ OBJECTIVE_HELP = ("what cost-aware plans minimise: time (recompute priced from o
                   "auto: time on a GPU, flops on a CPU")
 GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False); "
                   "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
+ARCH_HELP = "a torchvision classification model name (resnet50), or timm:NAME (timm:convnext_atto) where timm is installed"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
 
 
@@ -43,11 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trunksplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
     p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
-    p.add_argument("--arch", default="resnet50", help="a torchvision classification model name")
+    p.add_argument("--arch", default="resnet50", help=ARCH_HELP)
     p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
     p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
-    p.add_argument("--features", nargs="+", default=["flatten"], help="feature blocks the trunk returns (res4 res5 ...)")
+    p.add_argument("--features", nargs="+", default=None, help="feature blocks the trunk returns (res4 res5 ...); default: its last block (flatten for torchvision's)")
     p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
     p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0])
     b.add_argument("--objective", choices=PRICES, nargs="+", default=["flops"], help=OBJECTIVE_HELP.split("; auto")[0] + "; several: budget rows for each")
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
-    f.add_argument("--arch", default="resnet50", help="a torchvision classification model name")
+    f.add_argument("--arch", default="resnet50", help=ARCH_HELP)
     f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
     f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
     f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state is resident (sgd, lars: one buffer per parameter; adamw: two)")

@@ -1,5 +1,10 @@
-"""torchvision backbones by name, built with random weights (nothing is downloaded)."""
-from typing import Optional
+"""Backbones by name, built with random weights (nothing is downloaded): torchvision's, and timm's
+as ``timm:NAME`` where timm is installed (an optional extra)."""
+import difflib
+import importlib
+import importlib.util
+import re
+from typing import List, Optional
 
 import torchvision
 from torch import nn
@@ -16,11 +21,37 @@ def vit_s_16(image_size: int = 224, **kwargs) -> VisionTransformer:
 EXTRA_BACKBONES = {"vit_s_16": vit_s_16}  # the recipes' models that torchvision does not build
 
 
+TIMM = "timm:"  # the prefix of a timm model's name
+
+
 def check_backbone_name(name: str) -> None:
-    """A torchvision classification model's name (or one of :data:`EXTRA_BACKBONES`), or a ``ValueError`` that lists them."""
+    """A torchvision classification model's name (or one of :data:`EXTRA_BACKBONES`), or ``timm:NAME``;
+    else a ``ValueError`` with the nearest names (``timm/convnext_atto`` finds ``timm:convnext_atto``)."""
+    if name.startswith(TIMM):
+        if name[len(TIMM):] not in _timm(name).list_models():
+            raise ValueError(f"MODEL.TRUNK.NAME: timm has no model {name[len(TIMM):]!r}{_did_you_mean(name, [])}")
+        return
     names = torchvision.models.list_models(module=torchvision.models) + list(EXTRA_BACKBONES)
     if name not in names:
-        raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r} (try resnet50, convnext_tiny, vit_b_16; all: {', '.join(names)})")
+        near = _did_you_mean(name, names)
+        raise ValueError(f"MODEL.TRUNK.NAME: torchvision has no model {name!r}" + (near or f" (try resnet50, convnext_tiny, vit_b_16, or a timm "
+                         f"model as timm:NAME; all of torchvision's: {', '.join(names)})"))
+
+
+def _did_you_mean(name: str, torchvision_names: List[str]) -> str:
+    """The nearest names to a near miss, torchvision's and (where installed) timm's as ``timm:NAME``."""
+    bare = re.split("[/:]", name)[-1]
+    timm_names = importlib.import_module("timm").list_models() if importlib.util.find_spec("timm") else []
+    near = [n for n in torchvision_names if n == bare] + [TIMM + n for n in timm_names if n == bare]
+    near = near or difflib.get_close_matches(bare, torchvision_names, n=3) + [TIMM + n for n in difflib.get_close_matches(bare, timm_names, n=3)]
+    return f"; did you mean {' or '.join(near[:4])}?" if near else ""
+
+
+def _timm(name: str):
+    """timm, or a ``ValueError`` that says how to get it (an optional extra)."""
+    if importlib.util.find_spec("timm") is None:
+        raise ValueError(f"MODEL.TRUNK.NAME {name}: timm is not installed here (pip install timm)")
+    return importlib.import_module("timm")
 
 
 def fixed_resolution(name: str) -> bool:
@@ -30,18 +61,14 @@ def fixed_resolution(name: str) -> bool:
 
 
 def build_backbone(name: str, image_size: Optional[int] = None) -> nn.Module:
-    """A randomly initialised torchvision classification model (nothing is downloaded) that trunksplit can cut.
+    """A randomly initialised classification model (nothing is downloaded) that trunksplit can cut:
+    torchvision's by name, timm's as ``timm:NAME``.
 
-    ``image_size`` builds ViT and MaxViT for that resolution (the zoo's default is 224); a ViT
+    ``image_size`` builds ViT and MaxViT (timm's ViTs too) for that resolution (the zoo's default is 224); a ViT
     trunk takes other sizes too (see ``trunksplit.chains.families.VitEmbedding``)."""
     check_backbone_name(name)
-    kwargs = {}
-    if image_size is not None and name.startswith("vit_"):
-        kwargs = {"image_size": image_size}
-    elif image_size is not None and fixed_resolution(name):
-        kwargs = {"input_size": (image_size, image_size)}
     try:
-        model = EXTRA_BACKBONES[name](**kwargs) if name in EXTRA_BACKBONES else torchvision.models.get_model(name, **kwargs)
+        model = _timm_model(name[len(TIMM):], image_size) if name.startswith(TIMM) else _torchvision_model(name, image_size)
     except (ValueError, AssertionError, RuntimeError) as e:  # e.g. a ViT size that is not a multiple of its patch
         raise ValueError(f"MODEL.TRUNK.NAME {name} cannot be built for {image_size}px crops: {e}") from None
     try:
@@ -49,3 +76,23 @@ def build_backbone(name: str, image_size: Optional[int] = None) -> nn.Module:
     except TypeError as e:
         raise ValueError(f"MODEL.TRUNK.NAME {name!r}: {e}") from None
     return model
+
+
+def _torchvision_model(name: str, image_size: Optional[int]) -> nn.Module:
+    kwargs = {}
+    if image_size is not None and name.startswith("vit_"):
+        kwargs = {"image_size": image_size}
+    elif image_size is not None and fixed_resolution(name):
+        kwargs = {"input_size": (image_size, image_size)}
+    return EXTRA_BACKBONES[name](**kwargs) if name in EXTRA_BACKBONES else torchvision.models.get_model(name, **kwargs)
+
+
+def _timm_model(name: str, image_size: Optional[int]) -> nn.Module:
+    """timm's model with random weights; a model built for one input size (a ViT) is built for ``image_size``."""
+    timm = importlib.import_module("timm")
+    if image_size is not None:
+        try:
+            return timm.create_model(name, pretrained=False, img_size=image_size)
+        except TypeError:  # a model of any input size takes no img_size
+            pass
+    return timm.create_model(name, pretrained=False)
