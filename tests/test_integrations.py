@@ -358,7 +358,33 @@ def test_the_lightning_recipe_script_runs_as_shipped():
     lightly's SimCLR example with its two changed lines trains on a checkpointed trunk."""
     pytest.importorskip("pytorch_lightning")
     pytest.importorskip("lightly")
-    script = os.path.join(os.path.dirname(__file__), "..", "docs", "recipes", "lightning_lightly_simclr.py")
-    result = subprocess.run([sys.executable, script, "--steps", "3", "--batch", "8", "--size", "32"], capture_output=True, text=True, timeout=300)
+    out = _run_recipe("lightning_lightly_simclr.py", "--steps", "3", "--batch", "8", "--size", "32")
+    assert "trained 3 steps; last loss" in out and "trunk plan: balanced, 3 segments" in out
+
+
+def _run_recipe(name, *args):
+    script = os.path.join(os.path.dirname(__file__), "..", "docs", "recipes", name)
+    result = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=600, cwd=os.path.dirname(script))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "trained 3 steps; last loss" in result.stdout and "trunk plan: balanced, 3 segments" in result.stdout
+    return result.stdout
+
+
+def test_the_timm_recipe_script_runs_as_shipped_and_trains_the_unwrapped_weights():
+    pytest.importorskip("timm")
+    out = _run_recipe("timm_budget.py", "--steps", "2")  # its defaults: convnext_atto, budget 0.6, 8 x 128px
+    assert out.startswith("WrapPlan: ") and "weights equal to the unwrapped run's: True" in out
+    measured = float(out.split("measured step peak ")[1].split(" = ")[1].split(" of")[0])
+    assert measured <= 0.6 * 1.02
+
+
+def test_the_transformers_recipe_script_runs_under_trainer_as_shipped(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = _run_recipe("transformers_trainer.py", "--steps", "2", "--out", str(tmp_path))
+    assert out.startswith("WrapPlan: ") and "trained 2 steps; last loss" in out
+
+
+def test_the_lightly_dino_recipe_script_runs_by_crop_group_as_shipped():
+    pytest.importorskip("lightly")
+    out = _run_recipe("lightly_dino_by_crop_group.py", "--steps", "2", "--batch", "2", "--global-size", "64", "--local-size", "32")
+    assert "step peak: lightly's whole step" in out and "trained 2 steps; last loss" in out
