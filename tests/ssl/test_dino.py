@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from trunksplit.planning.memory import PeakMemory, _TensorAccounting  # the tracker, to read what a forward leaves alive
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.dino import teacher_momentum, teacher_temperature, update_center
 from trunksplit.ssl.losses import dino_loss
@@ -80,6 +81,41 @@ def test_head_last_layer_is_weight_normalised_with_its_gain_fixed_at_one():
         head.last_layer.mul_(torch.tensor([[3.0], [0.5], [2.0], [1.0], [7.0], [0.1]]))  # rescale rows: weight_norm's v
     assert torch.allclose(head(x), before, atol=1e-6)
     assert before.abs().max() <= 1 + 1e-6  # unit rows times a unit bottleneck: cosines
+
+
+def _autograd_head(head, x):
+    """The head as DINO writes it, every op left to autograd: the reference for the fused last layer."""
+    return torch.nn.functional.linear(torch.nn.functional.normalize(head.mlp(x), dim=-1), torch.nn.functional.normalize(head.last_layer, dim=1))
+
+
+def test_head_outputs_and_gradients_match_autograds_weight_normalised_linear():
+    torch.manual_seed(0)
+    head = DINOHead(8, 16, 4, 6).double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(5, 6, dtype=torch.float64)
+    ours = torch.autograd.grad(head(x), [x, *head.parameters()], grad)
+    reference = torch.autograd.grad(_autograd_head(head, x), [x, *head.parameters()], grad)
+    assert torch.allclose(head(x), _autograd_head(head, x), rtol=0, atol=1e-14)
+    for a, b in zip(ours, reference):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["ours", "autograd"])
+def test_head_last_layers_backward_allocates_one_weight_sized_tensor(fused):
+    """DINO's 65536 x 256 last layer is 64 MiB: autograd keeps its normalised copy from forward to backward
+    and makes four more in the backward, the multi-crop step's peak (exact tensor bytes)."""
+    head = DINOHead(4, 8, 64, 2048)
+    weight_bytes = head.last_layer.numel() * head.last_layer.element_size()
+    x = torch.randn(3, 4)
+    with _TensorAccounting() as forward:
+        out = head(x) if fused else _autograd_head(head, x)
+    held = forward.current_bytes()  # the output and what its graph saved for backward
+    with PeakMemory("cpu") as backward:
+        out.sum().backward()
+    if fused:
+        assert held < weight_bytes / 4 and backward.peak_bytes < 1.25 * weight_bytes  # the gradient, and small tensors
+    else:  # the reference shows what the fused layer avoids, so this test can tell them apart
+        assert held > weight_bytes and backward.peak_bytes > 3 * weight_bytes
 
 
 def _fresh_student(cfg):

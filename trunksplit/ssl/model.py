@@ -37,6 +37,43 @@ def build_trunk(cfg) -> CheckpointedTrunk:
     )
 
 
+_NORMALIZE_EPS = 1e-12  # F.normalize's
+
+
+class _UnitRowsLinear(torch.autograd.Function):
+    """``F.linear(x, F.normalize(weight, dim=1))`` without the normalised weight.
+
+    Autograd's version keeps the normalised weight (``weight``'s size) from forward to backward and
+    makes four more of its size in the backward (DINO's 65536 x 256 last layer: 64 MiB each, the
+    largest tensors of a multi-crop step's peak). Here the forward divides the product's columns
+    by the row norms, and the backward writes the weight's gradient into one new tensor: the
+    projection ``G - W (G . W) / n^2`` of ``G = (grad / n)^T x`` (its row dots taken by a batched
+    product, no temporary). Exact to rounding, not bit for bit: the forward divides after the
+    product instead of before it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        norms = weight.norm(dim=1)
+        out = torch.mm(x, weight.t())
+        out.div_(norms.clamp_min(_NORMALIZE_EPS))
+        ctx.save_for_backward(x, weight, norms)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, norms = ctx.saved_tensors
+        clamped = norms.clamp_min(_NORMALIZE_EPS)
+        scaled = grad.to(clamped.dtype) / clamped
+        grad_x = (scaled @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = scaled.t() @ x.to(scaled.dtype)
+            along = torch.bmm(grad_weight.unsqueeze(1), weight.unsqueeze(2)).view(-1)  # each row's G . W
+            along = torch.where(norms >= _NORMALIZE_EPS, along / clamped**2, 0)  # a clamped norm has no gradient
+            grad_weight.addcmul_(weight, along.unsqueeze(1), value=-1)
+        return grad_x, grad_weight
+
+
 class DINOHead(nn.Module):
     """DINO's projection head: a 3-layer MLP with GELU (``hidden_dim`` wide, ending at
     ``bottleneck_dim``), L2-normalised, then a linear layer to ``out_dim`` whose weight rows are
@@ -53,7 +90,7 @@ class DINOHead(nn.Module):
         nn.init.kaiming_uniform_(self.last_layer, a=5**0.5)  # nn.Linear's initialisation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.normalize(self.mlp(x), dim=-1), F.normalize(self.last_layer, dim=1))
+        return _UnitRowsLinear.apply(F.normalize(self.mlp(x), dim=-1), self.last_layer)
 
 
 def projection_head(feature_dim: int, hidden_dim: int, output_dim: int) -> nn.Module:
