@@ -20,3 +20,9 @@ def pytest_xdist_auto_num_workers(config):
     if "cuda" in marks and "not cuda" not in marks:
         return 1
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite's longest test (the GPU check's CPU run, 40 s) first: collected last, it began when
+    the other worker had little left and kept one core busy alone at the end."""
+    items.sort(key=lambda item: item.fspath.basename != "test_gpu_check.py")  # stable: the rest keep their order

@@ -74,7 +74,7 @@ def test_a_compiled_traced_trunk_trains_as_the_eager_model(model, plan):
         assert torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("name,plan,backend", [("resnet18", "balanced", "aot_eager"), ("resnet18", "budget_regions", "aot_eager"), ("vit", "balanced", "aot_eager"),
+@pytest.mark.parametrize("name,plan,backend", [pytest.param("resnet18", "balanced", "aot_eager", marks=pytest.mark.slow), ("resnet18", "budget_regions", "aot_eager"), ("vit", "balanced", "aot_eager"),
                                                ("vit", "budget_regions", "aot_eager"), ("resnet18", "budget_regions", "eager")])
 def test_trunk_compile_trains_as_the_eager_model(name, plan, backend):
     """trunk.compile(): each unit compiled inside eager checkpoints, the last segment's selective

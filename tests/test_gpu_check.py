@@ -25,8 +25,11 @@ def _table(text: str, title: str) -> list:
 
 
 def test_the_quick_check_runs_every_section_on_cpu_and_its_figures_hold(tmp_path):
+    """As on a machine without timm (its rows: the next test, in the clients suite)."""
     report = tmp_path / "report.md"
-    assert _tool().main(["--device", "cpu", "--quick", "--repeats", "1", "--memory", "32MiB", "--report", str(report)]) == 0
+    tool = _tool()
+    tool._timm_models = lambda name, x: None  # what it answers where timm is not installed
+    assert tool.main(["--device", "cpu", "--quick", "--repeats", "1", "--memory", "32MiB", "--report", str(report)]) == 0
     text = report.read_text()
     assert "FAILED" not in text
     exact = _table(text, "Exactness")
@@ -38,6 +41,18 @@ def test_the_quick_check_runs_every_section_on_cpu_and_its_figures_hold(tmp_path
     (fitted,) = _table(text, "fit")
     assert int(fitted[2]) >= 1 and float(fitted[5]) <= 1.0, fitted
     assert re.search(r"whole check: \d+ s", text)
+
+
+@pytest.mark.clients
+def test_the_checks_timm_rows_plan_timms_model_at_its_switchs_measured_peak():
+    """With timm installed, the time section adds timm's model plain, with its own switch, and planned by
+    trunksplit at the peak the switch measured: met as measured (a traced chain: 20 s of planning on CPU)."""
+    pytest.importorskip("timm")
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(0))
+    rows = _tool().time_rows("mobilenet_v3_small", "mobilenetv3_small_100", x, 1, 0.7)
+    assert [r[1].split(":")[0] for r in rows] == ["torchvision, unsplit", "trunksplit budget 0.7", "timm, plain", "timm set_grad_checkpointing",
+                                                 "trunksplit at the switch's peak"], rows
+    assert float(rows[4][3]) <= float(rows[3][3]) * 1.02, rows
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

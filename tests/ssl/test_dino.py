@@ -204,7 +204,7 @@ def test_clip_grad_scales_each_parameters_gradient_to_its_norm_as_dino_does():
     assert gradient_rule(load_config(QUICK, DINO), model, step=0) is None  # neither asked for: nothing runs
 
 
-@pytest.mark.parametrize("in_backward", [False, True], ids=["standard", "in_backward"])
+@pytest.mark.parametrize("in_backward", [pytest.param(False, marks=pytest.mark.slow), True], ids=["standard", "in_backward"])  # standard: test_gradient_rule checks its rule
 def test_the_last_layer_stays_frozen_for_its_steps_and_both_stabilisers_train_alike_stepped_in_backward(tmp_path, in_backward):
     """Two steps frozen: the last layer as initialised and without optimizer state; a third step moves
     it. The same run stepped in backward trains the same weights bit for bit."""

@@ -110,7 +110,7 @@ DINO_SMALL = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_S
               "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.NAME", "adamw", "OPTIM.LR", "0.001", "OPTIM.WEIGHT_DECAY_END", "0.4"]
 
 
-@pytest.mark.parametrize("method", ["simclr", "dino", "dino_in_backward"])
+@pytest.mark.parametrize("method", ["simclr", pytest.param("dino", marks=pytest.mark.slow), "dino_in_backward"])  # dino: dino_in_backward resumes its teacher and centre too
 def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch, method):
     # DINO: the EMA teacher, the centre and AdamW's state resume too (stepped in backward as well)
     overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL, *(DINO_SMALL if method.startswith("dino") else []),
@@ -133,7 +133,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monk
     ["OPTIM.NAME", "sgd"],
     ["OPTIM.NAME", "lars", "OPTIM.EXCLUDE_BIAS_AND_NORM", "True"],
     ["OPTIM.NAME", "adamw", "OPTIM.LR", "0.001", "OPTIM.WEIGHT_DECAY", "0.04", "OPTIM.WEIGHT_DECAY_END", "0.4"],
-    DINO_SMALL,
+    pytest.param(DINO_SMALL, marks=pytest.mark.slow),  # the dino_in_backward resume and test_dino's in_backward run train DINO so in the fast suite
 ], ids=["sgd", "lars", "adamw", "dino"])
 def test_a_run_stepped_in_backward_trains_the_standard_runs_weights_in_less_memory(tmp_path, recipe):
     """Bit for bit in one process (the DINO teacher's EMA follows the update), and the step's

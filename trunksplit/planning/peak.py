@@ -96,6 +96,7 @@ class PeakModel:
         self._cheap = c.recompute_bytes or (0,) * self.n
         self._cheap_prefix = _prefix(self._cheap)
         self._seconds = c.forward_seconds or (0.0,) * self.n  # what running each unit again takes, where timed
+        self._unit_costs = [Cost(*v) for v in zip(c.flops, self._cheap, self._seconds)]  # what running each unit again costs
         self._seconds_prefix = _prefix(self._seconds)
         self._light_prefix = _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
@@ -161,10 +162,10 @@ class PeakModel:
             # input, as a lone convolution does, needs only the units before it).
             if c.saves_input[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
-            pending = add_costs(pending, Cost(c.flops[i], self._cheap[i], self._seconds[i]))
+            pending = add_costs(pending, self._unit_costs[i])
             if c.saved[i] or c.keeps_output[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
-        return _Scan(kept, forward, backward, counted, cost, pending)
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending))  # _Scan(...) without a call: the inner loop
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.
@@ -187,7 +188,7 @@ class PeakModel:
         counted = counted if g.output_counted is None else g.output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
             cost, pending = add_costs(cost, pending), g.body
-        return _Scan(kept, forward, backward, counted, add_costs(cost, g.again), pending)
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending))
 
     def _region(self, region: Region) -> "RegionCosts":
         """What a region adds to a scan, whatever comes before it (see :class:`RegionCosts`; a

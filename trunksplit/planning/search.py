@@ -6,6 +6,7 @@ for P and the peak), with forced cuts after requested features and no cut before
 an in-place op. :func:`plan_trunk` is what a ``CheckpointedTrunk`` calls: balanced
 plans for a segment count, budget plans (with regions) for a memory budget.
 """
+import bisect
 import functools
 import warnings
 from dataclasses import replace
@@ -124,11 +125,21 @@ def _pareto(entries: list, cost_key, with_cost: bool = True) -> list:
     """Entries not dominated in (prefix, peak, recompute as ``cost_key`` ranks it), or in
     (prefix, peak) without ``with_cost``; the first of equals is kept."""
     ranked = sorted(((e.prefix, e.peak, cost_key(e.recompute), e) for e in set(entries)), key=lambda r: (*r[:3], r[3].starts, sorted(r[3].regions)))
-    kept = []
-    for r in ranked:
-        if not any(k[0] <= r[0] and k[1] <= r[1] and (k[2] <= r[2] or not with_cost) for k in kept):
-            kept.append(r)
-    return [r[3] for r in kept]
+    # In prefix order every kept entry has a prefix no larger than the next one's, so an entry is
+    # dominated when a kept one is no worse in (peak, cost): kept on a staircase of peaks rising
+    # and costs falling, the cheapest at or below a peak is the last step at or below it.
+    peaks, costs, kept = [], [], []
+    for prefix, peak, cost, entry in ranked:
+        cost = cost if with_cost else ()
+        below = bisect.bisect_right(peaks, peak)
+        if below and costs[below - 1] <= cost:
+            continue
+        kept.append(entry)
+        at = end = bisect.bisect_left(peaks, peak)
+        while end < len(peaks) and costs[end] >= cost:  # steps this one dominates
+            end += 1
+        peaks[at:end], costs[at:end] = [peak], [cost]
+    return kept
 
 
 def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
