@@ -16,7 +16,7 @@ from trunksplit.planning.budget import format_bytes
 from trunksplit.planning.costs import Cost
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
-from trunksplit.planning.search import _Entry, _pareto, annotate, best_plan, peak_model  # the search's pruning, against its definition
+from trunksplit.planning.search import _Entry, _pareto, annotate, best_plan, peak_model, plan_trunk  # the search's pruning, against its definition
 from trunksplit.planning.memory import meter_name
 from trunksplit.planning.request import priced_in
 
@@ -454,9 +454,11 @@ def test_budget_ladder_is_met_when_measured_and_tighter_never_measures_higher(gr
     base = torchvision.models.mobilenet_v2(width_mult=0.5)
     x = torch.randn(4, 3, 96, 96)
     plain = second_step_peak(CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients), x)
-    measured = []
+    measured, costs = [], None
     for budget in (0.6, 0.45, 0.35):
         trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=budget, gradients=gradients)
+        costs = costs or peak_model(trunk.plan_request(), x, regions=True)  # one measurement for every rung, as plan_trunk allows
+        trunk.store_plan(trunk.key_for(x), plan_trunk(trunk.plan_request(), x, costs))
         measured.append(second_step_peak(trunk, x) / plain)
         assert measured[-1] <= budget * 1.03, (budget, measured)
     assert measured == sorted(measured, reverse=True)
