@@ -99,8 +99,9 @@ def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_
     assert [r["step"] for r in rows if "knn_top1" in r] == [2, 3]  # every 2 steps, and at the end
     assert all(r["knn_seconds"] > 0 and 0 <= r["knn_top5"] <= 1 for r in rows if "knn_top1" in r)
     assert main(["knn", str(tmp_path / "knn"), "--train", folders["train"], "--val", folders["val"]]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert f"at step 3: top-1 {last['knn_top1']:.4f}, top-5 {last['knn_top5']:.4f}" in out
+    assert "\r" not in err  # stderr here is not a terminal, as in a log: no progress bar's carriage returns
 
 
 def _two_ranks(rank, world_size, out, folders):

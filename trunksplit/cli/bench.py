@@ -12,6 +12,7 @@ measured in the same run.
 import copy
 import os
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def _loss_fn(trunk):
 
 def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gradients: str) -> None:
     runnable = [r for r in rows if r.run is not None]
-    bar = tqdm(total=len(runnable) * (2 + repeats), desc="bench", disable=not progress)
+    bar = tqdm(total=len(runnable) * (2 + repeats), desc="bench", disable=not progress or not sys.stderr.isatty())  # a log: no \r lines
 
     def zero_grad(r):  # as the training loop would between steps
         for p in r.module.parameters():

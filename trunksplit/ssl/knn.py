@@ -92,7 +92,7 @@ def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: to
     trunk.eval()
     parts, labels = [], []
     try:
-        for images, batch_labels, _ in tqdm(loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress):
+        for images, batch_labels, _ in tqdm(loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress or not sys.stderr.isatty()):  # a log: no \r lines
             with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
                 feature = trunk(images.to(device))[-1]
             parts.append(F.normalize(feature.flatten(1).float(), dim=1))
