@@ -14,7 +14,8 @@ from ..fit import NAMED_OPTIMIZERS, fit
 from ..in_backward import update_temporaries
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
-from ..ssl.backbones import build_backbone
+from ..planning.wrap import apply_activation_checkpointing
+from ..ssl.backbones import HF, build_backbone, build_hf_model
 from ..ssl.config import load_config
 from ..ssl.fit_step import fit_step
 from ..ssl.loop import step_for_fit
@@ -25,6 +26,8 @@ from .runs import device_of
 
 
 def run_plan(args) -> int:
+    if args.arch.startswith(HF):
+        return _plan_wrapped(args)
     x = torch.randn(*args.input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -54,6 +57,25 @@ def run_plan(args) -> int:
     optimizer = None if args.optimizer == "none" else args.optimizer
     # the trunk, not the model: blocks after the last requested feature, and the classifier, are not trained
     print(rank_memory(trunk, list(request.modules), args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
+    return 0
+
+
+def _plan_wrapped(args) -> int:
+    """``plan --arch hf:TYPE``: a model trunksplit cannot cut, wrapped block by block to ``--budget``."""
+    if args.budget is None:
+        print(f"error: {args.arch} is wrapped block by block to a memory budget, not cut into segments: pass --budget (0.5, 2GiB)", file=sys.stderr)
+        return 2
+    try:
+        model = build_hf_model(args.arch, args.input[-1])
+        x = torch.randn(*args.input)
+        _phase(f"measuring {args.arch}'s blocks, then wrapping those that meet the budget with the least recompute")
+        plan = apply_activation_checkpointing(model, memory_budget=args.budget, example_inputs=(x,), gradients=args.gradients,
+                                              update_temporaries=_update_temporaries(args.optimizer) if args.gradients == "in_backward" else None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(plan)
+    print(f"in your code: trunksplit.apply_activation_checkpointing(model, memory_budget=..., example_inputs=(batch,)), input {'x'.join(map(str, args.input))}")
     return 0
 
 

@@ -22,6 +22,7 @@ OBJECTIVE_HELP = ("what cost-aware plans minimise: time (recompute priced from o
 GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False); "
                   "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
 ARCH_HELP = "a torchvision classification model name (resnet50), or timm:NAME (timm:convnext_atto) where timm is installed"
+PLAN_ARCH_HELP = ARCH_HELP + "; or hf:TYPE (hf:dinov2), a transformers model type, wrapped to --budget"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
 
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trunksplit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
     p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
-    p.add_argument("--arch", default="resnet50", help=ARCH_HELP)
+    p.add_argument("--arch", default="resnet50", help=PLAN_ARCH_HELP)
     p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
     p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")

@@ -22,11 +22,15 @@ EXTRA_BACKBONES = {"vit_s_16": vit_s_16}  # the recipes' models that torchvision
 
 
 TIMM = "timm:"  # the prefix of a timm model's name
+HF = "hf:"  # the prefix of a transformers model type (its config's defaults): wrapped to a budget, not cut
 
 
 def check_backbone_name(name: str) -> None:
     """A torchvision classification model's name (or one of :data:`EXTRA_BACKBONES`), or ``timm:NAME``;
     else a ``ValueError`` with the nearest names (``timm/convnext_atto`` finds ``timm:convnext_atto``)."""
+    if name.startswith(HF):
+        raise ValueError(f"MODEL.TRUNK.NAME {name}: a transformers model is not a chain trunksplit can cut; it is wrapped to a budget: "
+                         f"trunksplit plan --arch {name} --budget 0.5, or trunksplit.apply_activation_checkpointing in your code")
     if name.startswith(TIMM):
         if name[len(TIMM):] not in _timm(name).list_models():
             raise ValueError(f"MODEL.TRUNK.NAME: timm has no model {name[len(TIMM):]!r}{_did_you_mean(name, [])}")
@@ -96,3 +100,21 @@ def _timm_model(name: str, image_size: Optional[int]) -> nn.Module:
         except TypeError:  # a model of any input size takes no img_size
             pass
     return timm.create_model(name, pretrained=False)
+
+
+def build_hf_model(name: str, image_size: Optional[int] = None) -> nn.Module:
+    """A transformers vision model by its type (``hf:dinov2``, ``hf:vit``, ``hf:convnext``): the type's
+    default config (for ``image_size`` where it has one), random weights, nothing downloaded. Such a
+    model is not a chain trunksplit can cut: it is wrapped to a budget (``apply_activation_checkpointing``)."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"{name}: transformers is not installed here (pip install transformers)")
+    transformers = importlib.import_module("transformers")
+    kind = name[len(HF):]
+    try:
+        config = transformers.AutoConfig.for_model(kind)
+    except ValueError:
+        near = difflib.get_close_matches(kind, list(transformers.CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(f"{name}: transformers has no model type {kind!r}" + (f"; did you mean {' or '.join(HF + n for n in near)}?" if near else "")) from None
+    if image_size is not None and hasattr(config, "image_size"):
+        config.image_size = image_size
+    return transformers.AutoModel.from_config(config)
