@@ -191,6 +191,7 @@ def test_a_near_miss_names_the_nearest_models_not_all_of_them(arch, near, capsys
     assert near in err and "alexnet" not in err  # not the 80 names
 
 
+@pytest.mark.clients  # timm is a clients extra
 def test_plan_takes_a_timm_model_by_name(capsys):
     pytest.importorskip("timm")
     assert main(["plan", "--arch", "timm:convnext_atto", "--input", "4x3x64x64", "--budget", "0.7", "--gradients", "kept"]) == 0
