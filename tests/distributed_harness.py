@@ -65,14 +65,12 @@ class _Aborted(AssertionError):
 # Workers start from a fork server that imported torch, trunksplit and torchvision once (per test
 # process), not from a fresh interpreter each: a spawned worker spent seconds importing them. The
 # server has run no kernel, so its children start with no OpenMP pool to inherit.
-_CONTEXT = "forkserver"
 _PRELOAD = ["torch", "torch.distributed", "torchvision", "trunksplit.trunk", "trunksplit.distributed", "trunksplit.ssl.loop"]
 
 
 def _run_once(fn, world_size, args, timeout):
-    ctx = mp.get_context(_CONTEXT)
-    if _CONTEXT == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, errors, worker_threads(world_size))) for r in range(world_size)]

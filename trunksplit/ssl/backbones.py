@@ -32,7 +32,7 @@ def check_backbone_name(name: str) -> None:
         raise ValueError(f"MODEL.TRUNK.NAME {name}: a transformers model is not a chain trunksplit can cut; it is wrapped to a budget: "
                          f"trunksplit plan --arch {name} --budget 0.5, or trunksplit.apply_activation_checkpointing in your code")
     if name.startswith(TIMM):
-        if name[len(TIMM):] not in _timm(name).list_models():
+        if name[len(TIMM):] not in _extra("timm", name).list_models():
             raise ValueError(f"MODEL.TRUNK.NAME: timm has no model {name[len(TIMM):]!r}{_did_you_mean(name, [])}")
         return
     names = torchvision.models.list_models(module=torchvision.models) + list(EXTRA_BACKBONES)
@@ -51,11 +51,11 @@ def _did_you_mean(name: str, torchvision_names: List[str]) -> str:
     return f"; did you mean {' or '.join(near[:4])}?" if near else ""
 
 
-def _timm(name: str):
-    """timm, or a ``ValueError`` that says how to get it (an optional extra)."""
-    if importlib.util.find_spec("timm") is None:
-        raise ValueError(f"MODEL.TRUNK.NAME {name}: timm is not installed here (pip install timm)")
-    return importlib.import_module("timm")
+def _extra(package: str, name: str):
+    """An optional extra (timm, transformers), or a ``ValueError`` that says how to get it."""
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"MODEL.TRUNK.NAME {name}: {package} is not installed here (pip install {package})")
+    return importlib.import_module(package)
 
 
 def fixed_resolution(name: str) -> bool:
@@ -106,9 +106,7 @@ def build_hf_model(name: str, image_size: Optional[int] = None) -> nn.Module:
     """A transformers vision model by its type (``hf:dinov2``, ``hf:vit``, ``hf:convnext``): the type's
     default config (for ``image_size`` where it has one), random weights, nothing downloaded. Such a
     model is not a chain trunksplit can cut: it is wrapped to a budget (``apply_activation_checkpointing``)."""
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError(f"{name}: transformers is not installed here (pip install transformers)")
-    transformers = importlib.import_module("transformers")
+    transformers = _extra("transformers", name)
     kind = name[len(HF):]
     try:
         config = transformers.AutoConfig.for_model(kind)
