@@ -12,8 +12,9 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist"],
         "zoo": ["timm", "transformers"],  # the timm and transformers tests, tools/zoo_sweep.py
-        "clients": ["lightning", "lightly", "timm", "transformers", "accelerate"],  # docs/integrations.md and its tests
+        "clients": ["lightning", "lightly", "timm", "transformers", "accelerate", "tensorboard"],  # docs/integrations.md and its tests
         "digits": ["scikit-learn"],  # tools/digits_folder.py: the handwritten digits it ships
+        "tensorboard": ["tensorboard"],  # LOGGING.TENSORBOARD True: scalars beside metrics.jsonl
     },
     entry_points={"console_scripts": ["trunksplit=trunksplit.cli:main"]},
 )

@@ -15,8 +15,8 @@ from trunksplit.cli.bench_ddp import build_parser as bench_ddp_parser
 from trunksplit.cli.parser import build_parser as cli_parser
 from trunksplit.ssl.config import load_config
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+from docs_pages import PAGES, ROOT, fences as _fences
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -28,23 +28,6 @@ def _slug(heading: str) -> str:
 
 def _anchors(page: pathlib.Path) -> set:
     return {_slug(line.lstrip("#")) for line in page.read_text().splitlines() if re.match(r"#{1,6} ", line)}
-
-
-def _fences(text: str):
-    """(language, body) of each fenced block, and the text outside them, read line by line."""
-    blocks, outside, current = [], [], None
-    for line in text.splitlines():
-        if line.startswith("```"):
-            if current is None:
-                current = (line[3:].strip(), [])
-            else:
-                blocks.append((current[0], "\n".join(current[1])))
-                current = None
-        elif current is not None:
-            current[1].append(line)
-        else:
-            outside.append(line)
-    return blocks, "\n".join(outside)
 
 
 def _links():

@@ -13,6 +13,7 @@ from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.knn import KnnMonitor, knn_accuracy
 from trunksplit.ssl.loop import train
+from trunksplit.ssl.report import read_run, report_figure
 
 from distributed_harness import run_processes, threads_of_workers
 
@@ -89,19 +90,28 @@ def test_classes_any_features_separate_read_above_0_9_and_random_labels_near_cha
 
 
 def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_reads_the_same(tmp_path, folders, capsys):
+    """Labels dealt at random, so the accuracies are not all 1.0: the step-0 point is the model the
+    run started from (offline ``--untrained`` builds it again from the config and seed), the last
+    is the checkpoint's (offline, and kept in knn.jsonl for the report)."""
     overrides = [*SMALL, "TRAIN.STEPS", "3"]
     plain, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "plain"), *overrides]))
-    knn = ["EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"], "EVAL.KNN.EVERY_STEPS", "2"]
+    knn = ["EVAL.KNN.TRAIN_PATH", folders["random_train"], "EVAL.KNN.VAL_PATH", folders["random_val"], "EVAL.KNN.EVERY_STEPS", "2"]
     monitored, last = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "knn"), *overrides, *knn]))
     for (name, a), (_, b) in zip(plain.state_dict().items(), monitored.state_dict().items()):
         assert torch.equal(a, b), name
     rows = [json.loads(line) for line in (tmp_path / "knn" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "knn_top1" in r] == [2, 3]  # every 2 steps, and at the end
+    assert [r["step"] for r in rows if "knn_top1" in r] == [0, 2, 3]  # untrained, every 2 steps, and at the end
     assert all(r["knn_seconds"] > 0 and 0 <= r["knn_top5"] <= 1 for r in rows if "knn_top1" in r)
-    assert main(["knn", str(tmp_path / "knn"), "--train", folders["train"], "--val", folders["val"]]) == 0
-    out, err = capsys.readouterr()
-    assert f"at step 3: top-1 {last['knn_top1']:.4f}, top-5 {last['knn_top5']:.4f}" in out
-    assert "\r" not in err  # stderr here is not a terminal, as in a log: no progress bar's carriage returns
+    assert "loss" not in rows[0] and all("loss" in r for r in rows[1:])  # step 0 is an evaluation, not a step
+    capsys.readouterr()
+    for flags, row in (([], last), (["--untrained"], rows[0])):
+        assert main(["knn", str(tmp_path / "knn"), "--train", folders["random_train"], "--val", folders["random_val"], *flags]) == 0
+        out, err = capsys.readouterr()
+        assert f"top-1 {row['knn_top1']:.4f}, top-5 {row['knn_top5']:.4f}" in out, (flags, out)
+        assert "\r" not in err  # stderr here is not a terminal, as in a log: no progress bar's carriage returns
+    kept = [json.loads(line) for line in (tmp_path / "knn" / "knn.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["untrained"], r["knn_top1"]) for r in kept] == [(3, False, last["knn_top1"]), (0, True, rows[0]["knn_top1"])]
+    assert kept[0]["val"] == os.path.abspath(folders["random_val"])
 
 
 def _two_ranks(rank, world_size, out, folders):
@@ -148,16 +158,51 @@ def test_unlabelled_empty_or_mismatched_folders_are_refused_before_anything_is_w
         load_config(QUICK, ["EVAL.KNN.K", "0"])
 
 
-def test_report_draws_the_runs_metrics_and_summarises_them(tmp_path, folders, capsys):
-    out = tmp_path / "run"
-    train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "2", "OUTPUT_DIR", str(out), "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))
-    assert main(["report", str(out)]) == 0
+def _lines(ax):
+    return [(list(line.get_xdata()), list(line.get_ydata()), line.get_label()) for line in ax.get_lines()]
+
+
+def test_report_draws_each_curve_against_its_reference_and_overlays_runs(tmp_path, folders, capsys):
+    """The kNN panel starts at the untrained point and reads on 0..1 (not zoomed to fill it), the
+    loss is drawn against chance (ln(2B - 1) for SimCLR, by hand), the memory against the step
+    without checkpointing the run measured side by side; several runs overlay in one picture."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _, last = train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "2", "OUTPUT_DIR", str(a), "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))
+    train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "3", "OUTPUT_DIR", str(b), "OPTIM.LR", "0.1"]))
+    capsys.readouterr()
+    assert main(["report", str(a)]) == 0
     printed = capsys.readouterr().out
-    assert "kNN top-1" in printed and "images/s" in printed and "loss" in printed
-    with Image.open(out / "report.png") as picture:
+    assert "kNN top-1" in printed and " untrained" in printed and "of chance, 1.9459" in printed and "MiB without" in printed
+    with Image.open(a / "report.png") as picture:
         assert picture.size[0] > 400 and picture.size[1] > 400
+    untrained = json.loads((a / "metrics.jsonl").read_text().splitlines()[0])
+    loss_ax, knn_ax, _, memory_ax, _ = report_figure([read_run(str(a))]).axes
+    assert [(x[0], y[0]) for x, y, _ in _lines(knn_ax)] == [(0, untrained["knn_top1"])] and knn_ax.get_ylim() == (0, 1.02)
+    assert any(y == [math.log(2 * 4 - 1)] * 2 for _, y, _ in _lines(loss_ax))  # batch 4: 2B - 1 = 7 candidates
+    assert any(y == [last["memory_vs_plain"]["plain"] / 2**20] * 2 for _, y, _ in _lines(memory_ax)) and memory_ax.get_ylim()[0] == 0
+    assert main(["report", str(a), str(b), "--output", str(tmp_path / "both.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "a: steps 1..2" in printed and "b: steps 1..3" in printed and (tmp_path / "both.png").exists()
+    loss_ax = report_figure([read_run(str(a)), read_run(str(b))]).axes[0]
+    assert sorted(len(x) for x, _, label in _lines(loss_ax) if label in ("a", "b")) == [2, 3]
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "holds no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_training_on_the_folder_that_holds_the_validation_images_is_warned_at_start(folders, recwarn):
+    """A user's first run pointed DATA.PATH at the folder holding both splits and trained on the
+    images its kNN classified; the training split alone is not warned about."""
+    root = os.path.dirname(folders["val"])  # holds train/, val/ and the others, as class folders
+    with pytest.warns(UserWarning, match=r"DATA.PATH .* holds 21 of the 21 images of EVAL.KNN.VAL_PATH"):
+        _monitor_of(folders, ["DATA.PATH", root])
+    recwarn.clear()
+    _monitor_of(folders, ["DATA.PATH", folders["train"]])
+    _monitor_of(folders, [])  # synthetic training images
+    assert not [w for w in recwarn if "EVAL.KNN.VAL_PATH" in str(w.message)]
+
+
+def _monitor_of(folders, overrides):
+    return KnnMonitor(load_config(QUICK, [*SMALL, *overrides, "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))
 
 
 def test_knn_of_a_run_without_a_checkpoint_says_so_in_its_own_words(tmp_path, folders, capsys):
@@ -209,7 +254,12 @@ def test_a_folder_of_unreadable_images_is_refused_before_training_or_extraction(
 
 
 def test_an_evaluation_that_fails_leaves_the_steps_checkpoint_saved(tmp_path, folders, monkeypatch):
-    def broken(*args, **kwargs):
+    evaluate, calls = KnnMonitor.evaluate, []
+
+    def broken(*args, **kwargs):  # the untrained model's evaluation (step 0) works; the one after step 3 breaks
+        calls.append(1)
+        if len(calls) == 1:
+            return evaluate(*args, **kwargs)
         raise RuntimeError("the evaluation broke")
 
     monkeypatch.setattr(KnnMonitor, "evaluate", broken)

@@ -1,10 +1,12 @@
 """``trunksplit knn`` and ``trunksplit report``: what a launcher run learned, after it ran."""
+import os
 import sys
 
 import torch
 
 from ..ssl.knn import knn_of_run
-from ..ssl.report import draw_report, read_metrics, summary
+from ..ssl.metrics_log import keep_offline_knn
+from ..ssl.report import REPORT, draw_report, read_run, summary
 
 
 def device_of(text: str) -> str:
@@ -21,15 +23,21 @@ def run_knn(args) -> int:
     which = "untrained (its config and seed)" if args.untrained else f"at step {step}"
     top5 = f", top-5 {accuracies['knn_top5']:.4f}" if "knn_top5" in accuracies else ""
     print(f"kNN of {args.run_dir} {which}: top-1 {accuracies['knn_top1']:.4f}{top5}")
+    row = {"step": step, "untrained": args.untrained, "train": os.path.abspath(args.train), "val": os.path.abspath(args.val), **accuracies}
+    try:
+        print(f"kept for trunksplit report: {keep_offline_knn(args.run_dir, row)}")
+    except OSError as e:  # a run folder one may read but not write: the result is printed above
+        print(f"not kept ({e}): trunksplit report will not draw it", file=sys.stderr)
     return 0
 
 
 def run_report(args) -> int:
     try:
-        rows = read_metrics(args.run_dir)
+        runs = [read_run(run_dir) for run_dir in args.run_dirs]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(summary(rows))
-    print(f"picture: {draw_report(args.run_dir, rows)}")
+    print("\n".join(summary(run) for run in runs))
+    output = args.output or (os.path.join(args.run_dirs[0], REPORT) if len(runs) == 1 else REPORT)
+    print(f"picture: {draw_report(runs, output)}")
     return 0

@@ -117,6 +117,10 @@ _C.EVAL.KNN.EVERY_STEPS = 0  # 0: after the last step only
 _C.EVAL.KNN.K = 20
 _C.EVAL.KNN.TEMPERATURE = 0.07
 
+# beside metrics.jsonl (always written): trunksplit/ssl/metrics_log.py
+_C.LOGGING = CN()
+_C.LOGGING.TENSORBOARD = False  # True: TensorBoard scalars in OUTPUT_DIR/tensorboard (needs: pip install tensorboard)
+
 _C.DISTRIBUTED = CN()
 _C.DISTRIBUTED.STRATEGY = "ddp"  # ddp: a replica per rank; fsdp: parameters, gradients and optimizer state sharded (FSDP2)
 _C.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION = False

@@ -149,6 +149,7 @@ class KnnMonitor:
         if self.train.classes != self.val.classes:
             raise ValueError(f"EVAL.KNN.TRAIN_PATH and VAL_PATH need the same class folders; got {self.train.classes} and {self.val.classes}")
         self.k, self.temperature, self.every = knn.K, knn.TEMPERATURE, knn.EVERY_STEPS
+        _warn_if_trained_on(cfg.DATA.PATH, self.val)
 
     def due(self, steps_done: int, total: int) -> bool:
         """Evaluate after this many steps: every ``EVERY_STEPS``, and at the end."""
@@ -165,6 +166,20 @@ class KnnMonitor:
         (tf, tl, _), (vf, vl, _) = train, val
         keep_train, keep_val = tl >= 0, vl >= 0
         return knn_accuracy(tf[keep_train], tl[keep_train], vf[keep_val], vl[keep_val], len(self.train.classes), self.k, self.temperature)
+
+
+def _warn_if_trained_on(data_path: str, val: LabelledImages) -> None:
+    """Warn where ``DATA.PATH`` (what the run trains on: every image in its class folders) holds
+    validation images: the kNN figure would then score images the trunk trained on."""
+    if not data_path:
+        return  # synthetic training images
+    root = os.path.realpath(data_path)
+    relative = [(p, os.path.relpath(os.path.realpath(p), root)) for p, _ in val.folder.samples]
+    inside = [p for p, rel in relative if not rel.startswith(os.pardir) and os.sep in rel]  # ImageFolder lists root/class/.../image, not root/image
+    if inside:
+        warnings.warn(f"DATA.PATH {data_path!r} holds {len(inside)} of the {len(val)} images of EVAL.KNN.VAL_PATH (e.g. {inside[0]}): "
+                      "the run trains on images its kNN evaluation classifies, which flatters the figure; point DATA.PATH at the "
+                      "training split (for instance EVAL.KNN.TRAIN_PATH's folder)", UserWarning, stacklevel=3)
 
 
 def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = False, device: str = "cpu") -> Tuple[int, Dict[str, float]]:

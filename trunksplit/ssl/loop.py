@@ -5,7 +5,6 @@ processes (``parallel.py``), the data (``data.py``) and the run's directory (``r
 live beside it.
 """
 import contextlib
-import json
 import os
 import sys
 import time
@@ -25,16 +24,17 @@ from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teac
 from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step
 from .losses import chance_loss, nt_xent, swav_loss
+from .metrics_log import MetricsLog, check_tensorboard
 from .model import SSLModel, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules, with_scaled_lr
 from .parallel import setup_distributed
-from .run_dir import CHECKPOINT, METRICS, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
+from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
 
 
 def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
-    check_output_dir(cfg.OUTPUT_DIR, resume)
+    _check_before_start(cfg, resume)
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
     cfg, fitted_plans = _batch_to_train(cfg, device, strategy, resume) if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0 else (cfg, [])
@@ -51,8 +51,9 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     autocast, kept = _autocast(cfg, device), cfg.TRAIN.GRADIENTS == "kept"
     # planned before anything is written: an infeasible MEMORY_BUDGET leaves no run directory behind
     setup_seconds = _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast)
-    if rank == 0:
-        start_run_dir(cfg, resumed.rows)
+    log = _start_logging(cfg, resumed, rank)  # rank 0's; None on the others
+    if monitor is not None and start == 0:  # the untrained point each kNN curve starts from
+        _log_untrained_knn(log, _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0 or not sys.stderr.isatty(), desc="train")  # a log file: plain lines
     batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
     last = None  # skipped: unreadable file -> times it was skipped
@@ -66,19 +67,41 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         with strategy.meter() if logging else contextlib.nullcontext() as mem:
             loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler, lambda: strategy.accumulating(wrapped)))
         _stop_unless_finite(cfg, loss, step, world, scaler)
-        _optimizer_step(optimizer, scaler, kept, device, rule)
-        if model.teacher is not None:
-            update_teacher(model, teacher_momentum(cfg, step))
+        _optimizer_step(cfg, model, optimizer, scaler, step, device, rule)
         seconds = time.perf_counter() - start_time
         _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
         if evaluating:
             data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
         if logging and rank == 0:
-            last = _log_row(cfg, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
+            last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
     if last is not None:
-        _summarise(cfg, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain, world)
+        _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain, world)
     return model, last
+
+
+def _check_before_start(cfg, resume: bool) -> None:
+    """What can be refused before anything is run or written: the output directory, the logging."""
+    check_output_dir(cfg.OUTPUT_DIR, resume)
+    check_tensorboard(cfg.LOGGING.TENSORBOARD)
+
+
+def _start_logging(cfg, resumed: Resumed, rank: int) -> Optional[MetricsLog]:
+    """Rank 0, once everything is checked: the run's directory, its config and the rows logged up to
+    the resumed step, then the log the steps go to; None on the other ranks."""
+    if rank != 0:
+        return None
+    start_run_dir(cfg, resumed.rows)
+    return MetricsLog(cfg.OUTPUT_DIR, cfg.LOGGING.TENSORBOARD, first_step=resumed.step + 1 if resumed.step else 0)
+
+
+def _log_untrained_knn(log: Optional[MetricsLog], accuracies: dict) -> None:
+    """A new run's step-0 row: the kNN accuracies of the model before its first step (every rank
+    evaluated; rank 0 writes): the baseline each kNN curve starts from."""
+    if log is None:
+        return
+    log.write({"step": 0, **accuracies})
+    print(f"step 0 (untrained)  kNN top-1 {accuracies['knn_top1']:.3f}", flush=True)
 
 
 def _build_model(cfg, device, fitted_plans: list) -> SSLModel:
@@ -128,21 +151,25 @@ def step_for_fit(cfg, autocast) -> Callable:
     return lambda model, crops: _forward_backward(cfg, model, model, crops, 0, autocast, scaler, contextlib.nullcontext)
 
 
-def _optimizer_step(optimizer, scaler, kept: bool, device, rule=None) -> None:
+def _optimizer_step(cfg, model, optimizer, scaler, step: int, device, rule=None) -> None:
+    """The step's update (after DINO's stabilisers, where ``rule`` is given), then DINO's teacher
+    follows the student."""
     if rule is not None:  # DINO's stabilisers, on the unscaled (and reduced) gradients
         scaler.unscale_(optimizer)
         apply_gradient_rule(rule, optimizer)
     scaler.step(optimizer)
     scaler.update()
-    optimizer.zero_grad(set_to_none=not kept)
+    optimizer.zero_grad(set_to_none=cfg.TRAIN.GRADIENTS != "kept")
+    if model.teacher is not None:
+        update_teacher(model, teacher_momentum(cfg, step))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool, world: int) -> None:
+def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool, world: int) -> None:
     """Add the plan, the loss of a model that learned nothing (where the method has one) and, one step
     side by side where the model can be copied, the memory with and without checkpointing to the last
-    row (each copy stepped in backward as the model is, if it is)."""
+    row (each copy stepped in backward as the model is, if it is); ``log`` keeps them in summary.json."""
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
@@ -154,6 +181,7 @@ def _summarise(cfg, last: dict, model, optimizer, crops, autocast, kept: bool, s
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
     last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
+    log.finish({key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")})
 
 
 def _stepping_copies(cfg, optimizer) -> Callable:
@@ -198,9 +226,9 @@ def _next_step_views(batches, device, skipped: dict):
     return crops, {"data_seconds": time.perf_counter() - waited, "skipped_images": sum(skipped.values())}
 
 
-def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: int, world: int, setup_seconds: Optional[float], data: dict) -> dict:
-    """Append one metrics row (rank 0) and print it; returns the row. ``data``: the seconds the step
-    waited on the loader, and the unreadable images skipped so far (this rank's)."""
+def _log_row(cfg, log: MetricsLog, bar, step: int, loss, optimizer, seconds: float, peak_bytes: int, world: int, setup_seconds: Optional[float], data: dict) -> dict:
+    """Write one metrics row to ``log`` (rank 0) and print it; returns the row. ``data``: the seconds
+    the step waited on the loader, and the unreadable images skipped so far (this rank's)."""
     row = {
         "step": step + 1,
         **({"setup_seconds": setup_seconds} if setup_seconds is not None else {}),
@@ -211,8 +239,7 @@ def _log_row(cfg, bar, step: int, loss, optimizer, seconds: float, peak_bytes: i
         "step_seconds": seconds,
         **data,
     }
-    with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "a") as f:
-        f.write(json.dumps(row) + "\n")
+    log.write(row)
     knn = f"  kNN top-1 {row['knn_top1']:.3f}" if "knn_top1" in row else ""
     bar.write(
         f"step {step + 1}/{cfg.TRAIN.STEPS}  loss {row['loss']:.4f}  lr {row['lr']:.4g}  "

@@ -149,6 +149,9 @@ class FSDP(Strategy):
     def wrap(self, cfg, model):
         shard_trunk(model.trunk)
         fully_shard(model)  # the root: the heads, and the trunk's group under it
+        with torch.no_grad():  # FSDP2's root is the first module to run forward: the model, before the kNN monitor runs its trunk alone
+            model([])
+        model.reshard()  # the root stays unsharded after a forward: the optimizer must see the sharded parameters
         # the trunk and the model return views (flatten, chunk); the loop never writes into them in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return model
