@@ -99,7 +99,7 @@ def report_figure(runs: List[Run]):
         if key == "knn_top1":
             ax.set_ylim(0, 1.02)  # a fraction: a 2-point change stays a 2-point change
         elif key in ("peak_memory_bytes", "images_per_sec", "data_seconds"):
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.08)  # from zero, and room above a reference line at the top
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("step")
