@@ -168,7 +168,10 @@ def test_report_draws_each_curve_against_its_reference_and_overlays_runs(tmp_pat
     without checkpointing the run measured side by side; several runs overlay in one picture."""
     a, b = tmp_path / "a", tmp_path / "b"
     _, last = train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "2", "OUTPUT_DIR", str(a), "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))
-    train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "3", "OUTPUT_DIR", str(b), "OPTIM.LR", "0.1"]))
+    assert json.loads((a / "summary.json").read_text()) == {key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")}
+    assert not (a / "tensorboard").exists()  # LOGGING.TENSORBOARD is off by default: nothing new written
+    b.mkdir()  # a second run, as an earlier release left it: metrics only (no summary, no kNN)
+    (b / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 2, "images_per_sec": 9.0, "peak_memory_bytes": 2**21}) + "\n" for s in (1, 2, 3)))
     capsys.readouterr()
     assert main(["report", str(a)]) == 0
     printed = capsys.readouterr().out

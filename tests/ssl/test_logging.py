@@ -1,5 +1,5 @@
-"""Where a run's numbers go besides metrics.jsonl: summary.json, and TensorBoard scalars with
-``LOGGING.TENSORBOARD`` (read back with TensorBoard's own reader; a killed and resumed run shows
+"""Where a run's numbers go besides metrics.jsonl (summary.json: tests/ssl/test_knn.py's report test):
+TensorBoard scalars with ``LOGGING.TENSORBOARD`` (read back with TensorBoard's own reader; a killed and resumed run shows
 each step once), refused before anything is written where the package is missing."""
 import json
 import os
@@ -23,15 +23,6 @@ def test_tensorboard_without_the_package_is_refused_before_anything_is_written(t
     with pytest.raises(ValueError, match=r"needs the tensorboard package: pip install tensorboard"):
         train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "1", "OUTPUT_DIR", str(out), "LOGGING.TENSORBOARD", "True"]))
     assert not out.exists()
-
-
-def test_the_summary_keeps_what_the_run_printed_at_its_end(tmp_path):
-    out = tmp_path / "run"
-    _, last = train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "2", "OUTPUT_DIR", str(out)]))
-    kept = json.loads((out / "summary.json").read_text())
-    assert kept == {key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")}
-    assert kept["step"] == 2 and kept["memory_vs_plain"]["plain"] > kept["memory_vs_plain"]["checkpointed"] > 0
-    assert not (out / "tensorboard").exists()  # off by default: nothing new written
 
 
 @pytest.mark.clients  # tensorboard is an optional extra: pip install -e ".[tensorboard]"

@@ -618,7 +618,7 @@ def test_a_resumed_run_counts_skipped_images_as_the_uninterrupted_run(tmp_path, 
 def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch_and_plan(tmp_path, monkeypatch):
     """TRAIN.BATCH_SIZE_PER_RANK 0: the fit is measured, and a second measurement may answer otherwise;
     --resume takes the batch and budget the checkpoint was trained with, never fits again."""
-    overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20)), "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2"]
+    overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(170 * 2**20)), "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2"]
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
     _interrupt_at_step_3(cfg, monkeypatch)
     fitted = yaml.safe_load(torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["config"])["TRAIN"]["BATCH_SIZE_PER_RANK"]
