@@ -101,7 +101,7 @@ def test_ddp_stepped_in_backward_after_each_buckets_all_reduce_trains_the_standa
         assert torch.equal(value, ranks[1]["stepped"][key]), key
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", [pytest.param("sgd", marks=pytest.mark.slow), "adamw"])  # SGD: a second case, for the slow suite
 def test_fsdp2_stepped_in_backward_on_the_sharded_parameters_trains_the_standard_weights(tmp_path, name):
     run_processes(_fsdp, 2, (str(tmp_path), name))
     states = torch.load(tmp_path / f"fsdp_{name}.pt")
