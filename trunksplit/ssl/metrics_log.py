@@ -9,8 +9,6 @@ them, so that the report draws every evaluation a run had.
 import importlib.util
 import json
 import os
-from typing import Optional
-
 from .run_dir import METRICS, metrics_rows
 
 TENSORBOARD = "tensorboard"  # under OUTPUT_DIR: the event files
@@ -43,8 +41,7 @@ class MetricsLog:
         self.writer = None  # opened at the first row: a process that logs nothing leaves no event file
 
     def write(self, row: dict) -> None:
-        with open(os.path.join(self.run_dir, METRICS), "a") as f:
-            f.write(json.dumps(row) + "\n")
+        _append(os.path.join(self.run_dir, METRICS), row)
         if not self.tensorboard:
             return
         if self.writer is None:
@@ -64,11 +61,11 @@ class MetricsLog:
             self.writer.close()
 
 
-def read_summary(run_dir: str) -> Optional[dict]:
-    """The run's ``summary.json``, or None (a run that has not ended, or one of an earlier release)."""
+def read_summary(run_dir: str) -> dict:
+    """The run's ``summary.json``; empty for a run that has not ended, or one of an earlier release."""
     path = os.path.join(run_dir, SUMMARY)
     if not os.path.isfile(path):
-        return None
+        return {}
     with open(path) as f:
         return json.load(f)
 
@@ -77,9 +74,14 @@ def keep_offline_knn(run_dir: str, row: dict) -> str:
     """Append one ``trunksplit knn`` result (its step, folders and accuracies) to the run's
     ``knn.jsonl``; returns the file's path."""
     path = os.path.join(run_dir, OFFLINE_KNN)
+    _append(path, row)
+    return path
+
+
+def _append(path: str, row: dict) -> None:
+    """One JSON line at the end of ``path`` (metrics.jsonl, knn.jsonl): what ``metrics_rows`` reads."""
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
-    return path
 
 
 def offline_knn(run_dir: str) -> list:

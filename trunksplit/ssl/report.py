@@ -11,7 +11,7 @@ import os
 import statistics
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 from .metrics_log import offline_knn, read_summary
 from .run_dir import METRICS, metrics_rows
@@ -23,13 +23,14 @@ MiB = 2**-20
 @dataclass
 class Run:
     """What a run folder holds for the report: its logged steps (rows with a loss), its online kNN
-    points (step 0, the untrained model, included), ``trunksplit knn``'s kept results, its summary."""
+    points (step 0, the untrained model, included), ``trunksplit knn``'s kept results, its summary
+    (empty before the run ended)."""
 
     name: str
     steps: List[dict]
     knn: List[dict]
     offline: List[dict]
-    summary: Optional[dict]
+    summary: dict
 
 
 def read_run(run_dir: str) -> Run:
@@ -53,7 +54,7 @@ def summary(run: Run) -> str:
     ``trunksplit knn``'s results, median speed, the largest step peak (against the unsplit step),
     the median data wait."""
     steps, loss = [r["step"] for r in run.steps], [r["loss"] for r in run.steps]
-    chance = (run.summary or {}).get("chance_loss")
+    chance = run.summary.get("chance_loss")
     against = f" ({loss[-1] / chance:.2f} of chance, {chance:.4f})" if chance else ""
     lines = [f"{run.name}: steps {steps[0]}..{steps[-1]} ({len(run.steps)} rows): loss {loss[0]:.4f} -> {loss[-1]:.4f}{against}"]
     if run.knn:
@@ -65,7 +66,7 @@ def summary(run: Run) -> str:
         which = "untrained" if r.get("untrained") else f"step {r['step']}"
         lines.append(f"  trunksplit knn, {which}, val {r['val']}: top-1 {r['knn_top1']:.3f}")
     peak = max(r["peak_memory_bytes"] for r in run.steps)
-    vs = (run.summary or {}).get("memory_vs_plain")
+    vs = run.summary.get("memory_vs_plain")
     plain = f" (one step side by side: {vs['checkpointed'] * MiB:.1f} MiB checkpointed, {vs['plain'] * MiB:.1f} MiB without)" if vs else ""
     lines.append(f"  median {statistics.median(r['images_per_sec'] for r in run.steps):.1f} images/s, largest step peak {peak * MiB:.1f} MiB{plain}, "
                  f"median data wait {statistics.median(r.get('data_seconds', 0.0) for r in run.steps):.3f} s")
@@ -111,11 +112,10 @@ def report_figure(runs: List[Run]):
 def _references(ax, key: str, run: Run, colour: str) -> None:
     """What a panel's line is read against: chance for the loss, the unsplit step for memory, the
     offline kNN results."""
-    summary_ = run.summary or {}
-    if key == "loss" and summary_.get("chance_loss"):
-        ax.axhline(summary_["chance_loss"], color=colour, linestyle=":", label=f"{run.name}: learned nothing (chance)")
-    if key == "peak_memory_bytes" and summary_.get("memory_vs_plain"):
-        ax.axhline(summary_["memory_vs_plain"]["plain"] * MiB, color=colour, linestyle="--", label=f"{run.name}: one step without checkpointing")
+    if key == "loss" and run.summary.get("chance_loss"):
+        ax.axhline(run.summary["chance_loss"], color=colour, linestyle=":", label=f"{run.name}: learned nothing (chance)")
+    if key == "peak_memory_bytes" and run.summary.get("memory_vs_plain"):
+        ax.axhline(run.summary["memory_vs_plain"]["plain"] * MiB, color=colour, linestyle="--", label=f"{run.name}: one step without checkpointing")
     if key == "knn_top1" and run.offline:
         ax.scatter([r["step"] for r in run.offline], [r["knn_top1"] for r in run.offline], color=colour, marker="x", s=40,
                    label=f"{run.name}: trunksplit knn", zorder=3)
