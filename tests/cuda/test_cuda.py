@@ -19,6 +19,7 @@ import pytest
 import torch
 import torchvision
 from torch import nn
+from torch.nn import functional as F
 
 from trunksplit import CheckpointedTrunk, PeakMemory, checkpoint_wrapper, fit, optimizer_in_backward
 
@@ -214,17 +215,62 @@ def test_trunk_compile_trains_as_the_compiled_plain_model_on_cuda():
         assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), name
 
 
-def test_the_quick_start_trains_on_one_gpu(tmp_path):
-    """The README's first command, shortened, on the GPU: it trains, and its peaks are the allocator's."""
+def _colour_folder(root, per_class: int, seed: int) -> str:
+    """An ImageFolder of noisy solid colours, a colour per class: classes a random trunk's features separate."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    for label, colour in enumerate([(230, 30, 30), (30, 200, 40), (40, 60, 230), (240, 220, 30)]):
+        (root / f"class_{label}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = torch.tensor(colour, dtype=torch.float32).expand(40, 40, 3) + 8 * torch.randn(40, 40, 3, generator=g)
+            Image.fromarray(pixels.clamp(0, 255).to(torch.uint8).numpy()).save(root / f"class_{label}" / f"{i}.png")
+    return str(root)
+
+
+def test_the_quick_start_trains_on_one_gpu_with_the_knn_monitor(tmp_path):
+    """The README's first command, shortened, on the GPU, watched by the kNN monitor from step 0: it
+    trains, its peaks are the allocator's, and the untrained trunk's features separate colours.
+    (FSDP2 needs two ranks, two GPUs with NCCL: not on a one-GPU machine.)"""
     out = tmp_path / "run"
+    knn = ["EVAL.KNN.TRAIN_PATH", _colour_folder(tmp_path / "train", 6, 0), "EVAL.KNN.VAL_PATH", _colour_folder(tmp_path / "val", 3, 1),
+           "EVAL.KNN.EVERY_STEPS", "2"]
     result = subprocess.run([sys.executable, "tools/train.py", "--config-file", "configs/quickstart.yaml", "TRAIN.STEPS", "4",
-                             "TRAIN.CHECKPOINT_EVERY", "4", "TRAIN.DEVICE", "cuda", "OUTPUT_DIR", str(out)],
+                             "TRAIN.CHECKPOINT_EVERY", "4", "TRAIN.DEVICE", "cuda", "OUTPUT_DIR", str(out), *knn],
                             cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "loss" in r]
     assert steps and steps[-1]["step"] == 4 and all(r["peak_memory_bytes"] > 0 for r in steps)
+    evaluated = [r for r in rows if "knn_top1" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, 4] and evaluated[0]["knn_top1"] >= 0.9, evaluated
     assert "memory, one step side by side" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_dinos_last_layer_under_autocast_casts_and_rounds_as_autograds_on_cuda(dtype):
+    """The launcher's ``TRAIN.AUTOCAST`` on the GPU: DINO's fused last layer gives autograd's
+    weight-normalised ``F.linear`` under the same autocast, its dtype, and fp32 parameter
+    gradients within that precision's rounding (the fused forward divides after the product)."""
+    from trunksplit.ssl.model import DINOHead
+
+    torch.manual_seed(0)
+    head = DINOHead(256, 512, 64, 4096).to(CUDA)
+    x = torch.randn(32, 256, device=CUDA)
+    grad = torch.randn(32, 4096, device=CUDA)
+    reference = lambda v: F.linear(F.normalize(head.mlp(v), dim=-1), F.normalize(head.last_layer, dim=1))
+    results = []
+    for forward in (head, reference):
+        with torch.autocast("cuda", dtype=dtype):
+            out = forward(x)
+        results.append((out, torch.autograd.grad(out, list(head.parameters()), grad.to(out.dtype))))
+    (ours, ours_grads), (theirs, their_grads) = results
+    ulp = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    assert ours.dtype == theirs.dtype == dtype
+    assert (ours.float() - theirs.float()).abs().max() <= 4 * ulp * theirs.float().abs().max()
+    for (name, p), a, b in zip(head.named_parameters(), ours_grads, their_grads):
+        assert a.dtype == b.dtype == p.dtype == torch.float32, name
+        assert (a - b).norm() <= 8 * ulp * b.norm(), name
 
 
 def test_a_multi_crop_step_backward_by_crop_group_on_cuda():

@@ -100,6 +100,27 @@ def test_head_outputs_and_gradients_match_autograds_weight_normalised_linear():
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
+def test_head_under_bf16_autocast_matches_autograds_head_under_the_same_autocast():
+    """The launcher's ``TRAIN.AUTOCAST bf16`` on CPU: the fused last layer casts as autograd's
+    ``F.linear`` does (a bf16 output, fp32 parameter gradients) and agrees with it to bf16 rounding
+    (its forward divides after the product instead of before: a few bf16 ulps)."""
+    torch.manual_seed(0)
+    head = DINOHead(32, 64, 16, 256)
+    x = torch.randn(8, 32)
+    grad = torch.randn(8, 256)
+    results = []
+    for forward in (head, lambda v: _autograd_head(head, v)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(x)
+        results.append((out, torch.autograd.grad(out, list(head.parameters()), grad.to(out.dtype))))
+    (ours, ours_grads), (reference, reference_grads) = results
+    assert ours.dtype == reference.dtype == torch.bfloat16
+    assert (ours.float() - reference.float()).abs().max() <= 4 * 2**-8 * reference.float().abs().max()
+    for (name, p), a, b in zip(head.named_parameters(), ours_grads, reference_grads):
+        assert a.dtype == b.dtype == p.dtype == torch.float32, name
+        assert (a - b).norm() <= 0.02 * b.norm(), name
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["ours", "autograd"])
 def test_head_last_layers_backward_allocates_one_weight_sized_tensor(fused):
     """DINO's 65536 x 256 last layer is 64 MiB: autograd keeps its normalised copy from forward to backward
