@@ -1,4 +1,5 @@
 """checkpoint_wrapper: the wrapped module trains exactly like the plain one, and stays a normal module."""
+import collections
 import copy
 import gc
 import io
@@ -11,6 +12,7 @@ import torchvision
 from torch import nn
 
 from trunksplit import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
+from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
 
 from reference import ForwardConvolutions
 
@@ -68,6 +70,54 @@ def test_loss_gradients_dropout_and_batchnorm_equal_the_plain_module(input_grad)
     assert torch.equal(bp.grad, bw.grad)
     if input_grad:
         assert torch.equal(xp.grad, xw.grad)
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.BatchNorm2d(4, momentum=None), lambda: nn.SyncBatchNorm(4), lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True)],
+                         ids=["cumulative-average", "sync", "instance"])
+def test_every_norm_with_running_statistics_moves_them_once_a_step(norm):
+    """Three steps, so a cumulative average's factor (1 / num_batches_tracked) is read after the counter
+    moved: a recompute that bumped the counter, or averaged again, would show in the statistics."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), norm(), nn.ReLU())
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    for step in range(3):
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+        for module in (plain, wrapped):
+            (module(x) * torch.arange(4.0).view(4, 1, 1)).sum().backward()
+    for (name, a), (_, b) in zip(plain.named_buffers(), wrapped.named_buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    assert wrapped[1].running_mean.abs().sum() > 0  # the statistics moved (the comparison is not of two untouched buffers)
+
+
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_recompute_runs_the_forwards_ops_again_and_no_others():
+    """On a GPU every op is a kernel launch: beyond the plain step, a checkpointed step runs its forward's
+    ops once more and nothing else that computes (no copy of BatchNorm's counter made or written back;
+    torch's checkpoint adds only views and allocations: detach, empty)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 8, 8)
+    inputs = [x.clone().requires_grad_() for _ in range(3)]  # a leaf each: a second backward into one would add to its .grad
+    counts = []
+    for run in (lambda: plain(inputs[0]).sum().backward(), lambda: wrapped(inputs[1]).sum().backward(), lambda: plain(inputs[2])):
+        with _AtenOps() as seen:
+            run()
+        counts.append(seen.ops)
+    step, checkpointed, forward = counts
+    extra = {func: checkpointed[func] - step[func] - forward[func] for func in checkpointed | step | forward}
+    assert {func for func, n in extra.items() if n} <= {torch.ops.aten.detach.default, torch.ops.aten.empty.memory_format}, extra
 
 
 def test_runs_twice_in_training_once_under_no_grad_and_flags_the_recompute():

@@ -104,23 +104,31 @@ def _recomputing(bns: List[_NormBase], written: Optional[_WrittenBuffers] = None
     ``track_running_stats``, which changes which tensors BatchNorm saves and trips
     non-reentrant checkpoint's determinism check. Instead the momentum is set to 0
     (``(1 - 0) * running + 0 * batch`` is ``running``, bit for bit, and the op
-    saves the same tensors) and ``num_batches_tracked``, which BatchNorm bumps in
-    Python, is put back afterwards. Restoring in ``finally`` matters: non-reentrant
-    checkpoint may stop a recompute early, in the middle of a BatchNorm.
+    saves the same tensors), and ``num_batches_tracked``, which BatchNorm bumps in
+    Python, is rebound to a scratch tensor that takes the bump: no copy of the
+    counter is made or written back, which on a GPU would be two kernel launches per
+    norm per recompute. Restoring in ``finally`` matters: non-reentrant checkpoint
+    may stop a recompute early, in the middle of a BatchNorm.
     """
     tracked = [m for m in bns if m.training and m.track_running_stats]
-    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in tracked]
+    saved = [(m, m.momentum, m.num_batches_tracked) for m in tracked]
+    scratch = {}  # one per device and dtype, shared: its value is never read (momentum 0 skips the cumulative average)
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
-        for m in tracked:
+        for m, _, count in saved:
             m.momentum = 0.0
+            if count is not None:  # SyncBatchNorm refuses None: a scratch counter, allocated (no kernel), never read
+                key = (count.device, count.dtype)
+                if key not in scratch:
+                    scratch[key] = torch.empty((), dtype=count.dtype, device=count.device)
+                m.num_batches_tracked = scratch[key]
         with written.recompute() if written is not None else contextlib.nullcontext():
             yield
     finally:
         for m, momentum, count in saved:
             m.momentum = momentum
             if count is not None:
-                m.num_batches_tracked.copy_(count)
+                m.num_batches_tracked = count
         _local.depth -= 1
 
 
