@@ -76,7 +76,10 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
     forced_set = set(forced)
     allowed = [i for i in range(1, n) if splittable[i] or i in forced_set]
     limit = num_segments or max_segments or n
-    # states[p]: {count: [_Entry]}, prefix without the boundary at p, Pareto-pruned
+    # Without a bound on the count, plans of every count compete in one Pareto set per boundary:
+    # counted apart, each boundary's set is kept once per count (as many as the chain has units).
+    counted = num_segments is not None or max_segments is not None
+    # states[p]: {count: [_Entry]} (count 0 for all when not ``counted``), prefix without the boundary at p, Pareto-pruned
     states: Dict[int, Dict[int, list]] = {0: {0: [_Entry(0, 0, NOTHING, (), frozenset())]}}
     for p in [0] + allowed:
         for count, entries in sorted(states.get(p, {}).items()):
@@ -99,7 +102,7 @@ def _search(model, splittable, forced, num_segments, max_segments, budget, max_r
                         new_recompute = add_costs(e.recompute, cost)
                         if max_recompute is not None and new_recompute.flops > max_recompute:
                             continue
-                        states.setdefault(q, {}).setdefault(count + 1, []).append(_Entry(e.prefix, new_peak, new_recompute, e.starts + (p,), e.regions | chosen))
+                        states.setdefault(q, {}).setdefault(count + 1 if counted else 0, []).append(_Entry(e.prefix, new_peak, new_recompute, e.starts + (p,), e.regions | chosen))
                         if budget is not None:
                             break  # the cheapest option that fits: more cost buys nothing under a budget
     finals = [e for count, entries in states.get(n, {}).items() if num_segments is None or count == num_segments for e in entries]
