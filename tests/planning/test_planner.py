@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward
@@ -16,9 +17,10 @@ from trunksplit.planning.budget import format_bytes
 from trunksplit.planning.costs import Cost
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
-from trunksplit.planning.search import _Entry, _pareto, annotate, best_plan, peak_model, plan_trunk  # the search's pruning, against its definition
+from trunksplit.planning.search import _Entry, _pareto, annotate, best_plan, peak_model, plan_trunk, region_spans  # the search's pruning, against its definition
 from trunksplit.planning.memory import meter_name
 from trunksplit.planning.request import priced_in
+from trunksplit.recompute.regions import run_as
 
 from reference import build, check_step, loss_of, second_step_peak, step_both
 
@@ -299,6 +301,56 @@ def test_time_objective_avoids_regions_whose_measured_overhead_costs_more_than_c
         assert fast_seconds <= few_seconds and few_flops <= fast_flops
         parted += fast_seconds < few_seconds
     assert parted
+
+
+@pytest.fixture(scope="module")
+def resnet18_with_regions():
+    """ResNet-18's units profiled at 2 x 32px with every region policy: (units' costs, spans)."""
+    torch.manual_seed(0)
+    units = CheckpointedTrunk(torchvision.models.resnet18()).units
+    spans = region_spans(units)
+    return profile_units(units, torch.randn(2, 3, 32, 32), spans), spans
+
+
+def _options_template_by_template(model, a):
+    """What a segment starting at ``a`` can be, by the definition of ``RegionTemplates.options``:
+    every template scanned on its own (``PeakModel._scan``), per end the choices no other beats or
+    equals in both recompute and local peak, of equals the first template's."""
+    found, templates = {}, model._choices.templates()
+    for t, template in enumerate(templates):
+        for last in (False, True):
+            for stop, local, cost in model._scan(a, template, last):
+                found.setdefault(stop, {}).setdefault((local, cost), t)
+    options = {}
+    for stop, choices in found.items():
+        kept = []
+        for (local, cost), t in sorted(choices.items(), key=lambda c: (model.cost_key(c[0][1]), c[0][0], c[1])):
+            if not kept or local < kept[-1][0]:
+                regions = frozenset((r, s, run_as(p, stop < model.n)) for r, s, p in templates[t] if a <= r and s <= stop)
+                kept.append((local, cost, regions))
+        options[stop] = kept
+    return options
+
+
+@pytest.mark.parametrize("how", ["flops", "time", "fsdp2"])
+def test_templates_scanned_together_give_what_each_gives_scanned_alone(resnet18_with_regions, how):
+    """The planner scans every region template of a segment at once, as arrays; each segment's
+    choices must be those of the templates scanned one by one: priced in FLOPs, in measured
+    seconds (random ones here: exact sums in the same order), and for an FSDP2 rank."""
+    costs, spans = resnet18_with_regions
+    rng = random.Random(0)
+    if how == "time":
+        timed = {p: replace(c, again_seconds=tuple(rng.random() for _ in c.eligible)) for p, c in costs.policies.items()}
+        costs = replace(costs, forward_seconds=tuple(rng.random() for _ in range(len(costs))), policies=timed)
+    if how == "fsdp2":
+        costs = replace(costs, gathered=costs.param_bytes)
+    model = PeakModel(costs=costs, feature_units=[len(costs) - 1], gradients="allocated", spans=spans, objective="time" if how == "time" else "flops")
+    segments = choices = 0
+    for a in range(model.n):
+        expected = _options_template_by_template(model, a)
+        assert {b: model.options(a, b) for b in expected} == expected, a
+        segments, choices = segments + len(expected), choices + sum(map(len, expected.values()))
+    assert choices > segments  # regions gave some segment more than one choice
 
 
 def _rerun(model, starts):

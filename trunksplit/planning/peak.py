@@ -167,16 +167,23 @@ class PeakModel:
                 cost, pending = add_costs(cost, pending), NOTHING
         return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending))  # _Scan(...) without a call: the inner loop
 
-    def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
-        """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment.
-
-        The planner's inner loop: what the region adds is looked up once per (region, last)."""
+    def _region_step(self, region: Region, last: bool) -> "_RegionStep":
+        """What a region ``(r, s, policy)`` adds to a scan, looked up once per (region, last)."""
         step = self._region_steps.get((region, last))
         if step is None:
             r, s, _ = region
             step = self._region_steps[region, last] = _RegionStep(
                 self._region(_as_run(region, last)), source=self.costs.input_from[r],
                 gathered=self._gathered_prefix[s] - self._gathered_prefix[r], largest=max(self._gathered[r:s]))  # FSDP2: see _fsdp_in_backward
+        return step
+
+    def _fsdp_terms(self, a: int, i: int, last: bool) -> Tuple[int, int]:
+        """FSDP2's holdings at unit ``i``'s reduce-scatter and in its backward (see the functions); 0, 0 unsharded."""
+        return _fsdp_at_reduce(self, a, i, last), _fsdp_in_backward(self, a, i, last)
+
+    def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
+        """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
+        step = self._region_step(region, last)
         g = step.region
         kept, forward, backward, counted, cost, pending = state
         forward = max(forward, kept + g.forward + step.largest)

@@ -7,8 +7,12 @@ The search over cuts stays exact; the one over regions is as good as its templat
 """
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..recompute.policies import POLICIES, RECOMPUTE
 from ..recompute.regions import run_as
+from .costs import Cost
+from .template_scan import region_table, scan_templates
 
 Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoint under a policy
 
@@ -24,29 +28,38 @@ class RegionTemplates:
         self.prices = {p.name: [p.passes * v for v in measures[p.rebuilds]] for p in POLICIES.values()}
         self._options: Dict[int, Dict[int, list]] = {}
         self._templates: Optional[List[List[Region]]] = None
+        self._table = None  # (region_at, regions): see region_table
 
     def options(self, a: int, b: int) -> List[Tuple[int, tuple, FrozenSet[Region]]]:
         """The choices of regions for segment [a, b) worth considering: (local peak,
-        recompute (FLOPs, cheap bytes, seconds), regions), none worse in both than another.
+        recompute (FLOPs, cheap bytes, seconds), regions), none worse in both than another
+        (of equals, the first template's).
 
         The choices are the model's templates (see :meth:`templates`) restricted to the
-        segment (a region it cuts through is dropped), each evaluated exactly."""
+        segment (a region it cuts through is dropped), each evaluated exactly: the templates
+        that differ from ``a`` on are scanned together (:func:`scan_templates`)."""
         if a not in self._options:
-            found: Dict[int, dict] = {}  # stop -> {(local, cost): template index}, the first template wins
-            templates, scanned = self.templates(), set()
-            for t, template in enumerate(templates):
-                after = frozenset(g for g in template if g[0] >= a)  # all a scan from a looks at
-                if after in scanned:
-                    continue
-                scanned.add(after)
-                for last in (False, True):
-                    for stop, local, cost in self.model._scan(a, template, last):
-                        found.setdefault(stop, {}).setdefault((local, cost), t)
-            self._options[a] = {
-                stop: [(local, cost, frozenset(_as_run(g, stop == self.model.n) for g in templates[t] if a <= g[0] and g[1] <= stop))
-                       for local, cost, t in _pareto_options([(*k, t) for k, t in opts.items()], self.model.cost_key)]
-                for stop, opts in found.items()
-            }
+            templates = self.templates()
+            if self._table is None:
+                regions = sorted({g for template in templates for g in template})
+                self._table = region_table(regions, self.model.n, templates), regions
+            region_at, regions = self._table
+            _, first = np.unique(region_at[:, a:], axis=0, return_index=True)  # one template per set of regions from a on
+            rows = np.sort(first)
+            scans = [scan_templates(self.model, a, region_at[rows], regions, last) for last in (False, True)]
+            t, stop, local, flops, cheap, seconds = (np.concatenate(column) for column in zip(*scans))
+            t = rows[t]
+            key = (flops, cheap) if self.model.objective == "flops" else (seconds, flops, cheap)  # PeakModel.cost_key
+            order = np.lexsort((t, local, *reversed(key), stop))
+            self._options[a] = {}
+            for group in np.split(order, np.flatnonzero(np.diff(stop[order])) + 1):
+                lowest = np.minimum.accumulate(local[group])
+                kept = group[np.concatenate(([True], local[group][1:] < lowest[:-1]))]  # by cost: only strictly lower peaks
+                end = int(stop[group[0]])
+                self._options[a][end] = [
+                    (int(local[k]), Cost(int(flops[k]), int(cheap[k]), float(seconds[k])),
+                     frozenset(_as_run(g, end == self.model.n) for g in templates[t[k]] if a <= g[0] and g[1] <= end))
+                    for k in kept]
         return self._options[a][b]
 
     def templates(self) -> List[List[Region]]:
@@ -136,17 +149,6 @@ def _chunks(spans: Sequence[Tuple[int, int]], size: Optional[int], offset: int =
         ends = sorted((set(range(offset % step, len(run), step)) | {len(run)}) - {0})
         pieces += [run[i:j] for i, j in zip([0] + ends, ends)]
     return [(piece[0][0], piece[-1][1]) for piece in pieces]
-
-
-def _pareto_options(entries: list, cost_key) -> list:
-    """(local peak, cost, ...) entries none of which another beats or equals in both
-    (costs ranked by ``cost_key``)."""
-    entries.sort(key=lambda e: (cost_key(e[1]), e[0]))
-    kept = []
-    for e in entries:
-        if not kept or e[0] < kept[-1][0]:  # sorted by cost: keep only strictly lower peaks
-            kept.append(e)
-    return kept
 
 
 def _as_run(region: Region, last: bool) -> Region:

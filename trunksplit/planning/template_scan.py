@@ -1,0 +1,155 @@
+"""Every region template of a segment scanned at once: the planner's inner loop as array arithmetic.
+
+:meth:`RegionTemplates.options` needs, for each segment start, what each of a chain's region
+templates gives at every boundary the segment could end at. Scanned one template at a time in
+Python (:meth:`PeakModel._scan`) that was most of a long chain's planning time (timm's
+MobileNetV3-small: 56 units, 3059 templates). Here all templates advance together, one unit or
+one region at a time, with the arithmetic of :meth:`PeakModel._step` and
+:meth:`PeakModel._step_region` on arrays: exact (integer bytes and FLOPs; seconds added in the
+same order), and checked against the one-template scan (tests/planning/test_planner.py).
+"""
+from typing import List, NamedTuple, Sequence
+
+import numpy as np
+
+
+
+class Yields(NamedTuple):
+    """What the scans gave: one row per (template, boundary), as :meth:`PeakModel._scan` yields them."""
+
+    template: np.ndarray  # the row of ``region_at`` scanned
+    stop: np.ndarray  # the boundary: the segment [a, stop)
+    local: np.ndarray  # its local peak
+    flops: np.ndarray  # and its recompute
+    cheap: np.ndarray
+    seconds: np.ndarray
+
+
+def region_table(regions: Sequence[tuple], n: int, templates: Sequence[Sequence[tuple]]) -> np.ndarray:
+    """``region_at[t, i]``: the index in ``regions`` of template ``t``'s region starting at unit ``i``; -1: none."""
+    index = {g: k for k, g in enumerate(regions)}
+    region_at = np.full((len(templates), n), -1, dtype=np.int64)
+    for t, template in enumerate(templates):
+        for g in template:
+            region_at[t, g[0]] = index[g]
+    return region_at
+
+
+class _Regions(NamedTuple):
+    """Each region's figures as a scan reads them (``PeakModel._region_step``), one array per field."""
+
+    forward: np.ndarray  # its forward's peak beyond what is kept, with FSDP2's largest gathered weights
+    source: np.ndarray  # the unit that allocated its input's storage
+    backward: np.ndarray  # its backward's peak beyond what is kept (its input included)
+    held: np.ndarray  # what it keeps
+    counted: np.ndarray  # whether its output is counted as kept: 1, 0, or -1 (its output is its input's storage)
+    again: List[np.ndarray]  # what its own backward runs again: FLOPs, cheap bytes, seconds
+    body: List[np.ndarray]  # what running it once costs
+    stop: np.ndarray  # the unit after it
+
+
+def _region_arrays(model, regions: Sequence[tuple], last: bool) -> _Regions:
+    steps = [model._region_step(region, last) for region in regions]
+    gathered = [0 if last else s.gathered for s in steps]  # FSDP2: a recomputed segment holds its weights already
+    ints = lambda values: np.array(list(values), dtype=np.int64)  # noqa: E731
+    return _Regions(
+        forward=ints(s.region.forward + s.largest for s in steps), source=ints(s.source for s in steps),
+        backward=ints(s.region.backward - g for s, g in zip(steps, gathered)), held=ints(s.region.held + g for s, g in zip(steps, gathered)),
+        counted=ints(-1 if s.region.output_counted is None else int(s.region.output_counted) for s in steps),
+        again=[np.array([s.region.again[f] for s in steps]) for f in range(3)], body=[np.array([s.region.body[f] for s in steps]) for f in range(3)],
+        stop=ints(region[1] for region in regions))
+
+
+class _Scans(NamedTuple):
+    """The state of every scan (``peak._Scan``), one array per field, a row per template."""
+
+    kept: np.ndarray
+    forward: np.ndarray
+    backward: np.ndarray
+    counted: np.ndarray
+    cost: List[np.ndarray]  # FLOPs, cheap bytes, seconds
+    pending: List[np.ndarray]
+
+
+def scan_templates(model, a: int, region_at: np.ndarray, regions: Sequence[tuple], last: bool) -> Yields:
+    """Scan a segment starting at unit ``a`` under each row of ``region_at`` (see :func:`region_table`)
+    at once: (template, b, local peak, recompute) at each boundary b it could end at (``last``: only
+    b = n), as :meth:`PeakModel._scan` yields them one template at a time."""
+    n, rows = model.n, len(region_at)
+    output = np.asarray(model.costs.output, dtype=np.int64)
+    held_after = np.asarray(model._features_held, dtype=np.int64)
+    grads_after = np.asarray(model._grads_after, dtype=np.int64)
+    table = _region_arrays(model, regions, last)
+    zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
+    state = _Scans(*(np.zeros(rows, dtype=np.int64) for _ in range(3)), np.ones(rows, dtype=bool), zeros(), zeros())
+    position = np.full(rows, a, dtype=np.int64)
+    found: List[tuple] = []
+    for i in range(a, n):
+        here = np.flatnonzero(position == i)
+        if not here.size:
+            continue
+        region = region_at[here, i]
+        units, inside = here[region < 0], here[region >= 0]
+        if units.size:
+            _step_units(model, a, i, last, units, state)
+            position[units] = i + 1
+        if inside.size:
+            _step_regions(a, last, inside, region[region >= 0], state, table, output)
+            position[inside] = table.stop[region[region >= 0]]
+        ends = here[position[here] == n] if last else here[position[here] < n]
+        if ends.size:  # PeakModel._local
+            b = position[ends]
+            forward, backward = state.forward[ends], state.backward[ends]
+            recompute = grads_after[b - 1] + output[b - 1] + forward
+            local = held_after[b] + np.where(b == n, np.maximum(forward, backward), np.maximum(recompute, backward))
+            found.append((ends, b, local, *(c[ends] for c in state.cost)))
+    if not found:
+        empty = np.zeros(0, dtype=np.int64)
+        return Yields(empty, empty, empty, empty, empty, np.zeros(0))
+    return Yields(*(np.concatenate(column) for column in zip(*found)))
+
+
+def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _Scans, table: _Regions, output: np.ndarray) -> None:
+    """:meth:`PeakModel._step_region` for the scans at ``rows``, each entering region ``k`` (in place)."""
+    kept, counted = state.kept[rows], state.counted[rows]
+    state.forward[rows] = np.maximum(state.forward[rows], kept + table.forward[k])
+    source = table.source[k]
+    takes = (source >= a) & ~counted  # the region keeps its input
+    kept = kept + np.where(takes, output[np.maximum(source, 0)], 0)
+    state.backward[rows] = np.maximum(state.backward[rows], kept + table.backward[k])
+    state.kept[rows] = kept + table.held[k]
+    state.counted[rows] = np.where(table.counted[k] < 0, counted | takes, table.counted[k] == 1)
+    for f in range(3):
+        if not last:  # the segment's recompute runs the region only if a later unit needs it
+            state.cost[f][rows] = state.cost[f][rows] + state.pending[f][rows]
+            state.pending[f][rows] = table.body[f][k]
+        state.cost[f][rows] = state.cost[f][rows] + table.again[f][k]
+
+
+def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Scans) -> None:
+    """:meth:`PeakModel._step` for the scans at ``rows``, all at unit ``i`` (in place)."""
+    c, g = model.costs, model._gathered
+    kept, counted = state.kept[rows], state.counted[rows]
+    state.forward[rows] = np.maximum(state.forward[rows], kept + max(c.forward_peak[i] + g[i], 2 * g[i]))
+    reduce, in_backward = model._fsdp_terms(a, i, last)
+    backward = np.maximum(state.backward[rows], kept + reduce)
+    source = c.input_from[i]
+    if c.saves_input[i] and source >= a:
+        kept = kept + np.where(counted, 0, c.output[source])
+        counted = np.ones_like(counted)
+    kept = kept + (c.saved[i] + (0 if last else g[i]))
+    state.backward[rows] = np.maximum(backward, kept + (model._backward_excess[i] + model._grads_after[i] + in_backward))
+    state.kept[rows] = kept
+    state.counted[rows] = np.full(len(rows), bool(c.keeps_output[i])) if model._allocates[i] else counted
+    if last:
+        return
+    unit = model._unit_costs[i]
+    for f in range(3):
+        cost, pending = state.cost[f], state.pending[f]
+        if c.saves_input[i]:
+            cost[rows] = cost[rows] + pending[rows]
+            pending[rows] = 0
+        pending[rows] = pending[rows] + unit[f]
+        if c.saved[i] or c.keeps_output[i]:
+            cost[rows] = cost[rows] + pending[rows]
+            pending[rows] = 0
