@@ -4,14 +4,16 @@
     python tools/eager_overhead.py --device cuda                       # ResNet-50 and ViT-B/16, 4 x 224px
     python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
 
-For each model and budget, five steps run interleaved (median of ``--repeats``): the plain trunk;
+For each model and budget, six steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
-regions taken out (its cuts only); the same plan with every selective region run as ``"recompute"``
+regions taken out (its cuts only), and so under reentrant checkpointing (one autograd node per
+segment, where non-reentrant's hooks run in Python for every tensor a segment saves); the same plan with every selective region run as ``"recompute"``
 (no per-op policy); and the plan priced in measured time (``objective="time"``, the default on a GPU). Each row gives the step time, its ratio to plain, the peak ratio
 and the aten ops a step runs (counted by a dispatch mode, forward and backward). The attribution
 table splits the plan's extra time: the forward of the units its checkpointed segments run again
 (each unit's forward timed alone on the plain model: kernels and launches), the checkpoint
-machinery (the cuts-only step less the plain step less that recompute), and the regions (the
+machinery (the cuts-only step less the plain step less that recompute; of it, what non-reentrant's
+saved-tensor hooks cost against the same cuts reentrant), and the regions (the
 plan less its cuts); then the selective policy against the same regions recomputed whole: above 0
 its per-op dispatch costs more than the convolutions it keeps from rerunning (a GPU), below 0 less
 (a CPU).
@@ -107,8 +109,8 @@ def unit_forward_ms(trunk, x, repeats: int) -> list:
     return times
 
 
-def _with_plan(model, x, plan):
-    trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0)
+def _with_plan(model, x, plan, use_reentrant=False):
+    trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0, use_reentrant=use_reentrant)
     trunk.store_plan(trunk.key_for(x), plan)
     return trunk
 
@@ -126,6 +128,7 @@ def variants(model, x, budget: float):
     whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, RECOMPUTE.name if POLICIES[p].selective else p) for a, b, p in s.regions))
                                          for s in plan.segments))
     steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), f"budget {budget}, objective flops": planned, "its cuts only": _with_plan(model, x, cuts),
+             "its cuts only, reentrant": _with_plan(model, x, cuts, use_reentrant=True),
              "selective regions run whole": _with_plan(model, x, whole), "objective time": timed}
     return steps, plan
 
@@ -156,6 +159,7 @@ def rows_for(name: str, x, budget: float, repeats: int):
     gap = ms[label] - ms[base]
     parts = [("segments' recompute (forward of the units they rerun)", rerun),
              ("checkpoint machinery (cuts only - plain - that recompute)", ms["its cuts only"] - ms[base] - rerun),
+             ("  of it, torch's saved-tensor hooks (cuts only - the same reentrant)", ms["its cuts only"] - ms["its cuts only, reentrant"]),
              ("regions (plan - its cuts only)", ms[label] - ms["its cuts only"]),
              ("  selective against whole (plan - regions run whole; < 0: saves)", ms[label] - ms["selective regions run whole"])]
     attribution = [[name, budget, what, f"{v:.1f}", f"{v / gap:.2f}" if gap > 0 else "-"] for what, v in parts]
