@@ -2,6 +2,7 @@
 """How long a budget plan takes to make: profiling and search, per model, with the plan it makes.
 
     python tools/plan_time.py                                   # timm's MobileNetV3-small and EfficientNet-B0, ResNet-50
+    python tools/plan_time.py --fit 300MiB                      # and how long fit takes to find its batch in 300 MiB
     PYTHONPATH=path/to/older/checkout python tools/plan_time.py # the same with another version of trunksplit
 
 A ``CheckpointedTrunk`` with a memory budget plans at its first training forward; on a long
@@ -18,7 +19,7 @@ import torchvision
 from tabulate import tabulate
 
 import trunksplit
-from trunksplit import CheckpointedTrunk
+from trunksplit import CheckpointedTrunk, fit
 
 MODELS = ("timm:mobilenetv3_small_100", "timm:efficientnet_b0", "resnet50")
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", default="8x3x160x160", help="the batch planned for")
     p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--gradients", default="kept", choices=["allocated", "kept", "in_backward"])
+    p.add_argument("--fit", default="", help="also time trunksplit.fit (no checking step) for one image of --input's shape in this memory")
     return p
 
 
@@ -49,9 +51,15 @@ def main(argv=None) -> int:
         trunk = CheckpointedTrunk(_model(name), memory_budget=args.budget, gradients=args.gradients)
         start = time.perf_counter()
         plan = trunk.plan_for(x)
-        rows.append([name, len(trunk.units), f"{time.perf_counter() - start:.1f}", " ".join(str(s.start) for s in plan.segments), len(plan.regions)])
+        row = [name, len(trunk.units), f"{time.perf_counter() - start:.1f}", " ".join(str(s.start) for s in plan.segments), len(plan.regions)]
+        if args.fit:
+            start = time.perf_counter()
+            fitted = fit(_model(name), tuple(x.shape[1:]), args.fit, gradients=args.gradients, verify=False)
+            row += [f"{time.perf_counter() - start:.1f}", fitted.batch_size]
+        rows.append(row)
     print(f"trunksplit from {trunksplit.__file__}, input {args.input}, budget {args.budget}, gradients {args.gradients}, {torch.get_num_threads()} threads\n")
-    print(tabulate(rows, headers=["model", "units", "seconds to plan", "segments start at", "regions"], tablefmt="github"))
+    headers = ["model", "units", "seconds to plan", "segments start at", "regions"] + (["seconds to fit", "fitted batch"] if args.fit else [])
+    print(tabulate(rows, headers=headers, tablefmt="github"))
     return 0
 
 

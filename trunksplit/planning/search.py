@@ -8,6 +8,7 @@ plans for a segment count, budget plans (with regions) for a memory budget.
 """
 import bisect
 import functools
+import itertools
 import warnings
 from dataclasses import replace
 from typing import Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
@@ -60,13 +61,15 @@ def best_plan(
     templates (see :meth:`PeakModel.options`).
     """
     search = functools.partial(_search, model, splittable, forced, num_segments, max_segments)
-    if budget is None and model.spans:
-        # Regions offer many (peak, recompute) trade-offs per segment: find the lowest peak
-        # first, ignoring recompute, then the least recompute at that peak.
-        if max_recompute is not None:
-            raise ValueError("with regions, bound the recompute under a budget")
+    if budget is None and max_recompute is None:
+        # The lowest peak first, ignoring recompute, then the least recompute at that peak: the first
+        # search keeps Pareto sets of (prefix, peak), the second drops every plan above the peak. One
+        # search for both would keep sets of (prefix, peak, recompute), which grow large on a long
+        # chain (fit plans its lowest peak at every batch it tries) and with regions' trade-offs.
         lowest = search(None, None, with_cost=False)
         return lowest and search(model.peak(*lowest), None)
+    if budget is None and model.spans:
+        raise ValueError("with regions, bound the recompute under a budget")
     return search(budget, max_recompute)
 
 
@@ -126,14 +129,18 @@ class _Entry(NamedTuple):
 
 def _pareto(entries: list, cost_key, with_cost: bool = True) -> list:
     """Entries not dominated in (prefix, peak, recompute as ``cost_key`` ranks it), or in
-    (prefix, peak) without ``with_cost``; the first of equals is kept."""
-    ranked = sorted(((e.prefix, e.peak, cost_key(e.recompute), e) for e in set(entries)), key=lambda r: (*r[:3], r[3].starts, sorted(r[3].regions)))
+    (prefix, peak) without ``with_cost``; of equals, the first in (prefix, peak, recompute,
+    starts, regions) order is kept."""
+    rank = (lambda e: (e.prefix, e.peak, cost_key(e.recompute))) if with_cost else (lambda e: (e.prefix, e.peak))
+    ranked = sorted(((rank(e), e) for e in set(entries)), key=lambda r: r[0])
     # In prefix order every kept entry has a prefix no larger than the next one's, so an entry is
     # dominated when a kept one is no worse in (peak, cost): kept on a staircase of peaks rising
     # and costs falling, the cheapest at or below a peak is the last step at or below it.
     peaks, costs, kept = [], [], []
-    for prefix, peak, cost, entry in ranked:
-        cost = cost if with_cost else ()
+    for key, group in itertools.groupby(ranked, key=lambda r: r[0]):
+        equals = [e for _, e in group]  # only the first of equals can be kept: order them only when there are several
+        entry = equals[0] if len(equals) == 1 else min(equals, key=lambda e: (cost_key(e.recompute), e.starts, sorted(e.regions)))
+        peak, cost = key[1], key[2] if with_cost else ()
         below = bisect.bisect_right(peaks, peak)
         if below and costs[below - 1] <= cost:
             continue
