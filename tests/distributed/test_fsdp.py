@@ -277,6 +277,7 @@ def _hsdp_step_peak(rank, world_size, out):
     torch.save({"shards": sharded_world_size([m for _, m in trunk.units]), **peaks}, os.path.join(out, f"hsdp{rank}.pt"))
 
 
+@pytest.mark.slow  # four processes; the one-dimensional per-rank prediction stays in the fast suite (test_a_ranks_measured_step_peak_is_what_the_per_rank_model_predicts)
 def test_under_hsdp_a_rank_plans_for_the_ranks_it_shards_over_not_the_whole_mesh(tmp_path):
     """A 2-D mesh (2 replicas x 2 shards) shards each parameter over 2 ranks, not 4: planned for 4, a
     rank would expect half the weights it gathers and holds, and its plan would be too low."""
