@@ -13,7 +13,6 @@ from typing import List, NamedTuple, Sequence
 import numpy as np
 
 
-
 class Yields(NamedTuple):
     """What the scans gave: one row per (template, boundary), as :meth:`PeakModel._scan` yields them."""
 
@@ -48,7 +47,8 @@ class _Regions(NamedTuple):
     stop: np.ndarray  # the unit after it
 
 
-def _region_arrays(model, regions: Sequence[tuple], last: bool) -> _Regions:
+def region_arrays(model, regions: Sequence[tuple], last: bool) -> _Regions:
+    """``regions``' figures as :func:`scan_templates` reads them, in a segment that is the last (``last``) or not."""
     steps = [model._region_step(region, last) for region in regions]
     gathered = [0 if last else s.gathered for s in steps]  # FSDP2: a recomputed segment holds its weights already
     ints = lambda values: np.array(list(values), dtype=np.int64)  # noqa: E731
@@ -71,15 +71,15 @@ class _Scans(NamedTuple):
     pending: List[np.ndarray]
 
 
-def scan_templates(model, a: int, region_at: np.ndarray, regions: Sequence[tuple], last: bool) -> Yields:
+def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: bool) -> Yields:
     """Scan a segment starting at unit ``a`` under each row of ``region_at`` (see :func:`region_table`)
     at once: (template, b, local peak, recompute) at each boundary b it could end at (``last``: only
-    b = n), as :meth:`PeakModel._scan` yields them one template at a time."""
+    b = n), as :meth:`PeakModel._scan` yields them one template at a time. ``table``: the regions'
+    figures (:func:`region_arrays`, for the same ``last``), made once for every start."""
     n, rows = model.n, len(region_at)
     output = np.asarray(model.costs.output, dtype=np.int64)
     held_after = np.asarray(model._features_held, dtype=np.int64)
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
-    table = _region_arrays(model, regions, last)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     state = _Scans(*(np.zeros(rows, dtype=np.int64) for _ in range(3)), np.ones(rows, dtype=bool), zeros(), zeros())
     position = np.full(rows, a, dtype=np.int64)

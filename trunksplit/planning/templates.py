@@ -12,7 +12,7 @@ import numpy as np
 from ..recompute.policies import POLICIES, RECOMPUTE
 from ..recompute.regions import run_as
 from .costs import Cost
-from .template_scan import region_table, scan_templates
+from .template_scan import region_arrays, region_table, scan_templates
 
 Region = Tuple[int, int, str]  # units [start, stop) run as one nested checkpoint under a policy
 
@@ -28,7 +28,7 @@ class RegionTemplates:
         self.prices = {p.name: [p.passes * v for v in measures[p.rebuilds]] for p in POLICIES.values()}
         self._options: Dict[int, Dict[int, list]] = {}
         self._templates: Optional[List[List[Region]]] = None
-        self._table = None  # (region_at, regions): see region_table
+        self._table = None  # (region_at, each region's figures when not last and last): see region_table, region_arrays
 
     def options(self, a: int, b: int) -> List[Tuple[int, tuple, FrozenSet[Region]]]:
         """The choices of regions for segment [a, b) worth considering: (local peak,
@@ -42,11 +42,11 @@ class RegionTemplates:
             templates = self.templates()
             if self._table is None:
                 regions = sorted({g for template in templates for g in template})
-                self._table = region_table(regions, self.model.n, templates), regions
-            region_at, regions = self._table
+                self._table = region_table(regions, self.model.n, templates), [region_arrays(self.model, regions, last) for last in (False, True)]
+            region_at, figures = self._table
             _, first = np.unique(region_at[:, a:], axis=0, return_index=True)  # one template per set of regions from a on
             rows = np.sort(first)
-            scans = [scan_templates(self.model, a, region_at[rows], regions, last) for last in (False, True)]
+            scans = [scan_templates(self.model, a, region_at[rows], figures[last], last) for last in (False, True)]
             t, stop, local, flops, cheap, seconds = (np.concatenate(column) for column in zip(*scans))
             t = rows[t]
             key = (flops, cheap) if self.model.objective == "flops" else (seconds, flops, cheap)  # PeakModel.cost_key
