@@ -23,7 +23,8 @@ LIMIT = 300 * 2**20
 
 
 def _fitted_run(out, method, grouped=True):
-    """Train one step with the fitted batch; (batch, everything resident during that step as the run measured it)."""
+    """Train one step with the fitted batch; (batch, everything resident during that step as the run
+    measured it, the trunk budget the run saved)."""
     overrides = ["OUTPUT_DIR", str(out / f"{method}-{grouped}"), *SMALL, *METHODS[method], "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped),
                  "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(LIMIT))]
     model, last = train(load_config(QUICK, overrides))
@@ -32,7 +33,7 @@ def _fitted_run(out, method, grouped=True):
     resident = (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
                 + slots * sum(p.numel() * p.element_size() for p in trainable) + (4 * len(trainable) if slots == 2 else 0))
     saved = load_config(str(out / f"{method}-{grouped}" / "config.yaml"))
-    return saved.TRAIN.BATCH_SIZE_PER_RANK, resident + last["peak_memory_bytes"]
+    return saved.TRAIN.BATCH_SIZE_PER_RANK, resident + last["peak_memory_bytes"], saved.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,15 @@ def fitted(tmp_path_factory):
 def test_the_fitted_batchs_whole_step_fills_the_memory_limit_without_passing_it(fitted, method):
     """Head, loss, teacher and every crop group counted: the step as the run measures it lands in
     0.85-1.00 of TRAIN.MEMORY_LIMIT (before, a SimCLR run measured 2.7% over it; multi-crop was refused)."""
-    batch, total = fitted(method)
+    batch, total, budget = fitted(method)
     assert batch >= 2 and 0.85 * LIMIT <= total <= LIMIT, (batch, total / LIMIT)
+    assert 1 < budget < LIMIT  # the trunk's share, in bytes, saved with the batch (a resume trains with both)
 
 
 def test_backward_by_crop_group_fits_more_images_than_the_whole_step(fitted):
     """One group's activations alive at a time: more images per rank in the same memory, each run within it."""
-    grouped, grouped_total = fitted("dino", True)
-    whole, whole_total = fitted("dino", False)
+    grouped, grouped_total, _ = fitted("dino", True)
+    whole, whole_total, _ = fitted("dino", False)
     assert grouped >= 1.4 * whole, (grouped, whole)
     assert 0.85 * LIMIT <= whole_total <= LIMIT and grouped_total <= LIMIT
 
@@ -88,7 +90,7 @@ def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(fitted,
     assert "group 1: 2 x 32px crops per image" in out and "group 2: 4 x 16px crops per image" in out
     phases = [line.split()[1] for line in err.splitlines() if line.startswith("fit: ")]
     assert phases[:4] == ["profiling", "profiling", "measuring", "searching"] and set(phases[4:]) == {"checking"}, err
-    batch, total = fitted("dino")
+    batch, total, _ = fitted("dino")
     assert batch == images and total <= LIMIT
 
 
