@@ -63,6 +63,10 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_run_instead(tmp_path, capsys
     report = tmp_path / "report.md"
     assert _tool().main(["--report", str(report)]) == 2
     assert "--device cpu --quick" in capsys.readouterr().err and not report.exists()
+    # the attribution tool, the GPU session's last step (tools/gpu_session.sh), too: no traceback
+    assert _tool("eager_overhead").main([]) == 2
+    out = capsys.readouterr()
+    assert "torch sees no GPU" in out.err and "--device cpu" in out.err and out.out == ""
 
 
 def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_memory(capsys):

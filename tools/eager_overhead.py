@@ -170,6 +170,9 @@ def rows_for(name: str, x, budget: float, repeats: int):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no GPU here; on CPU: --device cpu --models resnet18 --size 64", file=sys.stderr)
+        return 2
     torch.backends.cudnn.benchmark = False
     x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
     tables, attributions = [], []

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# A GPU session's one prepared command: the CUDA tier, the GPU check's report and the eager step's
+# attribution, each under its own time limit, their logs and reports written to $OUT (default
+# gpu_out/). Sized for a lease of 15 minutes on one H100 or H200: about 9 minutes at most here.
+#
+#     bash tools/gpu_session.sh                 # from the repository root, on the GPU machine
+#
+# Packages the machine lacks travel as wheels in .whl/ (fvcore and its needs: docs/gpu.md says how);
+# they are installed into /tmp/site. trunksplit itself runs from this checkout.
+set -o pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/environment.txt"
+# the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them
+timeout 150 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
+timeout 240 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
+timeout 150 python3 tools/eager_overhead.py --device cuda 2>&1 | tee "$OUT/eager_overhead.md"
+echo "gpu_session: done; files in $OUT"
