@@ -42,14 +42,21 @@ def main(argv=None) -> int:
             f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {_beyond(cfg)} "
             f"(trunk plan: {last['plan']})"
         )
-        vs = last["memory_vs_plain"]
-        if vs:
-            print(
-                f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
-                f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)"
-            )
+        side_by_side = _side_by_side(cfg, last["memory_vs_plain"])
+        if side_by_side:
+            print(side_by_side)
         print(f"metrics: {cfg.OUTPUT_DIR}/metrics.jsonl")
     return 0
+
+
+def _side_by_side(cfg, vs) -> str:
+    """The summary's line on one step with and without checkpointing, or why it was not run."""
+    if vs:
+        return (f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
+                f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)")
+    if cfg.TRAIN.MEMORY_LIMIT:
+        return "memory, one step side by side: not run (the batch fills TRAIN.MEMORY_LIMIT; a step without checkpointing would pass it)"
+    return ""
 
 
 if __name__ == "__main__":

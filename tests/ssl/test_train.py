@@ -640,6 +640,24 @@ def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch_and_p
     assert saved["TRAIN"] == first["TRAIN"] and saved["MODEL"] == first["MODEL"]
 
 
+def test_a_run_sized_to_its_memory_limit_runs_no_step_without_checkpointing_and_says_so(tmp_path, monkeypatch):
+    """The fitted batch fills TRAIN.MEMORY_LIMIT: the summary's plain step beside a copy of the model would
+    pass it (on a CPU, until the host runs out). Not run, and the last lines say why. (The fit answers 3
+    images by a stub: the real fit is tests/ssl/test_fit_step.py's.)"""
+    monkeypatch.setattr(loop, "fitted_batch", lambda cfg, device, run_step, world, say: (3, 1.0, []))
+
+    def plain_step(*args, **kwargs):
+        raise AssertionError("a step without checkpointing ran beside a run sized to its memory limit")
+
+    monkeypatch.setattr(loop, "compare_with_plain", plain_step)
+    out = tmp_path / "run"
+    result = _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), *SMALL, "TRAIN.STEPS", "1", "TRAIN.BATCH_SIZE_PER_RANK", "0",
+                  "TRAIN.MEMORY_LIMIT", "170MiB")
+    assert result.returncode == 0, result.stderr
+    assert "side by side: not run (the batch fills TRAIN.MEMORY_LIMIT" in result.stdout, result.stdout
+    assert json.loads((out / "summary.json").read_text())["memory_vs_plain"] is None
+
+
 def _fit_alone_then_agree(rank, world_size, out):
     """Each rank's fit answers otherwise (as allocator-profiled fits do between ranks); the launcher's
     strategy makes every rank train with rank 0's answer."""
