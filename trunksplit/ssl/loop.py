@@ -76,9 +76,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
     if last is not None:
-        # a run sized to TRAIN.MEMORY_LIMIT fills it: a plain step beside a copy of the model would pass it
-        # (on a CPU nothing stops it but the host running out), so it is not run
-        _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain and not cfg.TRAIN.MEMORY_LIMIT, world)
+        _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain, world)
     return model, last
 
 
@@ -170,7 +168,7 @@ def _optimizer_step(cfg, model, optimizer, scaler, step: int, device, rule=None)
 
 def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool, world: int) -> None:
     """Add the plan, the loss of a model that learned nothing (where the method has one) and, one step
-    side by side where the model can be copied, the memory with and without checkpointing to the last
+    side by side where the model can be copied (and the batch was not fitted to TRAIN.MEMORY_LIMIT), the memory with and without checkpointing to the last
     row (each copy stepped in backward as the model is, if it is); ``log`` keeps them in summary.json."""
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
@@ -182,6 +180,9 @@ def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autoca
         last["plan"] = f"{model.trunk.plan.strategy}, {len(model.trunk.plan.segments)} segments"
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
+    # a run sized to TRAIN.MEMORY_LIMIT fills it: a plain step beside a copy of the model would pass it
+    # (on a CPU nothing stops it but the host running out), so it is not run
+    side_by_side = side_by_side and not cfg.TRAIN.MEMORY_LIMIT
     last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
     log.finish({key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")})
 
