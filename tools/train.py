@@ -55,7 +55,7 @@ def _side_by_side(cfg, vs) -> str:
         return (f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
                 f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)")
     if cfg.TRAIN.MEMORY_LIMIT:
-        return "memory, one step side by side: not run (the batch fills TRAIN.MEMORY_LIMIT; a step without checkpointing would pass it)"
+        return "memory, one step side by side: not run (TRAIN.MEMORY_LIMIT is set, and a step without checkpointing would pass it)"
     return ""
 
 
