@@ -166,11 +166,11 @@ def _optimizer_step(cfg, model, optimizer, scaler, step: int, device, rule=None)
         torch.cuda.synchronize(device)
 
 
-def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, side_by_side: bool, world: int) -> None:
+def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, copyable: bool, world: int) -> None:
     """Add the plan, the loss of a model that learned nothing (where the method has one) and, one step
-    side by side where the model can be copied and no TRAIN.MEMORY_LIMIT is set, the memory with and
-    without checkpointing to the last row (each copy stepped in backward as the model is, if it is);
-    ``log`` keeps them in summary.json."""
+    side by side where the model can be copied (``copyable``) and no TRAIN.MEMORY_LIMIT is set, the
+    memory with and without checkpointing to the last row (each copy stepped in backward as the model
+    is, if it is); ``log`` keeps them in summary.json."""
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
@@ -183,7 +183,7 @@ def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autoca
     grouped = by_crop_group(cfg, crops)
     # a run with TRAIN.MEMORY_LIMIT (its batch fitted to fill it) would pass it with a plain step beside a
     # copy of the model (on a CPU nothing stops that but the host running out): not run
-    side_by_side = side_by_side and not cfg.TRAIN.MEMORY_LIMIT
+    side_by_side = copyable and not cfg.TRAIN.MEMORY_LIMIT
     last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
     log.finish({key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")})
 
