@@ -3,20 +3,24 @@
 
     python tools/eager_overhead.py --device cuda                       # ResNet-50 and ViT-B/16, 4 x 224px
     python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
+    python tools/eager_overhead.py --device cpu --models resnet50 --width-per-group 1 --size 64 --budgets 0.7 0.5   # dispatch-bound
 
-For each model and budget, six steps run interleaved (median of ``--repeats``): the plain trunk;
+For each model and budget, seven steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
 regions taken out (its cuts only), and so under reentrant checkpointing (one autograd node per
-segment, where non-reentrant's hooks run in Python for every tensor a segment saves); the same plan with every selective region run as ``"recompute"``
-(no per-op policy); and the plan priced in measured time (``objective="time"``, the default on a GPU). Each row gives the step time, its ratio to plain, the peak ratio
-and the aten ops a step runs (counted by a dispatch mode, forward and backward). The attribution
-table splits the plan's extra time: the forward of the units its checkpointed segments run again
-(each unit's forward timed alone on the plain model: kernels and launches), the checkpoint
-machinery (the cuts-only step less the plain step less that recompute; of it, what non-reentrant's
-saved-tensor hooks cost against the same cuts reentrant), and the regions (the
-plan less its cuts); then the selective policy against the same regions recomputed whole: above 0
-its per-op dispatch costs more than the convolutions it keeps from rerunning (a GPU), below 0 less
-(a CPU).
+segment, where non-reentrant's hooks run in Python for every tensor a segment saves); the same plan
+with every selective region run as ``"recompute"`` (no per-op policy); the plan priced in measured
+time (``objective="time"``, the default on a GPU); and, from the same profile, the time plan with a
+cut priced as before 2026-11-27 (at the forward of the units it reruns, the checkpoint itself free).
+Each row gives the step time, its ratio to plain, its extra time over plain and, for the two time
+plans, what their prices predicted it (the segments' ``recompute_seconds``), the peak ratio and the
+aten ops a step runs (counted by a dispatch mode, forward and backward). The attribution table splits
+the FLOPs plan's extra time: the forward of the units its checkpointed segments run again (each
+unit's forward timed alone on the plain model: kernels and launches), the checkpoint machinery (the
+cuts-only step less the plain step less that recompute; of it, what non-reentrant's saved-tensor
+hooks cost against the same cuts reentrant), and the regions (the plan less its cuts); then the
+selective policy against the same regions recomputed whole: above 0 its per-op dispatch costs more
+than the convolutions it keeps from rerunning (a GPU), below 0 less (a CPU).
 """
 import argparse
 import copy
@@ -30,6 +34,8 @@ import torchvision
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit.planning.peak import PeakModel
+from trunksplit.planning.search import peak_model, plan_trunk
 from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
 from trunksplit.recompute.policies import POLICIES, RECOMPUTE
 
@@ -42,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--width-per-group", type=int, default=None,
+                   help="ResNet builders: the 3x3 convolutions' width per group (1: a thin ResNet whose step costs its ops' dispatch, a CPU stand-in for a GPU's launch-bound step)")
     return p
 
 
@@ -123,13 +131,19 @@ def variants(model, x, budget: float):
     except ValueError as e:
         return None, str(e).split(";")[-1].strip()[:120]
     timed = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time")
-    timed.plan_for(x)
+    request = timed.plan_request()
+    measured = peak_model(request, x, regions=True)
+    timed.store_plan(timed.key_for(x), plan_trunk(request, x, measured))
+    # the same profile priced as before 2026-11-27: a cut at its units' forward, checkpoints free
+    by_forward = PeakModel(costs=replace(measured.costs, rerun_seconds=measured.costs.forward_seconds, checkpoint_seconds=0.0), feature_units=measured.features,
+                           gradients=measured.gradients, spans=measured.spans, objective="time", update_temporaries=measured.update_temporaries)
     cuts = replace(plan, segments=tuple(replace(s, regions=()) for s in plan.segments))
     whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, RECOMPUTE.name if POLICIES[p].selective else p) for a, b, p in s.regions))
                                          for s in plan.segments))
     steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), f"budget {budget}, objective flops": planned, "its cuts only": _with_plan(model, x, cuts),
              "its cuts only, reentrant": _with_plan(model, x, cuts, use_reentrant=True),
-             "selective regions run whole": _with_plan(model, x, whole), "objective time": timed}
+             "selective regions run whole": _with_plan(model, x, whole), "objective time": timed,
+             "objective time, cuts priced by their forward (before)": _with_plan(model, x, plan_trunk(request, x, by_forward))}
     return steps, plan
 
 
@@ -140,11 +154,11 @@ def _regions(plan) -> str:
     return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
 
 
-def rows_for(name: str, x, budget: float, repeats: int):
-    model = getattr(torchvision.models, name)().to(x.device)
+def rows_for(name: str, x, budget: float, repeats: int, **model_options):
+    model = getattr(torchvision.models, name)(**model_options).to(x.device)
     steps, plan = variants(model, x, budget)
     if steps is None:
-        return [[name, budget, "-", plan, "-", "-", "-", "-"]], []
+        return [[name, budget, "-", plan, "-", "-", "-", "-", "-", "-"]], []
     ms = _median_ms(steps, x, repeats)
     peaks = {k: _peak(t, x) for k, t in steps.items()}
     base = "plain"
@@ -152,7 +166,8 @@ def rows_for(name: str, x, budget: float, repeats: int):
     for k, trunk in steps.items():
         p = trunk.plan_for(x) if k != base else None
         shape = "-" if p is None else f"{sum(s.checkpointed for s in p.segments)} checkpointed of {len(p.segments)}; regions: {_regions(p)}"
-        table.append([name, budget, k, shape, f"{ms[k]:.1f}", f"{ms[k] / ms[base]:.3f}", f"{peaks[k] / peaks[base]:.3f}", _ops(trunk, x)])
+        predicted = "-" if p is None or p.segments[0].recompute_seconds is None else f"{sum(s.recompute_seconds for s in p.segments) * 1e3:.1f}"
+        table.append([name, budget, k, shape, f"{ms[k]:.1f}", f"{ms[k] / ms[base]:.3f}", f"{ms[k] - ms[base]:.1f}", predicted, f"{peaks[k] / peaks[base]:.3f}", _ops(trunk, x)])
     unit_ms = unit_forward_ms(steps[base], x, repeats)
     rerun = sum(sum(unit_ms[s.start:s.stop]) for s in plan.segments if s.checkpointed)
     label = f"budget {budget}, objective flops"
@@ -179,12 +194,12 @@ def main(argv=None) -> int:
     for name in args.models:
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
-            t, a = rows_for(name, x, budget, args.repeats)
+            t, a = rows_for(name, x, budget, args.repeats, **({} if args.width_per_group is None else {"width_per_group": args.width_per_group}))
             tables += t
             attributions += a
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
-    print(tabulate(tables, headers=["model", "budget", "step", "plan", "ms", "time ratio", "peak ratio", "aten ops"], tablefmt="github"))
+    print(tabulate(tables, headers=["model", "budget", "step", "plan", "ms", "time ratio", "extra ms", "predicted extra ms", "peak ratio", "aten ops"], tablefmt="github"))
     print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
     print(tabulate(attributions, headers=["model", "budget", "part", "ms", "share"], tablefmt="github"))
     return 0

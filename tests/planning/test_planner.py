@@ -58,8 +58,10 @@ def test_profiler_bytes_on_a_toy_chain_known_by_hand():
     assert c.backward_excess == tuple(a + o for a, o in zip(arriving, own))
     assert c.flops == (2 * batch * 8 * 16, 0, 2 * batch * 16 * 4, 0, 0)
     assert c.param_bytes == ((16 * 8 + 16) * F32, 0, (16 * 4 + 4) * F32, 0, 0)
-    assert c.forward_seconds == ()  # timed only for the "time" objective
-    assert all(0 < s < 1 for s in profile_units(units, torch.randn(5, 8), timed=True).forward_seconds)
+    assert c.forward_seconds == c.rerun_seconds == () and c.checkpoint_seconds == 0  # timed only for the "time" objective
+    timed = profile_units(units, torch.randn(5, 8), timed=True)
+    assert all(0 < s < 1 for s in timed.forward_seconds) and 0 <= timed.checkpoint_seconds < 1
+    assert all(f <= r < 1 for f, r in zip(timed.forward_seconds, timed.rerun_seconds))  # a rerun takes at least its forward
     assert all(p.grad is None for _, m in units for p in m.parameters())  # the model is untouched
     for (_, m), sd in zip(units, before):
         assert all(torch.equal(v, m.state_dict()[k]) for k, v in sd.items())
@@ -257,23 +259,29 @@ def test_dp_matches_brute_force_on_random_chains(gradients):
 
 
 def test_time_objective_finds_the_fastest_cuts_under_a_budget_by_brute_force():
-    """With each unit's forward timed (here: its FLOPs at one of three rates 100x apart, as a
-    depthwise or squeeze-excitation block runs far below a dense convolution's rate), the
-    budget plan is the one whose recompute takes the least time, ties broken by FLOPs. (With
-    cuts alone that is nearly always the least-FLOPs plan too: what a plan reruns grows with
-    its last cut. Regions are where the objectives part, next test.)"""
+    """With each unit's rerun in a checkpoint timed (here: its FLOPs at one of three rates 100x
+    apart, as a depthwise or squeeze-excitation block runs far below a dense convolution's rate)
+    and each checkpoint's own cost (a random one, up to a unit's), the budget plan is the one whose
+    recompute takes the least time: the reruns plus one checkpoint per checkpointed segment, ties
+    broken by FLOPs. (Regions are where the objectives part most, next test.)"""
     rng = random.Random(1)
+    parted = 0
     for _ in range(150):
         n = rng.randint(2, 8)
         costs = _random_costs(rng, n)
-        forward = tuple(f * rng.choice([0.1, 1.0, 10.0]) for f in costs.flops)
-        timed = PeakModel(costs=replace(costs, forward_seconds=forward), feature_units=[n - 1], gradients="kept", objective="time")
+        rerun = tuple(f * rng.choice([0.1, 1.0, 10.0]) for f in costs.flops)
+        own = rng.choice([0.0, rng.random() * max(rerun)])
+        timed = PeakModel(costs=replace(costs, rerun_seconds=rerun, checkpoint_seconds=own), feature_units=[n - 1], gradients="kept", objective="time")
         splittable = [True] + [rng.random() < 0.8 for _ in range(n - 1)]
         plans = list(_all_plans(n, splittable, []))
         budget = rng.choice([timed.peak(p) for p in plans])
-        again = lambda p: (sum(forward[i] for i in _rerun(timed, p)), timed.total_recompute(p))  # noqa: E731
+        again = lambda p: (own * (len(p) - 1) + sum(rerun[i] for i in _rerun(timed, p)), timed.total_recompute(p))  # noqa: E731
         got = best_plan(timed, splittable, [], budget=budget).starts
-        assert again(got) == min(again(p) for p in [p for p in plans if timed.peak(p) <= budget])
+        fits = [p for p in plans if timed.peak(p) <= budget]
+        assert again(got) == pytest.approx(min(again(p) for p in fits), rel=1e-12, abs=1e-12)
+        reruns_only = PeakModel(costs=replace(costs, rerun_seconds=rerun), feature_units=[n - 1], gradients="kept", objective="time")
+        parted += got != best_plan(reruns_only, splittable, [], budget=budget).starts
+    assert parted  # the checkpoints' own cost changed some plans
 
 
 def test_time_objective_avoids_regions_whose_measured_overhead_costs_more_than_cuts():
@@ -288,7 +296,7 @@ def test_time_objective_avoids_regions_whose_measured_overhead_costs_more_than_c
     costs = profile_units(units, torch.randn(32, 64), spans)
     n = len(units)
     slow = {p: replace(c, again_seconds=tuple((100.0 if p.startswith("save") else 1.0) * c.eligible[i] for i in range(n))) for p, c in costs.policies.items()}
-    costs = replace(costs, forward_seconds=(1.0,) * n, policies=slow)
+    costs = replace(costs, forward_seconds=(1.0,) * n, rerun_seconds=(1.0,) * n, policies=slow)
     timed, counted = (PeakModel(costs=costs, feature_units=[n - 1], gradients="kept", spans=spans, objective=o) for o in ("time", "flops"))
     parted = 0
     for fraction in (0.8, 0.6, 0.5):
@@ -342,7 +350,8 @@ def test_templates_scanned_together_give_what_each_gives_scanned_alone(chain_wit
     rng = random.Random(0)
     if how == "time":
         timed = {p: replace(c, again_seconds=tuple(rng.random() for _ in c.eligible)) for p, c in costs.policies.items()}
-        costs = replace(costs, forward_seconds=tuple(rng.random() for _ in range(len(costs))), policies=timed)
+        costs = replace(costs, forward_seconds=tuple(rng.random() for _ in range(len(costs))), rerun_seconds=tuple(rng.random() for _ in range(len(costs))),
+                        checkpoint_seconds=rng.random(), policies=timed)
     if how == "fsdp2":
         costs = replace(costs, gathered=costs.param_bytes)
     model = PeakModel(costs=costs, feature_units=[len(costs) - 1], gradients="allocated", spans=spans, objective="time" if how == "time" else "flops")
@@ -364,7 +373,7 @@ def _rerun(model, starts):
 
 
 def test_time_and_flops_objectives_are_checked():
-    costs = replace(_random_costs(random.Random(0), 3), forward_seconds=(1.0, 2.0, 3.0))
+    costs = replace(_random_costs(random.Random(0), 3), rerun_seconds=(1.0, 2.0, 3.0))
     assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key(Cost(100, 5, 0.5)) < PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="time").cost_key(Cost(0, 20, 1.0))
     assert PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key(Cost(100, 5, 0.5)) > PeakModel(costs=costs, feature_units=[2], gradients="allocated", objective="flops").cost_key(Cost(0, 20, 1.0))
     with pytest.raises(ValueError, match="objective must be one of"):
@@ -420,7 +429,11 @@ def test_cost_aware_plans_train_exactly(arch, reentrant, kw):
     check_step(plain, model, trunk, want, got, reentrant)
     assert trunk.plan.strategy == ("budget" if "memory_budget" in kw else "balanced")
     assert "res3" in trunk.plan.names and len(trunk.plan.segments) >= 2
-    assert ("objective time: what runs again takes" in trunk.plan.note) == ("objective" in kw)
+    assert ("objective time: what runs again" in trunk.plan.note) == ("objective" in kw)
+    # a time plan says, per segment, what its recompute adds to a step: something where a segment is checkpointed
+    seconds = [s.recompute_seconds for s in trunk.plan.segments]
+    assert (None not in seconds) == ("objective" in kw) == ("recompute (ms)" in str(trunk.plan))
+    assert "objective" not in kw or all(t > 0 for t, s in zip(seconds, trunk.plan.segments) if s.checkpointed)
 
 
 def test_balanced_plan_cuts_after_requested_features_and_never_before_inplace():

@@ -95,9 +95,11 @@ class PeakModel:
         self._flops_prefix = _prefix(c.flops)
         self._cheap = c.recompute_bytes or (0,) * self.n
         self._cheap_prefix = _prefix(self._cheap)
-        self._seconds = c.forward_seconds or (0.0,) * self.n  # what running each unit again takes, where timed
-        self._unit_costs = [Cost(*v) for v in zip(c.flops, self._cheap, self._seconds)]  # what running each unit again costs
-        self._seconds_prefix = _prefix(self._seconds)
+        # what running each unit again in a checkpointed segment costs (timed: its rerun and the checkpoint's
+        # hooks), once per checkpointed segment what the checkpoint costs itself, and what a region's forward takes
+        self._unit_costs = [Cost(*v) for v in zip(c.flops, self._cheap, c.rerun_seconds or (0.0,) * self.n)]
+        self._checkpointed_start = _EMPTY._replace(cost=Cost(0, 0, c.checkpoint_seconds)) if c.checkpoint_seconds else _EMPTY
+        self._seconds_prefix = _prefix(c.forward_seconds or (0.0,) * self.n)
         self._light_prefix = _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
@@ -265,7 +267,7 @@ class PeakModel:
         """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each
         unit boundary b a segment [a, b) could end at (``last``: only b = n)."""
         starting = {r: (r, s, p) for r, s, p in regions if r >= a}
-        state, i, stop = _EMPTY, a, stop or self.n
+        state, i, stop = _EMPTY if last else self._checkpointed_start, a, stop or self.n
         while i < stop:
             region = starting.get(i)
             if region is not None and region[1] <= stop:

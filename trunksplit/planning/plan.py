@@ -24,6 +24,7 @@ class Segment:
     predicted_bytes: Optional[int] = None  # the planner's estimate of the step peak while this segment runs backward
     recompute_flops: Optional[int] = None  # forward FLOPs run again in backward
     recompute_bytes: Optional[int] = None  # bytes the cheap (FLOP-free) ops write again in backward
+    recompute_seconds: Optional[float] = None  # objective "time": what that, with its checkpoints' own cost, adds to a step (measured)
     # nested checkpoints inside the segment: (start, stop, policy), policy one of regions.REGION_POLICIES
     regions: Tuple[Tuple[int, int, str], ...] = ()
 
@@ -71,6 +72,7 @@ class SplitPlan:
 
     def __str__(self) -> str:
         with_costs = any(s.predicted_bytes is not None for s in self.segments)
+        timed = any(s.recompute_seconds is not None for s in self.segments)
         regions = self.regions
         rows = []
         for s in self.segments:
@@ -80,12 +82,16 @@ class SplitPlan:
                 row.append(policy_counts(s.regions) or "-")
             if with_costs:
                 row += [_mib(s.predicted_bytes), _gflops(s.recompute_flops)]
+            if timed:
+                row.append("-" if s.recompute_seconds is None else f"{s.recompute_seconds * 1e3:.1f}")
             rows.append(row)
         headers = ["segment", "layers", "count", "checkpointed"]
         if regions:
             headers.append("regions")
         if with_costs:
             headers += ["predicted peak (MiB)", "recompute (GFLOP)"]
+        if timed:
+            headers.append("recompute (ms)")
         count = len(self.segments)
         title = f"SplitPlan ({self.strategy}, {count} segment{'' if count == 1 else 's'}"
         if self.predicted_peak_bytes is not None:

@@ -9,7 +9,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..recompute.checkpoint import map_tensors
@@ -17,7 +16,8 @@ from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region
 from ..recompute.stages import staged_graph
 from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, storage_bytes, tensors_in
-from .timing import forward_seconds, time_span
+from .param_bytes import largest_param_bytes, unit_param_bytes
+from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
 from .unit_copies import private_copy
 
 
@@ -55,9 +55,11 @@ class UnitCosts:
       attention) write in a forward: what running them again costs, in traffic.
     - ``light_flops``: FLOPs of the unit's light expensive ops (see
       :func:`trunksplit.recompute.checkpoint.is_heavy`): what the ``"save_heavy"`` policy runs again.
-    - ``forward_seconds``: wall time of the unit's forward (with autograd, warm, the
-      faster of two runs): what running it again in a checkpoint's backward takes.
-      Measured only for the ``"time"`` objective (``profile_units(..., timed=True)``).
+    - ``forward_seconds``, ``rerun_seconds``, ``checkpoint_seconds``, for the ``"time"`` objective
+      only (``profile_units(..., timed=True)``; :mod:`trunksplit.planning.timing`): the wall time of
+      the unit's forward (with autograd, warm, the faster of two runs); what the unit adds to a step
+      in a checkpointed segment (its rerun and the checkpoint's hooks on what it saves, in both
+      passes); and what one checkpoint costs beyond its units, once per checkpointed segment.
     - ``again_seconds``: under a region policy, what running a span so adds to its
       training step (forward and backward, against the units run plainly), at the
       span's first unit: the recompute, and the policy's own overhead (a selective
@@ -97,6 +99,8 @@ class UnitCosts:
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
     forward_seconds: Tuple[float, ...] = ()
+    rerun_seconds: Tuple[float, ...] = ()
+    checkpoint_seconds: float = 0.0
     again_seconds: Tuple[float, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
@@ -114,7 +118,7 @@ class UnitCosts:
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,
-                  allocator: bool = False, progress: Optional[Callable[[str], None]] = None) -> UnitCosts:
+                  allocator: bool = False, progress: Optional[Callable[[str], None]] = None, use_reentrant: bool = False) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
@@ -129,7 +133,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     Measures with autograd on whatever the caller's mode: a plan made under
     ``no_grad`` or ``inference_mode`` is the training plan. ``timed``: also the wall
     times the ``"time"`` objective plans from (see :mod:`trunksplit.planning.timing`;
-    about three more steps, and two per region policy).
+    about seven more steps, and two per region policy), cuts timed under checkpoints
+    of the trunk's kind (``use_reentrant``).
 
     ``allocator``: measure the transient peaks (``forward_peak``, ``backward_excess`` and
     ``backward_fresh``, by a backward of its own with no gradients yet) as the allocator's
@@ -140,7 +145,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     (a command line's progress bar: profiling a big trunk takes tens of seconds).
     """
     keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
-    fields = {k: [] for k in keys + (("forward_seconds",) if timed else ())}
+    fields = {k: [] for k in keys + (("forward_seconds", "rerun_seconds") if timed else ())}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
     span = None  # (start, its input, private copies of its units so far) while inside a span
@@ -148,6 +153,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     device = next(iter(tensors_in(x))).device
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         h = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x)  # an inference tensor cannot enter autograd
+        own = checkpoint_seconds(device, use_reentrant) if timed else 0.0
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
             m = private_copy(unit, like=h)
@@ -164,6 +170,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             fields["light_flops"].append(tracker.light_flops)
             if timed:
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
+                fields["rerun_seconds"].append(rerun_seconds(m, h, i > 0, use_reentrant, own, fields["forward_seconds"][-1]))
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:
@@ -177,7 +184,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if progress is not None:
                 progress(units[i][0])
     plain = {k: tuple(v) for k, v in fields.items()}
-    costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]), **plain)
+    costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]),
+                      checkpoint_seconds=own, **plain)
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
@@ -233,28 +241,6 @@ def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gr
         if "mutated" not in str(e):
             raise
         return None
-
-
-def unit_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torch.Tensor], int]] = None) -> Tuple[int, ...]:
-    """Bytes of each unit's trainable parameters (``nbytes`` of each; default: this rank's part of
-    it, the whole of an unsharded one); a shared one counts at its last unit (first in backward)."""
-    nbytes = nbytes or (lambda p: _local(p).numel() * p.element_size())  # a sharded weight's gradient is this rank's shard
-    seen, out = set(), []
-    for unit in reversed(units):
-        fresh = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        out.append(sum(nbytes(p) for p in fresh))
-    return tuple(reversed(out))
-
-
-def largest_param_bytes(units: Sequence[nn.Module], nbytes: Optional[Callable[[torch.Tensor], int]] = None) -> Tuple[int, ...]:
-    """Bytes of each unit's largest trainable parameter (``nbytes`` as :func:`unit_param_bytes` takes it)."""
-    nbytes = nbytes or (lambda p: _local(p).numel() * p.element_size())
-    return tuple(max((nbytes(p) for p in u.parameters() if p.requires_grad), default=0) for u in units)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep", allocator: bool = False) -> dict:

@@ -155,15 +155,16 @@ def _pareto(entries: list, cost_key, with_cost: bool = True) -> list:
 def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
     """``plan`` with the model's predicted peak and recompute per segment."""
     predicted = model.segments([s.start for s in plan.segments], plan.regions)
+    timed = model.objective == "time"
     segments = tuple(
-        replace(s, predicted_bytes=peak, recompute_flops=cost.flops, recompute_bytes=cost.cheap_bytes)
+        replace(s, predicted_bytes=peak, recompute_flops=cost.flops, recompute_bytes=cost.cheap_bytes, recompute_seconds=cost.seconds if timed else None)
         for s, (peak, cost) in zip(plan.segments, predicted)
     )
     plan = replace(plan, segments=segments, predicted_peak_bytes=max(peak for peak, _ in predicted))
-    if model.objective != "time":
+    if not timed:
         return plan
     seconds = sum(cost.seconds for _, cost in predicted)
-    timed = f"objective time: what runs again takes {seconds * 1e3:.0f} ms per step, from times measured while profiling"
+    timed = f"objective time: what runs again, with its checkpoints' own cost, adds {seconds * 1e3:.1f} ms to a step, from times measured while profiling"
     return replace(plan, note="\n".join(filter(None, [plan.note, timed])))
 
 
@@ -209,7 +210,7 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     objective = priced_in(request.objective, device)
     timed = objective == "time"
     allocator = measured_by_allocator(world_size, device, compiled=request.compiled)
-    costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress)
+    costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress, use_reentrant=request.use_reentrant)
     model = PeakModel(costs=costs, feature_units=request.feature_units, gradients=request.gradients, spans=spans, objective=objective, compiled=request.compiled,
                       update_temporaries=request.update_temporaries)
     return per_rank(model, list(request.modules), world_size)

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from .budget import gib
 from .peak import PeakModel
-from .profile import UnitCosts, largest_param_bytes, unit_param_bytes
+from .param_bytes import largest_param_bytes, unit_param_bytes
+from .profile import UnitCosts
 
 # per-element optimizer state, in units of the parameter's own size; AdamW adds a step counter per parameter
 OPTIMIZER_SLOTS = {"sgd": 1, "lars": 1, "adamw": 2, None: 0}

@@ -82,6 +82,8 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     state = _Scans(*(np.zeros(rows, dtype=np.int64) for _ in range(3)), np.ones(rows, dtype=bool), zeros(), zeros())
+    if not last:  # a checkpointed segment pays its checkpoint's own cost once (PeakModel._checkpointed_start)
+        state.cost[2][:] = model._checkpointed_start.cost.seconds
     position = np.full(rows, a, dtype=np.int64)
     found: List[tuple] = []
     for i in range(a, n):

@@ -1,12 +1,19 @@
-"""Wall times for the ``"time"`` objective: what running a unit again, or a span under a
-region policy, costs on the device in use.
+"""Wall times for the ``"time"`` objective: what running a unit again in a checkpointed
+segment, or a span under a region policy, costs on the device in use.
 
 Memory is counted exactly by a tracker; time cannot be. These are wall-clock
 measurements of warm runs outside any tracker (a dispatch mode would slow every op
-and hide a selective checkpoint's own per-op overhead, which is what they must see),
+and hide a checkpoint's own per-tensor and per-op overhead, which is what they must see),
 the faster of ``REPEATS``: the least disturbed by other work on a shared machine. They
 vary from run to run by a few percent, so a ``"time"`` plan may too where two choices
 are that close.
+
+Every price is a measured step difference, overhead included: a unit's step under a checkpoint
+of its own less its plain step (:func:`rerun_seconds`), a span's step under a region policy less
+its plain step (:func:`time_span`). A unit's forward alone misprices a cut: non-reentrant
+checkpoint runs Python hooks for every tensor a segment saves, in the forward, at the unpack and
+in the recompute, which cost more than the rerun ops themselves where ops are small (a GPU's
+launch-bound step; docs/benchmarks.md).
 """
 import time
 from typing import Any, Callable, List, Sequence, Tuple
@@ -14,7 +21,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..recompute.checkpoint import map_tensors
+from ..chains.blocks import layer_splittable_before
+from ..recompute.checkpoint import map_tensors, run_checkpointed
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region
@@ -43,17 +51,37 @@ def forward_seconds(m: nn.Module, h: Any, input_needs_grad: bool) -> float:
     return fastest(lambda: m(_input(h, input_needs_grad)), _device(h))
 
 
-def step_seconds(m: nn.Module, h: Any, input_needs_grad: bool, policy: str) -> float:
-    """Seconds of one forward and backward of ``m`` (an ``nn.Sequential`` of a span's units
-    under a region ``policy``, or any module or function of one input with ``"keep"``) on ``h``."""
+def step_seconds(run: Callable[[Any], Any], h: Any, input_needs_grad: bool, repeats: int = REPEATS) -> float:
+    """Seconds of one forward and backward of ``run`` (a module, or any function of one input) on ``h``."""
 
     def step():
-        out = m(_input(h, input_needs_grad)) if policy == "keep" else run_region(list(m), _input(h, input_needs_grad), policy)
-        outs = [t for t in tensors_in(out) if t.requires_grad]
+        outs = [t for t in tensors_in(run(_input(h, input_needs_grad))) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-    return fastest(step, _device(h))
+    return fastest(step, _device(h), repeats)
+
+
+def checkpoint_seconds(device: torch.device, use_reentrant: bool) -> float:
+    """What one checkpoint costs beyond the units it runs (entering it, keeping and restoring the
+    RNG state, starting its recompute): paid once per checkpointed segment. Measured on a
+    one-element tensor through one op that saves its output, the faster of 5."""
+    x = torch.ones(1, device=device)
+    plain = step_seconds(torch.sigmoid, x, True, repeats=5)
+    under = step_seconds(lambda t: run_checkpointed(torch.sigmoid, [], (t,), use_reentrant=use_reentrant), x, True, repeats=5)
+    return max(under - plain, 0.0)
+
+
+def rerun_seconds(m: nn.Module, h: Any, input_needs_grad: bool, use_reentrant: bool, own: float, forward: float) -> float:
+    """What a private copy ``m`` adds to a step when a checkpointed segment runs it: its step under
+    a checkpoint of its own less its plain step, less ``own`` (one checkpoint's cost, paid once per
+    segment: :func:`checkpoint_seconds`), at least ``forward`` (its forward's seconds: two timings'
+    difference may come out below it). A unit whose first op is in place runs on a copy of its
+    input, as a segment starting there does (``run_units``' ``copy_input``)."""
+    first = m if layer_splittable_before(m) else (lambda x: m(map_tensors(torch.clone, x)))
+    plain = step_seconds(m, h, input_needs_grad)
+    under = step_seconds(lambda x: run_checkpointed(first, [m], (x,), use_reentrant=use_reentrant), h, input_needs_grad)
+    return max(under - plain - own, forward)
 
 
 def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[int, int]],
@@ -105,7 +133,7 @@ def run_eagerly(compiled: CompiledUnits, units: Sequence[nn.Module], segments, x
 
 def group_step_seconds(run: Callable, layers: Sequence[nn.Module], h: Any, input_needs_grad: bool) -> float:
     """Seconds of one forward and backward of ``run(h, *layers)`` (eager or compiled units)."""
-    return step_seconds(lambda inp: run(inp, *layers), h, input_needs_grad, "keep")
+    return step_seconds(lambda inp: run(inp, *layers), h, input_needs_grad)
 
 
 def _input(h: Any, needs_grad: bool) -> Any:
@@ -121,8 +149,7 @@ def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: di
     """Add to each region policy's measured ``costs`` of a span (``None``: not measured) what
     running it so adds to the span's plain step (``again_seconds``), at least the forwards the
     policy reruns (``forward`` each)."""
-    span = nn.Sequential(*members)
-    plain = step_seconds(span, h, input_needs_grad, "keep")
+    plain = step_seconds(nn.Sequential(*members), h, input_needs_grad)
     for policy, cost in costs.items():
         if cost is not None:
-            cost["again_seconds"] = max(step_seconds(span, h, input_needs_grad, policy) - plain, POLICIES[policy].reruns * forward)  # a floor: two timings' difference may come out below it
+            cost["again_seconds"] = max(step_seconds(lambda x: run_region(members, x, policy), h, input_needs_grad) - plain, POLICIES[policy].reruns * forward)  # a floor: two timings' difference may come out below it
