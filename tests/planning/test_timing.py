@@ -1,10 +1,16 @@
-"""Which units trunk.compile() runs eagerly: the groups whose step is faster so, timed for real."""
+"""Wall times, timed for real with pauses far beyond a shared machine's jitter: which units
+trunk.compile() runs eagerly, and what the "time" objective prices a cut at."""
 import time
 
+import pytest
 import torch
 from torch import nn
 
-from trunksplit.planning.timing import faster_eagerly
+from trunksplit import is_recomputing
+from trunksplit.planning import timing
+from trunksplit.planning.peak import PeakModel
+from trunksplit.planning.profile import profile_units
+from trunksplit.planning.timing import added_seconds, faster_eagerly
 from trunksplit.recompute.compiled import run_plain
 
 PAUSE = 0.02  # far beyond the step of these tiny layers, and beyond a shared machine's jitter
@@ -43,3 +49,50 @@ def test_the_groups_slower_compiled_are_the_ones_run_eagerly_and_nothing_is_touc
     assert all(p.grad is None for u in units for p in u.parameters())  # measured on private copies
     assert all(torch.equal(v, old[k]) for u, old in zip(units, before) for k, v in u.state_dict().items())  # statistics unmoved
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+class DearToRerun(nn.Module):
+    """A layer whose recompute pauses, its forward not: what a cut costs beyond the forward it reruns
+    (non-reentrant checkpoint's hooks on every saved tensor, on a GPU), made large enough to time."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        if is_recomputing():
+            time.sleep(PAUSE)
+        return torch.relu(self.fc(x))
+
+
+def test_a_cut_is_priced_at_what_its_checkpoint_adds_to_the_step_not_at_the_forward_it_reruns():
+    """The profile times each unit's step under a checkpoint against its plain step: a unit whose
+    rerun costs far more than its forward is priced at the rerun, and so is a checkpointed segment
+    holding it. A unit whose first op is in place is timed on a copy of its input (as a segment
+    starting there runs it), not refused."""
+    torch.manual_seed(0)
+    units = [("fc0", nn.Linear(16, 16)), ("dear", DearToRerun(16)), ("fc2", nn.Linear(16, 16)), ("relu_", nn.ReLU(inplace=True)), ("fc4", nn.Linear(16, 16))]
+    c = profile_units(units, torch.randn(8, 16), timed=True)
+    assert c.forward_seconds[1] < PAUSE / 2 <= PAUSE <= c.rerun_seconds[1]
+    assert all(r < PAUSE / 2 for i, r in enumerate(c.rerun_seconds) if i != 1) and 0 <= c.checkpoint_seconds < PAUSE / 2
+    model = PeakModel(costs=c, feature_units=[len(units) - 1], gradients="kept", objective="time")
+    for starts in ([0, 1], [0, 2], [0, 3], [0, 1, 3], [0, 2, 4]):  # a checkpointed segment holding "dear" reruns it
+        seconds = [cost.seconds for _, cost in model.segments(starts)]
+        reruns_dear = [a <= 1 < b and b < len(units) for a, b in zip(starts, starts[1:] + [len(units)])]
+        assert [s >= PAUSE for s in seconds] == reruns_dear, (starts, seconds)
+
+
+def test_a_step_difference_takes_the_fastest_of_each_step_timed_in_turn(monkeypatch):
+    """A burst of other work slows the steps timed during it: alternating the steps compared, the
+    fastest of each is an undisturbed one, and their difference what the run adds."""
+    clock = iter([1.0, 9.0, 8.0, 1.0, 3.0, 2.5])  # plain, a, b; plain, a, b: the first round slowed
+    calls = []
+
+    def step_seconds(run, h, input_needs_grad, repeats):
+        calls.append(run)
+        return next(clock)
+
+    monkeypatch.setattr(timing, "step_seconds", step_seconds)
+    plain, a, b = (lambda x: x), (lambda x: x + 1), (lambda x: x + 2)
+    assert added_seconds({"a": a, "b": b}, plain, torch.ones(1), False) == {"a": pytest.approx(2.0), "b": pytest.approx(1.5)}
+    assert calls == [plain, a, b, plain, a, b]

@@ -15,13 +15,13 @@ checkpoint runs Python hooks for every tensor a segment saves, in the forward, a
 in the recompute, which cost more than the rerun ops themselves where ops are small (a GPU's
 launch-bound step; docs/benchmarks.md).
 """
+import functools
 import time
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors, run_checkpointed
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
@@ -62,26 +62,37 @@ def step_seconds(run: Callable[[Any], Any], h: Any, input_needs_grad: bool, repe
     return fastest(step, _device(h), repeats)
 
 
+def added_seconds(runs: Dict[str, Callable[[Any], Any]], plain: Callable[[Any], Any], h: Any, input_needs_grad: bool,
+                  repeats: int = REPEATS) -> Dict[str, float]:
+    """What each of ``runs`` adds to ``plain``'s step on ``h`` (see :func:`step_seconds`): the fastest
+    of ``repeats`` steps of each, timed in turn, so that a burst of other work on a shared machine
+    slows a step of each rather than every step of one (a difference of two timings amplifies it)."""
+    fastest_plain, best = float("inf"), {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        fastest_plain = min(fastest_plain, step_seconds(plain, h, input_needs_grad, repeats=1))
+        for name, run in runs.items():
+            best[name] = min(best[name], step_seconds(run, h, input_needs_grad, repeats=1))
+    return {name: seconds - fastest_plain for name, seconds in best.items()}
+
+
 def checkpoint_seconds(device: torch.device, use_reentrant: bool) -> float:
     """What one checkpoint costs beyond the units it runs (entering it, keeping and restoring the
     RNG state, starting its recompute): paid once per checkpointed segment. Measured on a
     one-element tensor through one op that saves its output, the faster of 5."""
-    x = torch.ones(1, device=device)
-    plain = step_seconds(torch.sigmoid, x, True, repeats=5)
-    under = step_seconds(lambda t: run_checkpointed(torch.sigmoid, [], (t,), use_reentrant=use_reentrant), x, True, repeats=5)
-    return max(under - plain, 0.0)
+    under = {"checkpointed": lambda t: run_checkpointed(torch.sigmoid, [], (t,), use_reentrant=use_reentrant)}
+    return max(added_seconds(under, torch.sigmoid, torch.ones(1, device=device), True, repeats=5)["checkpointed"], 0.0)
 
 
-def rerun_seconds(m: nn.Module, h: Any, input_needs_grad: bool, use_reentrant: bool, own: float, forward: float) -> float:
+def rerun_seconds(m: nn.Module, h: Any, input_needs_grad: bool, use_reentrant: bool, own: float, forward: float, in_place_first: bool) -> float:
     """What a private copy ``m`` adds to a step when a checkpointed segment runs it: its step under
     a checkpoint of its own less its plain step, less ``own`` (one checkpoint's cost, paid once per
     segment: :func:`checkpoint_seconds`), at least ``forward`` (its forward's seconds: two timings'
-    difference may come out below it). A unit whose first op is in place runs on a copy of its
-    input, as a segment starting there does (``run_units``' ``copy_input``)."""
-    first = m if layer_splittable_before(m) else (lambda x: m(map_tensors(torch.clone, x)))
-    plain = step_seconds(m, h, input_needs_grad)
-    under = step_seconds(lambda x: run_checkpointed(first, [m], (x,), use_reentrant=use_reentrant), h, input_needs_grad)
-    return max(under - plain - own, forward)
+    difference may come out below it). A unit whose first op is in place (``in_place_first``, as
+    ``layer_splittable_before`` judges the unit itself: a copy of a traced unit loses what says so)
+    runs on a copy of its input, as a segment starting there does (``run_units``' ``copy_input``)."""
+    first = (lambda x: m(map_tensors(torch.clone, x))) if in_place_first else m
+    under = {"checkpointed": lambda x: run_checkpointed(first, [m], (x,), use_reentrant=use_reentrant)}
+    return max(added_seconds(under, m, h, input_needs_grad)["checkpointed"] - own, forward)
 
 
 def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[int, int]],
@@ -148,8 +159,11 @@ def _device(h: Any) -> torch.device:
 def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: dict, forward: float) -> None:
     """Add to each region policy's measured ``costs`` of a span (``None``: not measured) what
     running it so adds to the span's plain step (``again_seconds``), at least the forwards the
-    policy reruns (``forward`` each)."""
-    plain = step_seconds(nn.Sequential(*members), h, input_needs_grad)
-    for policy, cost in costs.items():
-        if cost is not None:
-            cost["again_seconds"] = max(step_seconds(lambda x: run_region(members, x, policy), h, input_needs_grad) - plain, POLICIES[policy].reruns * forward)  # a floor: two timings' difference may come out below it
+    policy reruns (``forward`` each: two timings' difference may come out below it)."""
+    under = {p: functools.partial(_run_region, members, p) for p, cost in costs.items() if cost is not None}
+    for policy, added in added_seconds(under, nn.Sequential(*members), h, input_needs_grad).items():
+        costs[policy]["again_seconds"] = max(added, POLICIES[policy].reruns * forward)
+
+
+def _run_region(members: Sequence[nn.Module], policy: str, x: Any) -> Any:
+    return run_region(members, x, policy)
