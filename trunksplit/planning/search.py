@@ -164,8 +164,8 @@ def annotate(plan: SplitPlan, model: PeakModel) -> SplitPlan:
     if not timed:
         return plan
     seconds = sum(cost.seconds for _, cost in predicted)
-    timed = f"objective time: what runs again, with its checkpoints' own cost, adds {seconds * 1e3:.1f} ms to a step, from times measured while profiling"
-    return replace(plan, note="\n".join(filter(None, [plan.note, timed])))
+    said = f"objective time: what runs again, with its checkpoints' own cost, adds {seconds * 1e3:.1f} ms to a step, from times measured while profiling"
+    return replace(plan, note="\n".join(filter(None, [plan.note, said])))
 
 
 def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, int], strategy: str, model: PeakModel) -> SplitPlan:
