@@ -254,6 +254,24 @@ def test_cuts_stay_off_functional_in_place_ops(splits):
     got.sum().backward()  # raised "modified by an inplace operation" when a cut fell before sigmoid_
 
 
+@pytest.mark.parametrize("strategy", ["vissl", "balanced"])
+def test_a_copied_trunk_keeps_its_cuts_off_in_place_ops_and_trains_exactly(strategy):
+    """A copy of a traced trunk (an EMA teacher, the launcher's side-by-side step) plans as the trunk
+    does: fx's own deepcopy of a unit rebuilt it from its graph and forgot which units start in place,
+    and the copy cut before them (backward: "modified by an inplace operation")."""
+    torch.manual_seed(0)
+    model = FunctionalInPlace()
+    plain = copy.deepcopy(model)
+    copied = copy.deepcopy(CheckpointedTrunk(model, num_splits=12, strategy=strategy))
+    x = torch.randn(2, 3, 16, 16)
+    starts = {copied.plan_for(x).units[s.start] for s in copied.plan_for(x).segments[1:]}
+    assert starts and not any(name.startswith(("relu_", "sigmoid_")) for name in starts), starts
+    loss_of(copied(x)).backward()
+    loss_of([plain(x)]).backward()
+    for (name, a), b in zip(plain.named_parameters(), copied.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_a_module_called_twice_gets_names_that_cannot_collide():
     model = SharedWeights()
     trunk = CheckpointedTrunk(model, num_splits=3)

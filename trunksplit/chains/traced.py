@@ -31,6 +31,22 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .blocks import FeatureBlocks, layer_splittable_before
 
+class ChainUnit(fx.GraphModule):
+    """One unit of a traced chain: the model's ops between two cuts. ``inplace``: its first op
+    writes its input (a segment must not start here: ``layer_splittable_before``);
+    ``passes_input_on``: it returns its input's storage. A copy keeps both: ``fx.GraphModule``'s
+    own ``deepcopy`` rebuilds a module from its graph and drops other attributes, and a copied
+    trunk (an EMA teacher, a side-by-side run) would then cut before an in-place op."""
+
+    inplace = False
+    passes_input_on = False
+
+    def __deepcopy__(self, memo: dict) -> "ChainUnit":
+        copied = super().__deepcopy__(memo)
+        copied.inplace, copied.passes_input_on = self.inplace, self.passes_input_on
+        return copied
+
+
 _NOT_TENSORS = {"size", "dim", "numel", "ndimension", "__len__", "tolist", "item"}
 _IN_PLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
 # ops whose result may share its input's storage: an in-place op on it writes the input too
@@ -221,7 +237,7 @@ def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried
             env[n] = g.node_copy(n, arg)
     if carried is not None:
         g.output(env[carried])
-    unit = fx.GraphModule(model, g, class_name="ChainUnit")  # holds the model's own modules and parameters
+    unit = ChainUnit(model, g, class_name="ChainUnit")  # holds the model's own modules and parameters
     _constants_not_buffers(unit)
     # read by layer_splittable_before: a segment must not start with a unit that overwrites its input
     aliases = _input_aliases(model, span, source)
