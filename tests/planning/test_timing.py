@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from trunksplit import is_recomputing
+from trunksplit import CheckpointedTrunk, is_recomputing
 from trunksplit.planning import timing
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.profile import profile_units
@@ -75,6 +75,8 @@ def test_a_cut_is_priced_at_what_its_checkpoint_adds_to_the_step_not_at_the_forw
     c = profile_units(units, torch.randn(8, 16), timed=True)
     assert c.forward_seconds[1] < PAUSE / 2 <= PAUSE <= c.rerun_seconds[1]
     assert all(r < PAUSE / 2 for i, r in enumerate(c.rerun_seconds) if i != 1) and 0 <= c.checkpoint_seconds < PAUSE / 2
+    traced = CheckpointedTrunk(nn.Sequential(*[m for _, m in units])).units  # its in-place unit a traced one, timed on a copy
+    assert len(profile_units(traced, torch.randn(8, 16), timed=True).rerun_seconds) == len(traced)
     model = PeakModel(costs=c, feature_units=[len(units) - 1], gradients="kept", objective="time")
     for starts in ([0, 1], [0, 2], [0, 3], [0, 1, 3], [0, 2, 4]):  # a checkpointed segment holding "dear" reruns it
         seconds = [cost.seconds for _, cost in model.segments(starts)]

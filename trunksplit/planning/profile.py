@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region
@@ -171,7 +170,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             fields["light_flops"].append(tracker.light_flops)
             if timed:
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
-                fields["rerun_seconds"].append(rerun_seconds(m, h, i > 0, use_reentrant, own, fields["forward_seconds"][-1], not layer_splittable_before(unit)))
+                fields["rerun_seconds"].append(rerun_seconds(m, h, i > 0, use_reentrant, own, fields["forward_seconds"][-1]))
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:

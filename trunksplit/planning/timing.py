@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors, run_checkpointed
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
@@ -83,14 +84,13 @@ def checkpoint_seconds(device: torch.device, use_reentrant: bool) -> float:
     return max(added_seconds(under, torch.sigmoid, torch.ones(1, device=device), True, repeats=5)["checkpointed"], 0.0)
 
 
-def rerun_seconds(m: nn.Module, h: Any, input_needs_grad: bool, use_reentrant: bool, own: float, forward: float, in_place_first: bool) -> float:
+def rerun_seconds(m: nn.Module, h: Any, input_needs_grad: bool, use_reentrant: bool, own: float, forward: float) -> float:
     """What a private copy ``m`` adds to a step when a checkpointed segment runs it: its step under
     a checkpoint of its own less its plain step, less ``own`` (one checkpoint's cost, paid once per
     segment: :func:`checkpoint_seconds`), at least ``forward`` (its forward's seconds: two timings'
-    difference may come out below it). A unit whose first op is in place (``in_place_first``, as
-    ``layer_splittable_before`` judges the unit itself: a copy of a traced unit loses what says so)
-    runs on a copy of its input, as a segment starting there does (``run_units``' ``copy_input``)."""
-    first = (lambda x: m(map_tensors(torch.clone, x))) if in_place_first else m
+    difference may come out below it). A unit whose first op is in place runs on a copy of its
+    input, as a segment starting there does (``run_units``' ``copy_input``)."""
+    first = m if layer_splittable_before(m) else (lambda x: m(map_tensors(torch.clone, x)))
     under = {"checkpointed": lambda x: run_checkpointed(first, [m], (x,), use_reentrant=use_reentrant)}
     return max(added_seconds(under, m, h, input_needs_grad)["checkpointed"] - own, forward)
 
