@@ -1,5 +1,6 @@
 """Automatic chains: any traceable model, cut where one tensor carries the state, trains exactly like itself."""
 import copy
+import io
 import warnings
 
 import pytest
@@ -263,6 +264,10 @@ def test_a_copied_trunk_keeps_its_cuts_off_in_place_ops_and_trains_exactly(strat
     model = FunctionalInPlace()
     plain = copy.deepcopy(model)
     copied = copy.deepcopy(CheckpointedTrunk(model, num_splits=12, strategy=strategy))
+    saved = io.BytesIO()
+    torch.save(copied, saved)  # and one saved whole, then loaded
+    saved.seek(0)
+    assert [u.inplace for _, u in torch.load(saved, weights_only=False).units] == [u.inplace for _, u in copied.units]
     x = torch.randn(2, 3, 16, 16)
     starts = {copied.plan_for(x).units[s.start] for s in copied.plan_for(x).segments[1:]}
     assert starts and not any(name.startswith(("relu_", "sigmoid_")) for name in starts), starts
@@ -350,8 +355,13 @@ def test_tensors_the_forward_builds_are_neither_buffers_nor_state_dict_entries()
     model = BuildsATensor()
     own = dict(model.state_dict())
     trunk = CheckpointedTrunk(model, num_splits=2)
-    assert [n for n, _ in trunk.named_buffers() if "_tensor_constant" in n] == []
-    assert set(trunk.model_state_dict(model)) == set(own) and not [k for k in trunk.state_dict() if "_tensor_constant" in k]
+    saved = io.BytesIO()
+    torch.save(trunk, saved)
+    saved.seek(0)
+    unpickled = torch.load(saved, weights_only=False)
+    for t in (trunk, copy.deepcopy(trunk), unpickled):  # a copy and a saved trunk too (their state loads into the trunk)
+        assert [n for n, _ in t.named_buffers() if "_tensor_constant" in n] == []
+        assert set(t.model_state_dict(model)) == set(own) and not [k for k in t.state_dict() if "_tensor_constant" in k]
     assert not [n for n in vars(model) if n.startswith("_tensor_constant")]  # tracing left nothing on the model
     x = torch.randn(2, 3, 8, 8)
     reference = copy.deepcopy(model)

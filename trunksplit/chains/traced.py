@@ -34,17 +34,36 @@ from .blocks import FeatureBlocks, layer_splittable_before
 class ChainUnit(fx.GraphModule):
     """One unit of a traced chain: the model's ops between two cuts. ``inplace``: its first op
     writes its input (a segment must not start here: ``layer_splittable_before``);
-    ``passes_input_on``: it returns its input's storage. A copy keeps both: ``fx.GraphModule``'s
-    own ``deepcopy`` rebuilds a module from its graph and drops other attributes, and a copied
-    trunk (an EMA teacher, a side-by-side run) would then cut before an in-place op."""
+    ``passes_input_on``: it returns its input's storage. A copy is the same unit: ``fx.GraphModule``'s
+    own ``deepcopy`` rebuilds a module from its graph, which drops both flags (a copied trunk, an
+    EMA teacher or a side-by-side run, would then cut before an in-place op) and registers the
+    forward's tensor constants as buffers again (see :func:`_constants_not_buffers`)."""
 
     inplace = False
     passes_input_on = False
 
     def __deepcopy__(self, memo: dict) -> "ChainUnit":
-        copied = super().__deepcopy__(memo)
-        copied.inplace, copied.passes_input_on = self.inplace, self.passes_input_on
-        return copied
+        return _same_unit(super().__deepcopy__(memo), self)
+
+    def __reduce__(self):
+        """Pickled (``torch.save`` of a whole trunk) as fx pickles a graph module, unpickled as a ChainUnit."""
+        return _unpickled_unit, (super().__reduce__(), self.inplace, self.passes_input_on)
+
+
+def _same_unit(rebuilt: fx.GraphModule, flags) -> ChainUnit:
+    """``rebuilt`` (fx's copy of a unit) as the unit it copies: a ChainUnit with ``flags``' flags, its
+    tensor constants not buffers. The rebuilt module's own modules and parameters are kept."""
+    unit = rebuilt if isinstance(rebuilt, ChainUnit) else ChainUnit(rebuilt, rebuilt.graph, class_name="ChainUnit")
+    unit.inplace, unit.passes_input_on = flags.inplace, flags.passes_input_on
+    _constants_not_buffers(unit)
+    return unit
+
+
+def _unpickled_unit(reduced, inplace: bool, passes_input_on: bool) -> ChainUnit:
+    rebuild, args = reduced
+    rebuilt = rebuild(*args)
+    rebuilt.inplace, rebuilt.passes_input_on = inplace, passes_input_on
+    return _same_unit(rebuilt, rebuilt)
 
 
 _NOT_TENSORS = {"size", "dim", "numel", "ndimension", "__len__", "tolist", "item"}
