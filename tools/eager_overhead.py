@@ -5,13 +5,14 @@
     python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
     python tools/eager_overhead.py --device cpu --models resnet50 --width-per-group 1 --size 64 --budgets 0.7 0.5   # dispatch-bound
 
-For each model and budget, seven steps run interleaved (median of ``--repeats``): the plain trunk;
+For each model and budget, seven or eight steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
 regions taken out (its cuts only), and so under reentrant checkpointing (one autograd node per
 segment, where non-reentrant's hooks run in Python for every tensor a segment saves); the same plan
 with every selective region run as ``"recompute"`` (no per-op policy); the plan priced in measured
-time (``objective="time"``, the default on a GPU); and, from the same profile, the time plan with a
-cut priced as before 2026-11-27 (at the forward of the units it reruns, the checkpoint itself free).
+time (``objective="time"``, the default on a GPU); from the same profile, the time plan with a
+cut priced as before 2026-11-27 (at the forward of the units it reruns, the checkpoint itself free);
+and the time plan of a reentrant trunk (cuts alone, no per-tensor hooks), where cuts reach the budget.
 Each row gives the step time, its ratio to plain, its extra time over plain and, for the two time
 plans, what their prices predicted it (the segments' ``recompute_seconds``), the peak ratio and the
 aten ops a step runs (counted by a dispatch mode, forward and backward). The attribution table splits
@@ -144,6 +145,12 @@ def variants(model, x, budget: float):
              "its cuts only, reentrant": _with_plan(model, x, cuts, use_reentrant=True),
              "selective regions run whole": _with_plan(model, x, whole), "objective time": timed,
              "objective time, cuts priced by their forward (before)": _with_plan(model, x, plan_trunk(request, x, by_forward))}
+    reentrant = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time", use_reentrant=True)
+    try:  # cuts alone (a reentrant trunk has no regions): none may reach the budget
+        reentrant.plan_for(x)
+        steps["objective time, reentrant"] = reentrant
+    except ValueError:
+        pass
     return steps, plan
 
 
