@@ -161,10 +161,17 @@ def _loss(out):
     return loss_of(list(out.values()) if isinstance(out, dict) else [out])
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-@pytest.mark.parametrize("how", [dict(num_splits=3), dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.95, gradients="kept")], ids=["vissl3", "balanced4", "budget"])
+HOWS = {"vissl3": dict(num_splits=3), "balanced4": dict(num_splits=4, strategy="balanced"), "budget": dict(memory_budget=0.95, gradients="kept")}
+# reentrant: on vissl's cuts, which always cut. A reentrant segment holds its rerun output through its
+# backward, so at these sizes a cost-aware reentrant plan may rightly find no cut below the unsplit step
+# (tests/planning/test_planner.py checks that figure; reentrant cost-aware plans train there and in tests/test_trunk.py)
+TRACED_CASES = [(h, False) for h in HOWS] + [("vissl3", True)]
+
+
+@pytest.mark.parametrize("how, reentrant", TRACED_CASES, ids=[f"{h}-{'reentrant' if r else 'nonreentrant'}" for h, r in TRACED_CASES])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_traced_chain_trains_exactly_like_the_model(name, how, reentrant):
+    how = HOWS[how]
     plain = _build(name)
     model = copy.deepcopy(plain)
     trunk = CheckpointedTrunk(model, ["output"], use_reentrant=reentrant, **how)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward
@@ -16,7 +17,7 @@ from trunksplit.planning.budget import format_bytes
 from trunksplit.planning.costs import Cost
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
-from trunksplit.planning.search import _Entry, _pareto, annotate, best_plan, peak_model, plan_trunk, region_spans  # the search's pruning, against its definition
+from trunksplit.planning.search import Cuts, _Entry, _pareto, annotate, best_plan, peak_model, plan_from_cuts, plan_trunk, region_spans  # the search's pruning, against its definition
 from trunksplit.planning.memory import meter_name
 from trunksplit.planning.request import priced_in
 from trunksplit.recompute.regions import run_as
@@ -341,11 +342,12 @@ def _options_template_by_template(model, a):
     return options
 
 
-@pytest.mark.parametrize("how", ["flops", "time", "fsdp2"])
+@pytest.mark.parametrize("how", ["flops", "time", "fsdp2", "reentrant"])
 def test_templates_scanned_together_give_what_each_gives_scanned_alone(chain_with_regions, how):
     """The planner scans every region template of a segment at once, as arrays; each segment's
     choices must be those of the templates scanned one by one: priced in FLOPs, in measured
-    seconds (random ones here: exact sums in the same order), and for an FSDP2 rank."""
+    seconds (random ones here: exact sums in the same order), for an FSDP2 rank, and with
+    reentrant segments' rerun outputs held."""
     costs, spans = chain_with_regions
     rng = random.Random(0)
     if how == "time":
@@ -354,7 +356,8 @@ def test_templates_scanned_together_give_what_each_gives_scanned_alone(chain_wit
                         checkpoint_seconds=rng.random(), policies=timed)
     if how == "fsdp2":
         costs = replace(costs, gathered=costs.param_bytes)
-    model = PeakModel(costs=costs, feature_units=[len(costs) - 1], gradients="allocated", spans=spans, objective="time" if how == "time" else "flops")
+    model = PeakModel(costs=costs, feature_units=[len(costs) - 1], gradients="allocated", spans=spans, objective="time" if how == "time" else "flops",
+                      reentrant=how == "reentrant")
     segments = choices = 0
     for a in range(model.n):
         expected = _options_template_by_template(model, a)
@@ -412,6 +415,27 @@ def test_model_predicts_measured_peaks_within_10_percent_and_ranks_them(arch, gr
     for (_, _, p1, m1), (_, _, p2, m2) in itertools.combinations(rows, 2):
         if abs(m1 / m2 - 1) > 0.10:  # clearly different measured peaks: the model orders them the same way
             assert (p1 < p2) == (m1 < m2)
+
+
+def test_a_reentrant_segment_holds_its_output_through_its_backward_and_the_plan_says_so():
+    """Reentrant checkpoint's backward keeps the segment's rerun output until the segment's whole
+    backward is done; non-reentrant frees it after the last unit's. Measured, the same cuts under
+    reentrant checkpoint peak that output higher (ResNet-50's res2 output: 4 x 256 x 16 x 16 floats),
+    and the reentrant plan's prediction follows, never under (it was, by that output)."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(width_per_group=1)  # thin: a small, quick ResNet-50
+    x = torch.randn(4, 3, 64, 64)
+    peaks = {}
+    for reentrant in (False, True):
+        trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0, use_reentrant=reentrant)
+        request = trunk.plan_request()
+        plan = plan_from_cuts(list(request.names), Cuts([0, 7]), request.stops, "budget", peak_model(request, x))  # the first segment ends after res2
+        trunk.store_plan(trunk.key_for(x), plan)
+        peaks[reentrant] = (plan.predicted_peak_bytes, second_step_peak(trunk, x))
+    output = 4 * 256 * 16 * 16 * F32
+    assert output <= peaks[True][1] - peaks[False][1] <= output + 4096, peaks  # and a norm's statistics, 2 KiB
+    for predicted, measured in peaks.values():
+        assert measured <= predicted <= 1.01 * measured, peaks
 
 
 PLANS = {"balanced4": dict(strategy="balanced", splits=4), "balanced2": dict(strategy="balanced", splits=2),

@@ -63,6 +63,13 @@ from .templates import Region, RegionTemplates, _as_run
 
 
 
+def _check_words(gradients: str, objective: str) -> None:
+    if gradients not in GRADIENT_MODES:
+        raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
+    if objective not in PRICES:  # "auto" is resolved for a device before a model is made (request.priced_in)
+        raise ValueError(f"objective must be one of {PRICES}, got {objective!r}")
+
+
 def _prefix(values: Sequence) -> list:
     """Prefix sums, starting at 0: ``out[b] - out[a]`` sums ``values[a:b]``."""
     return [values[0] * 0 if len(values) else 0] + list(itertools.accumulate(values))
@@ -73,14 +80,14 @@ class PeakModel:
     what was live before it (parameters, and in ``"kept"`` mode their gradients).
 
     Regions (``spans``) and compiled trunks (``compiled``): see the module docstring.
+    ``reentrant``: checkpointed segments run under reentrant checkpoint, whose backward holds the
+    segment's rerun output until the segment's whole backward is done (a local of torch's
+    ``CheckpointFunction.backward``), where non-reentrant backward frees it after the last unit's.
     """
 
     def __init__(self, *, costs: UnitCosts, feature_units: Sequence[int], gradients: str, spans: Iterable[Tuple[int, int]] = (),
-                 objective: str = "flops", compiled: bool = False, update_temporaries: float = UPDATE_TEMPORARIES):
-        if gradients not in GRADIENT_MODES:
-            raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")
-        if objective not in PRICES:  # "auto" is resolved for a device before a model is made (request.priced_in)
-            raise ValueError(f"objective must be one of {PRICES}, got {objective!r}")
+                 objective: str = "flops", compiled: bool = False, update_temporaries: float = UPDATE_TEMPORARIES, reentrant: bool = False):
+        _check_words(gradients, objective)
         self.costs = costs
         self.objective = objective
         self.n = len(costs)
@@ -106,7 +113,9 @@ class PeakModel:
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
-        self.compiled = compiled
+        self.compiled, self.reentrant = compiled, reentrant
+        # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``)
+        self._rerun_output_held = [c.output[b - 1] if reentrant and 0 < b < self.n else 0 for b in range(self.n + 1)]
         # a unit's backward beyond what its forward left. Its own gradients stay as its backward makes
         # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
         # own at once), or where a compiled graph returns them together (see ``compiled``)
@@ -261,7 +270,7 @@ class PeakModel:
         if b == self.n:
             return held + max(state.forward, state.backward)
         recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.forward
-        return held + max(recompute, state.backward)
+        return held + max(recompute, state.backward + self._rerun_output_held[b])
 
     def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
         """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each

@@ -86,7 +86,7 @@ def per_rank(model: PeakModel, units: Sequence[nn.Module], world_size: int) -> P
     if world_size == 1:
         return model
     return PeakModel(costs=sharded_costs(model.costs, units, world_size), feature_units=model.features, gradients=model.gradients, spans=model.spans, objective=model.objective,
-                     compiled=model.compiled, update_temporaries=model.update_temporaries)
+                     compiled=model.compiled, update_temporaries=model.update_temporaries, reentrant=model.reentrant)
 
 
 @dataclass(frozen=True)

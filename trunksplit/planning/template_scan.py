@@ -80,6 +80,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     output = np.asarray(model.costs.output, dtype=np.int64)
     held_after = np.asarray(model._features_held, dtype=np.int64)
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
+    rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     state = _Scans(*(np.zeros(rows, dtype=np.int64) for _ in range(3)), np.ones(rows, dtype=bool), zeros(), zeros())
     if not last:  # a checkpointed segment pays its checkpoint's own cost once (PeakModel._checkpointed_start)
@@ -103,7 +104,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
             b = position[ends]
             forward, backward = state.forward[ends], state.backward[ends]
             recompute = grads_after[b - 1] + output[b - 1] + forward
-            local = held_after[b] + np.where(b == n, np.maximum(forward, backward), np.maximum(recompute, backward))
+            local = held_after[b] + np.where(b == n, np.maximum(forward, backward), np.maximum(recompute, backward + rerun_output_held[b]))
             found.append((ends, b, local, *(c[ends] for c in state.cost)))
     if not found:
         empty = np.zeros(0, dtype=np.int64)
