@@ -43,27 +43,25 @@ class ChainUnit(fx.GraphModule):
     passes_input_on = False
 
     def __deepcopy__(self, memo: dict) -> "ChainUnit":
-        return _same_unit(super().__deepcopy__(memo), self)
+        return _same_unit(super().__deepcopy__(memo), self.inplace, self.passes_input_on)
 
     def __reduce__(self):
         """Pickled (``torch.save`` of a whole trunk) as fx pickles a graph module, unpickled as a ChainUnit."""
         return _unpickled_unit, (super().__reduce__(), self.inplace, self.passes_input_on)
 
 
-def _same_unit(rebuilt: fx.GraphModule, flags) -> ChainUnit:
-    """``rebuilt`` (fx's copy of a unit) as the unit it copies: a ChainUnit with ``flags``' flags, its
-    tensor constants not buffers. The rebuilt module's own modules and parameters are kept."""
+def _same_unit(rebuilt: fx.GraphModule, inplace: bool, passes_input_on: bool) -> ChainUnit:
+    """``rebuilt`` (fx's copy of a unit) as the unit it copies: a ChainUnit with its flags, its tensor
+    constants not buffers. The rebuilt module's own modules and parameters are kept."""
     unit = rebuilt if isinstance(rebuilt, ChainUnit) else ChainUnit(rebuilt, rebuilt.graph, class_name="ChainUnit")
-    unit.inplace, unit.passes_input_on = flags.inplace, flags.passes_input_on
+    unit.inplace, unit.passes_input_on = inplace, passes_input_on
     _constants_not_buffers(unit)
     return unit
 
 
 def _unpickled_unit(reduced, inplace: bool, passes_input_on: bool) -> ChainUnit:
     rebuild, args = reduced
-    rebuilt = rebuild(*args)
-    rebuilt.inplace, rebuilt.passes_input_on = inplace, passes_input_on
-    return _same_unit(rebuilt, rebuilt)
+    return _same_unit(rebuild(*args), inplace, passes_input_on)
 
 
 _NOT_TENSORS = {"size", "dim", "numel", "ndimension", "__len__", "tolist", "item"}

@@ -65,8 +65,10 @@ class ScaledChain:
             starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits)).starts
         return peaks.peak(starts), peaks.total_recompute(starts) / max(1, sum(peaks.costs.flops))
 
-    def _peaks(self, batch: int) -> PeakModel:
-        return PeakModel(costs=scaled_costs(self.small, batch), feature_units=self.features, gradients=self.trunk.gradients, update_temporaries=self.trunk.update_temporaries, reentrant=self.trunk.use_reentrant)
+    def _peaks(self, batch: int, gradients: Optional[str] = None) -> PeakModel:
+        """The trunk's peak model at ``batch``, for its gradient mode or ``gradients``."""
+        return PeakModel(costs=scaled_costs(self.small, batch), feature_units=self.features, gradients=gradients or self.trunk.gradients,
+                         update_temporaries=self.trunk.update_temporaries, reentrant=self.trunk.use_reentrant)
 
     def _fixed_starts(self, kind: str) -> List[int]:
         """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
@@ -90,14 +92,14 @@ class ScaledChain:
         if cuts is None:
             peaks, cuts = self._cuts(batch)
         if gradients is not None and gradients != self.trunk.gradients:
-            peaks = PeakModel(costs=scaled_costs(self.small, batch), feature_units=self.features, gradients=gradients, update_temporaries=self.trunk.update_temporaries, reentrant=self.trunk.use_reentrant)
+            peaks = self._peaks(batch, gradients)
         return peaks.peak(*cuts)
 
     def held_after_forward(self, batch: int, budget: Optional[int] = None) -> int:
         """What the plan of :meth:`planned_peak` holds from its forward until its backward, at most:
         every segment's input and what the last segment keeps (its peak, gradients aside)."""
         peaks, cuts = self._chosen(batch, budget)
-        kept = PeakModel(costs=scaled_costs(self.small, batch), feature_units=self.features, gradients="kept", update_temporaries=self.trunk.update_temporaries, reentrant=self.trunk.use_reentrant)
+        kept = self._peaks(batch, "kept")
         return kept.segment_peaks(*cuts)[-1]
 
     def _chosen(self, batch: int, budget: Optional[int]):

@@ -26,7 +26,7 @@ from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors, run_checkpointed
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
-from ..recompute.regions import run_region
+from ..recompute.regions import run_region, run_units
 from .memory import tensors_in
 from .unit_copies import private_copy
 
@@ -88,10 +88,10 @@ def rerun_seconds(m: nn.Module, h: Any, input_needs_grad: bool, use_reentrant: b
     """What a private copy ``m`` adds to a step when a checkpointed segment runs it: its step under
     a checkpoint of its own less its plain step, less ``own`` (one checkpoint's cost, paid once per
     segment: :func:`checkpoint_seconds`), at least ``forward`` (its forward's seconds: two timings'
-    difference may come out below it). A unit whose first op is in place runs on a copy of its
-    input, as a segment starting there does (``run_units``' ``copy_input``)."""
-    first = m if layer_splittable_before(m) else (lambda x: m(map_tensors(torch.clone, x)))
-    under = {"checkpointed": lambda x: run_checkpointed(first, [m], (x,), use_reentrant=use_reentrant)}
+    difference may come out below it). It runs as a segment of its own runs in the trunk
+    (:func:`run_units`: a unit whose first op is in place on a copy of its input)."""
+    body = functools.partial(run_units, not layer_splittable_before(m), (), True)
+    under = {"checkpointed": lambda x: run_checkpointed(body, [m], (x, m), use_reentrant=use_reentrant)}
     return max(added_seconds(under, m, h, input_needs_grad)["checkpointed"] - own, forward)
 
 
