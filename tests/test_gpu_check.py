@@ -98,3 +98,18 @@ def test_the_planning_time_tool_reports_the_plan_the_trunk_makes(capsys):
     torch.manual_seed(0)
     plan = CheckpointedTrunk(torchvision.models.resnet18(), memory_budget=0.8, gradients="kept").plan_for(torch.randn(2, 3, 64, 64))
     assert row[3] == " ".join(str(s.start) for s in plan.segments) and int(row[4]) == len(plan.regions) > 0, row
+
+
+@pytest.mark.parametrize("name", ["resnet50", "resnet18"])
+def test_the_launch_bound_stand_in_is_the_resnet_with_every_width_divided(name):
+    """``eager_overhead.py --narrow 16`` (docs/benchmarks.md): torchvision's ResNet, same blocks and ops,
+    every convolution's channels and the classifier's inputs a sixteenth of torchvision's own model's."""
+    narrow, plain = _tool("eager_overhead").build(name, 16), getattr(torchvision.models, name)()
+    pairs = list(zip(narrow.named_modules(), plain.named_modules()))
+    assert isinstance(narrow, torchvision.models.ResNet) and len(pairs) == len(list(plain.modules()))
+    assert all(a == b and type(m) is type(p) for (a, m), (b, p) in pairs[1:])
+    for (where, m), (_, p) in pairs:
+        if isinstance(p, torch.nn.Conv2d):
+            assert (m.in_channels, m.out_channels) == (p.in_channels if p.in_channels == 3 else p.in_channels // 16, p.out_channels // 16), where
+    assert narrow.fc.in_features == plain.fc.in_features // 16
+    assert narrow(torch.randn(2, 3, 64, 64)).shape == (2, 1000)

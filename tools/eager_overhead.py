@@ -3,7 +3,7 @@
 
     python tools/eager_overhead.py --device cuda                       # ResNet-50 and ViT-B/16, 4 x 224px
     python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
-    python tools/eager_overhead.py --device cpu --models resnet50 --width-per-group 1 --size 64 --budgets 0.7 0.5   # dispatch-bound
+    python tools/eager_overhead.py --device cpu --models resnet50 --narrow 16 --size 64 --budgets 0.7 0.5   # dispatch-bound
 
 For each model and budget, seven or eight steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
@@ -33,6 +33,8 @@ from dataclasses import replace
 import torch
 import torchvision
 from tabulate import tabulate
+from torch import nn
+from torchvision.models.resnet import ResNet
 
 from trunksplit import CheckpointedTrunk, PeakMemory
 from trunksplit.planning.peak import PeakModel
@@ -49,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--width-per-group", type=int, default=None,
-                   help="ResNet builders: the 3x3 convolutions' width per group (1: a thin ResNet whose step costs its ops' dispatch, a CPU stand-in for a GPU's launch-bound step)")
+    p.add_argument("--narrow", type=int, default=1, metavar="D",
+                   help="ResNets: every width divided by D (16: a ResNet whose step costs its ops' dispatch, "
+                        "a CPU stand-in for a GPU's launch-bound step; see build)")
     return p
 
 
@@ -154,6 +157,37 @@ def variants(model, x, budget: float):
     return steps, plan
 
 
+class _NarrowResNet(ResNet):
+    """torchvision's ResNet with the stem's and every stage's width divided by ``divisor``."""
+
+    def __init__(self, block, layers, divisor: int):
+        self.divisor = divisor
+        super().__init__(block, layers)
+        self.fc = nn.Linear(self.inplanes, self.fc.out_features)  # the last stage's width
+
+    def _make_layer(self, block, planes, blocks, stride=1, dilate=False):
+        if planes == 64:  # the first stage: ResNet.__init__ has just built the stem at 64 wide
+            self.inplanes = 64 // self.divisor
+            self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False)
+            self.bn1 = nn.BatchNorm2d(self.inplanes)
+        return super()._make_layer(block, planes // self.divisor, blocks, stride, dilate)
+
+
+def build(name: str, narrow: int = 1) -> nn.Module:
+    """torchvision's ``name``; a ResNet with every width divided by ``narrow`` where it is above 1.
+
+    A narrow ResNet-50 (16: 4 to 128 channels) has ResNet-50's ops, modules and saved tensors, each
+    costing about its dispatch on a CPU, as a GPU's ops cost their launch at a few images: the
+    stand-in for a launch-bound step that this CPU can run (the thin one, ``width_per_group=1``,
+    kept its wide 1x1 convolutions and stayed compute-bound)."""
+    model = getattr(torchvision.models, name)()
+    if narrow == 1:
+        return model
+    if not isinstance(model, ResNet):
+        raise SystemExit(f"error: --narrow builds ResNets only, not {name}")
+    return _NarrowResNet(type(model.layer1[0]), [len(getattr(model, f"layer{i}")) for i in range(1, 5)], narrow)
+
+
 def _regions(plan) -> str:
     counts = {}
     for _, _, p in plan.regions:
@@ -161,8 +195,9 @@ def _regions(plan) -> str:
     return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
 
 
-def rows_for(name: str, x, budget: float, repeats: int, **model_options):
-    model = getattr(torchvision.models, name)(**model_options).to(x.device)
+def rows_for(name: str, x, budget: float, repeats: int, narrow: int = 1):
+    model = build(name, narrow).to(x.device)
+    name = name if narrow == 1 else f"{name} / {narrow}"
     steps, plan = variants(model, x, budget)
     if steps is None:
         return [[name, budget, "-", plan, "-", "-", "-", "-", "-", "-"]], []
@@ -201,7 +236,7 @@ def main(argv=None) -> int:
     for name in args.models:
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
-            t, a = rows_for(name, x, budget, args.repeats, **({} if args.width_per_group is None else {"width_per_group": args.width_per_group}))
+            t, a = rows_for(name, x, budget, args.repeats, args.narrow)
             tables += t
             attributions += a
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

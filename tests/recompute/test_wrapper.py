@@ -72,11 +72,35 @@ def test_loss_gradients_dropout_and_batchnorm_equal_the_plain_module(input_grad)
         assert torch.equal(xp.grad, xw.grad)
 
 
-@pytest.mark.parametrize("norm", [lambda: nn.BatchNorm2d(4, momentum=None), lambda: nn.SyncBatchNorm(4), lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True)],
-                         ids=["cumulative-average", "sync", "instance"])
+class _CountsByAssignment(nn.BatchNorm2d):
+    """Moves its counter by assignment (``self.num_batches_tracked = ...``), not in place."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked = self.num_batches_tracked + 1
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, 0.1 if self.momentum is None else self.momentum, self.eps)
+
+
+class _MomentumProperty(nn.BatchNorm2d):
+    """Keeps its momentum behind a property, as a norm scheduling its momentum might."""
+
+    @property
+    def momentum(self):
+        return self.__dict__["_scheduled"]
+
+    @momentum.setter
+    def momentum(self, value):
+        self.__dict__["_scheduled"] = value
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.BatchNorm2d(4, momentum=None), lambda: nn.SyncBatchNorm(4), lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+                                  lambda: _CountsByAssignment(4), lambda: _MomentumProperty(4)],
+                         ids=["cumulative-average", "sync", "instance", "counter-assigned", "momentum-property"])
 def test_every_norm_with_running_statistics_moves_them_once_a_step(norm):
     """Three steps, so a cumulative average's factor (1 / num_batches_tracked) is read after the counter
-    moved: a recompute that bumped the counter, or averaged again, would show in the statistics."""
+    moved: a recompute that bumped the counter, or averaged again, would show in the statistics. Norms
+    that assign their counter or keep their momentum behind a property too: the recompute's guard
+    sets both without ``nn.Module.__setattr__`` where it can."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), norm(), nn.ReLU())
     wrapped = checkpoint_wrapper(copy.deepcopy(plain))
@@ -89,6 +113,8 @@ def test_every_norm_with_running_statistics_moves_them_once_a_step(norm):
     for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
     assert wrapped[1].running_mean.abs().sum() > 0  # the statistics moved (the comparison is not of two untouched buffers)
+    assert wrapped[1].momentum == plain[1].momentum and "num_batches_tracked" not in vars(wrapped[1])  # nothing left behind
+    assert [n for n, _ in wrapped.named_buffers()] == [n for n, _ in plain.named_buffers()]
 
 
 class _AtenOps(TorchDispatchMode):

@@ -41,38 +41,31 @@ def is_recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
-def batchnorms(modules: Iterable[nn.Module]) -> List[_NormBase]:
-    """Every norm layer with running statistics inside ``modules`` (each once).
+class _BufferGuard:
+    """What a checkpointed forward writes to its modules' buffers, kept so that it moves once a
+    step, as without checkpointing, and the recompute sees the buffers as the first forward did.
 
-    BatchNorm is the common case; InstanceNorm with ``track_running_stats=True``
-    moves its statistics the same way and needs the same care."""
-    seen, found = set(), []
-    for top in modules:
-        for m in top.modules():
-            if isinstance(m, _NormBase) and id(m) not in seen:
-                seen.add(id(m))
-                found.append(m)
-    return found
+    Two kinds, found in one walk of ``modules`` (each module once):
 
-
-class _WrittenBuffers:
-    """The buffers other than norm statistics that a checkpointed forward writes (an EMA of
-    its inputs, say), kept so that the recompute sees them as the first forward did and
-    its own write is undone: the buffer moves once per step, as without checkpointing.
-
-    Every such buffer is copied before the first forward (buffers are small: statistics,
-    counters, index tables); after it, the copies of those the forward did not write
-    (same tensor, same ``_version``) are dropped. A buffer is rebound, not copied into, for
-    the recompute, so both in-place writes and reassignment (``self.ema = ...``) are seen."""
+    - ``norms``: every norm layer with running statistics (BatchNorm, SyncBatchNorm,
+      InstanceNorm with ``track_running_stats=True``): see :meth:`recompute`.
+    - any other buffer (an EMA of its inputs, say): copied before the first forward (buffers are
+      small: statistics, counters, index tables); after it, the copies of those the forward did
+      not write (same tensor, same ``_version``) are dropped. A written one is rebound, not copied
+      into, for the recompute, so both in-place writes and reassignment (``self.ema = ...``) are seen.
+    """
 
     def __init__(self, modules: Iterable[nn.Module]):
-        seen, self.slots = set(), []  # (module, buffer name): norms are left to _recomputing
+        seen, self.norms, self.slots = set(), [], []  # slots: (module, buffer name)
         for top in modules:
             for m in top.modules():
-                if isinstance(m, _NormBase) or id(m) in seen:
+                if id(m) in seen:
                     continue
                 seen.add(id(m))
-                self.slots += [(m, name) for name, _ in m.named_buffers(recurse=False)]
+                if isinstance(m, _NormBase):
+                    self.norms.append(m)
+                else:
+                    self.slots += [(m, name) for name, _ in m.named_buffers(recurse=False)]
         self.before: List[Tuple[nn.Module, str, torch.Tensor]] = []
 
     @contextlib.contextmanager
@@ -85,6 +78,44 @@ class _WrittenBuffers:
 
     @contextlib.contextmanager
     def recompute(self):
+        """Mark a recompute (:func:`is_recomputing`); keep the norms' statistics and the other
+        buffers as the first forward left them.
+
+        The recompute must normalise with the batch statistics, exactly as the first forward did,
+        but must not move the running statistics again. vissl flipped ``track_running_stats``,
+        which changes which tensors BatchNorm saves and trips non-reentrant checkpoint's
+        determinism check. Instead the momentum is 0 (``(1 - 0) * running + 0 * batch`` is
+        ``running``, bit for bit, and the op saves the same tensors), and ``num_batches_tracked``,
+        which BatchNorm bumps in Python, reads as a scratch tensor that takes the bump: no copy of
+        the counter is made or written back, which on a GPU would be two kernel launches per norm
+        per recompute. Both are set cheaply (see :func:`_set_plain`, :func:`_shadow`). Restoring in ``finally`` matters: non-reentrant checkpoint may stop a
+        recompute early, in the middle of a BatchNorm.
+        """
+        tracked = [m for m in self.norms if m.training and m.track_running_stats]
+        saved = []
+        scratch = {}  # one per device and dtype, shared: its value is never read (momentum 0 skips the cumulative average)
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            for m in tracked:
+                count = m.num_batches_tracked
+                saved.append((m, m.momentum, count))
+                _set_plain(m, "momentum", 0.0)
+                if count is not None:  # SyncBatchNorm refuses None: a scratch counter, allocated (no kernel), never read
+                    key = (count.device, count.dtype)
+                    if key not in scratch:
+                        scratch[key] = torch.empty((), dtype=count.dtype, device=count.device)
+                    _shadow(m, "num_batches_tracked", scratch[key])
+            with self._rebound():
+                yield
+        finally:
+            for m, momentum, count in saved:
+                _set_plain(m, "momentum", momentum)
+                if count is not None:
+                    _unshadow(m, "num_batches_tracked", count)
+            _local.depth -= 1
+
+    @contextlib.contextmanager
+    def _rebound(self):
         now = [(m, name, getattr(m, name)) for m, name, _ in self.before]
         try:
             for m, name, value in self.before:
@@ -95,41 +126,38 @@ class _WrittenBuffers:
                 setattr(m, name, value)
 
 
-@contextlib.contextmanager
-def _recomputing(bns: List[_NormBase], written: Optional[_WrittenBuffers] = None):
-    """Mark a recompute and keep BatchNorm buffers as the first forward left them.
+# nn.Module.__setattr__ checks parameters, submodules and buffers on every call (1.4 us for a float,
+# 3.2 for a buffer): a recompute of ResNet-50 would set 212 of them, and on a GPU's launch-bound step
+# a recompute's Python is most of what it costs. The two helpers below write the instance dict instead,
+# which is plain Python: a plain attribute lives there, and a tensor there shadows a buffer of the
+# same name for the forward's reads (nn.Module.__getattr__ is asked only for names not found there)
+# while the buffer itself, what state_dict() and buffers() hold, stays. Where the type defines the
+# name itself (a property), they set it through it.
 
-    The recompute must normalise with the batch statistics, exactly as the first
-    forward did, but must not move the running statistics again. vissl flipped
-    ``track_running_stats``, which changes which tensors BatchNorm saves and trips
-    non-reentrant checkpoint's determinism check. Instead the momentum is set to 0
-    (``(1 - 0) * running + 0 * batch`` is ``running``, bit for bit, and the op
-    saves the same tensors), and ``num_batches_tracked``, which BatchNorm bumps in
-    Python, is rebound to a scratch tensor that takes the bump: no copy of the
-    counter is made or written back, which on a GPU would be two kernel launches per
-    norm per recompute. Restoring in ``finally`` matters: non-reentrant checkpoint
-    may stop a recompute early, in the middle of a BatchNorm.
-    """
-    tracked = [m for m in bns if m.training and m.track_running_stats]
-    saved = [(m, m.momentum, m.num_batches_tracked) for m in tracked]
-    scratch = {}  # one per device and dtype, shared: its value is never read (momentum 0 skips the cumulative average)
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        for m, _, count in saved:
-            m.momentum = 0.0
-            if count is not None:  # SyncBatchNorm refuses None: a scratch counter, allocated (no kernel), never read
-                key = (count.device, count.dtype)
-                if key not in scratch:
-                    scratch[key] = torch.empty((), dtype=count.dtype, device=count.device)
-                m.num_batches_tracked = scratch[key]
-        with written.recompute() if written is not None else contextlib.nullcontext():
-            yield
-    finally:
-        for m, momentum, count in saved:
-            m.momentum = momentum
-            if count is not None:
-                m.num_batches_tracked = count
-        _local.depth -= 1
+def _set_plain(m: nn.Module, name: str, value) -> None:
+    """``m.<name> = value`` for a plain attribute such as a norm's ``momentum``."""
+    if name in vars(m):
+        vars(m)[name] = value
+    else:
+        setattr(m, name, value)
+
+
+def _shadow(m: nn.Module, name: str, value: torch.Tensor) -> None:
+    """``m.<name>`` reads ``value`` until :func:`_unshadow`; the buffer ``name`` stays as it is."""
+    if hasattr(type(m), name):
+        setattr(m, name, value)
+    else:
+        vars(m)[name] = value
+
+
+def _unshadow(m: nn.Module, name: str, buffer: torch.Tensor) -> None:
+    """Undo :func:`_shadow`: ``m.<name>`` is ``buffer`` again, even if the forward set the buffer to
+    another tensor meanwhile (``self.<name> = ...`` writes the buffer, not the shadow)."""
+    if not hasattr(type(m), name):
+        vars(m).pop(name, None)
+        if getattr(m, name) is buffer:
+            return
+    setattr(m, name, buffer)
 
 
 def map_tree(fn: Callable, tree):
@@ -226,16 +254,16 @@ def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
     return None
 
 
-def _selective_contexts(bns: List[_NormBase], written: _WrittenBuffers, keep: Callable) -> Callable:
+def _selective_contexts(guard: _BufferGuard, keep: Callable) -> Callable:
     """torch's selective-checkpoint contexts keeping the outputs of the ops ``keep(func,
-    args)`` picks, with the guards of BatchNorm and written buffers entered around them.
+    args)`` picks, with the buffers' guard entered around them.
 
-    The guards' own ops (saving and restoring ``num_batches_tracked``, copying buffers)
-    must run outside torch's modes, whose recompute replays only the ops the forward ran."""
+    The guard's own ops (copying written buffers) must run outside torch's modes, whose
+    recompute replays only the ops the forward ran."""
 
     def contexts():
         forward, recompute = create_selective_checkpoint_contexts(_keep_policy(keep))
-        return _both(written.first_forward(), forward), _both(_recomputing(bns, written), recompute)
+        return _both(guard.first_forward(), forward), _both(guard.recompute(), recompute)
 
     return contexts
 
@@ -268,9 +296,8 @@ def run_checkpointed(
 ) -> Any:
     """``function(*args, **kwargs)`` under activation checkpointing.
 
-    ``modules`` are those ``function`` runs: their norm layers' running statistics (see
-    :func:`batchnorms`) and any other buffer their forward writes (see
-    :class:`_WrittenBuffers`) move once, not again in the recompute, which sees them as
+    ``modules`` are those ``function`` runs: their norm layers' running statistics and any
+    other buffer their forward writes (see :class:`_BufferGuard`) move once, not again in the recompute, which sees them as
     the first forward did. ``args`` and ``kwargs`` are passed as a tuple and a dict,
     never spread into this call or torch's, so a module's own keyword named
     ``debug``, ``use_reentrant`` or ``function`` reaches the module unchanged.
@@ -305,7 +332,7 @@ def run_checkpointed(
     # layer's output to the list every layer was given), and again for each call, for the
     # function may change its own (HRNet's modules replace the branches of their input list).
     args, kwargs = _containers_copied(args), _containers_copied(kwargs)
-    bns, written = batchnorms(modules), _WrittenBuffers(modules)
+    guard = _BufferGuard(modules)
     calls = 0
 
     def run(*a, **kw):
@@ -313,14 +340,14 @@ def run_checkpointed(
         calls += 1
         a, kw = _containers_copied(a), _containers_copied(kw)
         if calls == 1:
-            with written.first_forward():
+            with guard.first_forward():
                 return function(*a, **kw)
-        with _recomputing(bns, written):
+        with guard.recompute():
             return function(*a, **kw)
 
     if keep is not None:
         return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
-                          context_fn=_selective_contexts(bns, written, keep))
+                          context_fn=_selective_contexts(guard, keep))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
