@@ -98,3 +98,22 @@ def test_a_step_difference_takes_the_fastest_of_each_step_timed_in_turn(monkeypa
     plain, a, b = (lambda x: x), (lambda x: x + 1), (lambda x: x + 2)
     assert added_seconds({"a": a, "b": b}, plain, torch.ones(1), False) == {"a": pytest.approx(2.0), "b": pytest.approx(1.5)}
     assert calls == [plain, a, b, plain, a, b]
+
+
+def test_a_region_nested_in_a_checkpointed_segment_is_priced_at_its_run_in_the_segments_recompute():
+    """Nested in a checkpointed segment, a region runs in the segment's recompute too, where a later
+    unit of the segment needs it (torch reruns a nested checkpoint as its first forward ran, hooks
+    and all), and in its own: a layer that pauses whenever it is recomputed pauses twice there, once
+    as a plain unit of the segment, in the last segment, or nested at the segment's end (the
+    segment's recompute stops before it). The plan's price says so."""
+    torch.manual_seed(0)
+    units = [("fc0", nn.Linear(16, 16)), ("dear", DearToRerun(16)), ("fc2", nn.Linear(16, 16)), ("fc3", nn.Linear(16, 16))]
+    c = profile_units(units, torch.randn(8, 16), spans=[(1, 2)], timed=True)
+    model = PeakModel(costs=c, feature_units=[len(units) - 1], gradients="kept", spans=[(1, 2)], objective="time")
+    seconds = lambda starts, regions: model.segments(starts, regions)[0][1].seconds  # noqa: E731  the first segment's
+    nested = seconds([0, 3], [(1, 2, "recompute")])
+    assert 2 * PAUSE <= nested < 3 * PAUSE, nested
+    # a selective region nests as "recompute": priced alike there
+    assert 2 * PAUSE <= seconds([0, 3], [(1, 2, "save_expensive")]) < 3 * PAUSE
+    once = {"as a unit": seconds([0, 3], []), "in the last segment": seconds([0], [(1, 2, "recompute")]), "nested at the end": seconds([0, 2], [(1, 2, "recompute")])}
+    assert all(PAUSE <= s < 1.5 * PAUSE for s in once.values()), once

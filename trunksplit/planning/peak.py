@@ -237,7 +237,8 @@ class PeakModel:
                 backward = c.saved[r] + c.backward_excess[r] + max(self._update[r:s]) + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
             else:
                 backward = self._region_backward(alone, s)
-            body = Cost(flops, cheap, self._seconds_prefix[s] - self._seconds_prefix[r])
+            # a checkpointed segment's recompute runs it as its first forward ran (hooks included), where timed so
+            body = Cost(flops, cheap, sum(c.nested_forward_seconds[r:s]) if any(c.nested_forward_seconds) else self._seconds_prefix[s] - self._seconds_prefix[r])
             self._regions[region] = RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
         return self._regions[region]
 

@@ -64,7 +64,8 @@ class UnitCosts:
       training step (forward and backward, against the units run plainly), at the
       span's first unit: the recompute, and the policy's own overhead (a selective
       checkpoint intercepts every op in both passes, which costs more than the cheap
-      ops it reruns on small ones).
+      ops it reruns on small ones). ``nested_forward_seconds``: its forward as a checkpointed
+      segment's recompute runs a region nested in it (its hooks included), at its first unit.
     - ``policies``: per region policy (see :func:`trunksplit.recompute.regions.run_region`),
       the chain with each measured span run as one region under it: only
       ``saved``, ``keeps_output``, ``forward_peak`` and ``backward_excess`` (the
@@ -102,6 +103,7 @@ class UnitCosts:
     rerun_seconds: Tuple[float, ...] = ()
     checkpoint_seconds: float = 0.0
     again_seconds: Tuple[float, ...] = ()
+    nested_forward_seconds: Tuple[float, ...] = ()
     policies: Optional[Dict[str, "UnitCosts"]] = None
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
     gathered: Tuple[int, ...] = ()  # FSDP2: each unit's whole parameters, all-gathered to run it
@@ -210,7 +212,7 @@ def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]
     cannot run under the policy keeps the plain figures."""
     fields = ("saved", "forward_peak", "backward_excess", "keeps_output")
     values = {k: list(getattr(costs, k)) for k in fields}
-    values["again_seconds"] = [0.0] * len(costs)
+    values["again_seconds"], values["nested_forward_seconds"] = [0.0] * len(costs), [0.0] * len(costs)
     eligible = [False] * len(costs)
     for (r, s), cost in measured.items():
         if cost is None:
@@ -220,6 +222,7 @@ def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]
         for k in ("saved", "forward_peak", "backward_excess"):
             values[k][r] = cost[k]
         values["again_seconds"][r] = cost.get("again_seconds", 0.0)
+        values["nested_forward_seconds"][r] = cost.get("nested_forward_seconds", 0.0)
         values["keeps_output"][s - 1] = cost["keeps_output"]
     return replace(costs, eligible=tuple(eligible), **{k: tuple(v) for k, v in values.items()})
 

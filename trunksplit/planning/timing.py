@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..chains.blocks import layer_splittable_before
-from ..recompute.checkpoint import map_tensors, run_checkpointed
+from ..recompute.checkpoint import map_tensors, recomputing, run_checkpointed
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region, run_units
@@ -159,10 +159,33 @@ def _device(h: Any) -> torch.device:
 def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: dict, forward: float) -> None:
     """Add to each region policy's measured ``costs`` of a span (``None``: not measured) what
     running it so adds to the span's plain step (``again_seconds``), at least the forwards the
-    policy reruns (``forward`` each: two timings' difference may come out below it)."""
-    under = {p: functools.partial(_run_region, members, p) for p, cost in costs.items() if cost is not None}
+    policy reruns (``forward`` each: two timings' difference may come out below it); and what its
+    forward costs where a checkpointed segment's recompute runs it (``nested_forward_seconds``).
+
+    Nested in a checkpointed segment, a region runs in the segment's recompute too, where a later
+    unit needs it, and not as a plain forward: torch reruns a nested checkpoint as its first
+    forward ran, the policy's hooks on every tensor it saves (a selective one runs as it nests:
+    see :attr:`~trunksplit.recompute.policies.Policy.nested`). Timed so, inside a recompute, at
+    least its plain ``forward``: priced at that forward, nested regions cost several times their
+    price on a launch-bound step."""
+    measured = [p for p, cost in costs.items() if cost is not None]
+    under = {p: functools.partial(_run_region, members, p) for p in measured}
     for policy, added in added_seconds(under, nn.Sequential(*members), h, input_needs_grad).items():
         costs[policy]["again_seconds"] = max(added, POLICIES[policy].reruns * forward)
+    nests_as = {p: POLICIES[p].nested.name for p in measured}
+    nested = {q: _recompute_forward_seconds(members, q, h, input_needs_grad) for q in set(nests_as.values())}
+    for policy in measured:
+        costs[policy]["nested_forward_seconds"] = max(nested[nests_as[policy]], forward)
+
+
+def _recompute_forward_seconds(members: Sequence[nn.Module], policy: str, h, input_needs_grad: bool) -> float:
+    """Seconds of ``members``' forward as one region of ``policy``, run as a recompute runs it."""
+
+    def forward():
+        with recomputing():
+            _run_region(members, policy, _input(h, input_needs_grad))
+
+    return fastest(forward, _device(h))
 
 
 def _run_region(members: Sequence[nn.Module], policy: str, x: Any) -> Any:

@@ -41,6 +41,17 @@ def is_recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+@contextlib.contextmanager
+def recomputing():
+    """Mark what runs inside as a recompute (:func:`is_recomputing` is True): what a checkpoint's
+    recompute does around its function, and what timing does to run a function as one would."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
 class _BufferGuard:
     """What a checkpointed forward writes to its modules' buffers, kept so that it moves once a
     step, as without checkpointing, and the recompute sees the buffers as the first forward did.
@@ -88,13 +99,13 @@ class _BufferGuard:
         ``running``, bit for bit, and the op saves the same tensors), and ``num_batches_tracked``,
         which BatchNorm bumps in Python, reads as a scratch tensor that takes the bump: no copy of
         the counter is made or written back, which on a GPU would be two kernel launches per norm
-        per recompute. Both are set cheaply (see :func:`_set_plain`, :func:`_shadow`). Restoring in ``finally`` matters: non-reentrant checkpoint may stop a
-        recompute early, in the middle of a BatchNorm.
+        per recompute. Both are set cheaply (see :func:`_set_plain`, :func:`_shadow`). Restoring in
+        ``finally`` matters: non-reentrant checkpoint may stop a recompute early, in the middle of a
+        BatchNorm.
         """
         tracked = [m for m in self.norms if m.training and m.track_running_stats]
         saved = []
         scratch = {}  # one per device and dtype, shared: its value is never read (momentum 0 skips the cumulative average)
-        _local.depth = getattr(_local, "depth", 0) + 1
         try:
             for m in tracked:
                 count = m.num_batches_tracked
@@ -105,14 +116,13 @@ class _BufferGuard:
                     if key not in scratch:
                         scratch[key] = torch.empty((), dtype=count.dtype, device=count.device)
                     _shadow(m, "num_batches_tracked", scratch[key])
-            with self._rebound():
+            with recomputing(), self._rebound():
                 yield
         finally:
             for m, momentum, count in saved:
                 _set_plain(m, "momentum", momentum)
                 if count is not None:
                     _unshadow(m, "num_batches_tracked", count)
-            _local.depth -= 1
 
     @contextlib.contextmanager
     def _rebound(self):
