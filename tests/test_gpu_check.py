@@ -113,3 +113,21 @@ def test_the_launch_bound_stand_in_is_the_resnet_with_every_width_divided(name):
             assert (m.in_channels, m.out_channels) == (p.in_channels if p.in_channels == 3 else p.in_channels // 16, p.out_channels // 16), where
     assert narrow.fc.in_features == plain.fc.in_features // 16
     assert narrow(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
+
+
+def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
+    """``eager_overhead.py --switch`` (issue 49's "faster than timm's switch at its peak"): timm's switch,
+    every block under torch's checkpoint, trains as the plain model does and lowers the peak; the time
+    plans, given its measured peak as their budget, keep to it as measured."""
+    tool = _tool("eager_overhead")
+    model = tool.build("resnet18", 8)
+    switch, x = tool.every_block_checkpointed(model), torch.randn(2, 3, 64, 64)
+    for m in (model, switch):
+        m(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), switch.parameters()))
+    assert tool.main(["--device", "cpu", "--models", "resnet18", "--narrow", "8", "--size", "128", "--batch", "4", "--budgets", "0.9",
+                      "--repeats", "1", "--switch"]) == 0
+    rows = {r[1]: r for r in _table(capsys.readouterr().out, "At the peak of timm's switch")}
+    peak = {k: float(r[5]) for k, r in rows.items()}
+    assert peak["timm's switch (every block checkpointed)"] < 0.9
+    assert peak["objective time at its peak"] <= peak["timm's switch (every block checkpointed)"] + 0.01

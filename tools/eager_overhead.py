@@ -4,6 +4,7 @@
     python tools/eager_overhead.py --device cuda                       # ResNet-50 and ViT-B/16, 4 x 224px
     python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
     python tools/eager_overhead.py --device cpu --models resnet50 --narrow 16 --size 64 --budgets 0.7 0.5   # dispatch-bound
+    python tools/eager_overhead.py --device cuda --budgets 0.5 --switch                 # and against timm's switch
 
 For each model and budget, seven or eight steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--switch", action="store_true",
+                   help="also timm's set_grad_checkpointing (every block under torch's checkpoint) and the time plans at its peak")
     p.add_argument("--narrow", type=int, default=1, metavar="D",
                    help="ResNets: every width divided by D (16: a ResNet whose step costs its ops' dispatch, "
                         "a CPU stand-in for a GPU's launch-bound step; see build)")
@@ -188,6 +191,46 @@ def build(name: str, narrow: int = 1) -> nn.Module:
     return _NarrowResNet(type(model.layer1[0]), [len(getattr(model, f"layer{i}")) for i in range(1, 5)], narrow)
 
 
+class _Checkpointed(nn.Module):
+    """A block under torch's non-reentrant checkpoint, as timm's ``checkpoint_seq`` runs each one."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def every_block_checkpointed(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` run as timm's ``set_grad_checkpointing(True)`` runs timm's own: every block
+    of a ResNet's stages (of a ViT's encoder) checkpointed, the stem and head not."""
+    model = copy.deepcopy(model)
+    stages = [model.encoder.layers] if hasattr(model, "encoder") else [getattr(model, f"layer{i}") for i in range(1, 5)]
+    for stage in stages:
+        for name, block in stage.named_children():
+            setattr(stage, name, _Checkpointed(block))
+    return model
+
+
+def switch_rows(name: str, model: nn.Module, x, repeats: int) -> list:
+    """The plain step, timm's switch, and the time plans (non-reentrant and reentrant) at the
+    switch's measured peak: what issue 49's "10% faster than timm's switch" compares."""
+    switch = "timm's switch (every block checkpointed)"
+    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), switch: CheckpointedTrunk(every_block_checkpointed(model))}
+    peaks = {k: _peak(t, x) for k, t in steps.items()}
+    for label, reentrant in (("objective time at its peak", False), ("objective time, reentrant, at its peak", True)):
+        trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=peaks[switch], objective="time", use_reentrant=reentrant)
+        try:
+            trunk.plan_for(x)
+        except ValueError as e:
+            print(f"eager_overhead: {label}: {str(e).split(';')[-1].strip()[:120]}", file=sys.stderr)
+            continue
+        steps[label], peaks[label] = trunk, _peak(trunk, x)
+    ms = _median_ms(steps, x, repeats)
+    return [[name, k, f"{ms[k]:.1f}", f"{ms[k] / ms['plain']:.3f}", f"{ms[k] / ms[switch]:.3f}", f"{peaks[k] / peaks['plain']:.3f}"] for k in steps]
+
+
 def _regions(plan) -> str:
     counts = {}
     for _, _, p in plan.regions:
@@ -232,18 +275,24 @@ def main(argv=None) -> int:
         return 2
     torch.backends.cudnn.benchmark = False
     x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
-    tables, attributions = [], []
+    tables, attributions, switched = [], [], []
     for name in args.models:
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
             t, a = rows_for(name, x, budget, args.repeats, args.narrow)
             tables += t
             attributions += a
+        if args.switch:
+            print(f"eager_overhead: {name} against timm's switch ...", file=sys.stderr, flush=True)
+            switched += switch_rows(name if args.narrow == 1 else f"{name} / {args.narrow}", build(name, args.narrow).to(device), x, args.repeats)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
     print(tabulate(tables, headers=["model", "budget", "step", "plan", "ms", "time ratio", "extra ms", "predicted extra ms", "peak ratio", "aten ops"], tablefmt="github"))
     print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
     print(tabulate(attributions, headers=["model", "budget", "part", "ms", "share"], tablefmt="github"))
+    if switched:
+        print("\n### At the peak of timm's switch (the time plans given its measured peak as their budget)\n")
+        print(tabulate(switched, headers=["model", "step", "ms", "time ratio", "against the switch", "peak ratio"], tablefmt="github"))
     return 0
 
 
