@@ -136,9 +136,9 @@ class _BufferGuard:
                 setattr(m, name, value)
 
 
-# nn.Module.__setattr__ checks parameters, submodules and buffers on every call (1.4 us for a float,
-# 3.2 for a buffer): a recompute of ResNet-50 would set 212 of them, and on a GPU's launch-bound step
-# a recompute's Python is most of what it costs. The two helpers below write the instance dict instead,
+# nn.Module.__setattr__ checks parameters, submodules and buffers on every call: a recompute of
+# ResNet-50 would make 212 such calls, and on a GPU's launch-bound step a recompute's Python is most of
+# what it costs (docs/benchmarks.md, "A launch-bound stand-in"). The helpers below write the instance dict instead,
 # which is plain Python: a plain attribute lives there, and a tensor there shadows a buffer of the
 # same name for the forward's reads (nn.Module.__getattr__ is asked only for names not found there)
 # while the buffer itself, what state_dict() and buffers() hold, stays. Where the type defines the
