@@ -115,6 +115,14 @@ def test_the_launch_bound_stand_in_is_the_resnet_with_every_width_divided(name):
     assert narrow(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
 
 
+def test_the_launch_bound_vit_keeps_its_layers_heads_and_patches_its_widths_divided():
+    narrow, plain = _tool("eager_overhead").build("vit_b_16", 16, size=64), torchvision.models.vit_b_16()
+    assert (len(narrow.encoder.layers), narrow.patch_size, narrow.encoder.layers[0].self_attention.num_heads) == \
+        (len(plain.encoder.layers), plain.patch_size, plain.encoder.layers[0].self_attention.num_heads)
+    assert (narrow.hidden_dim, narrow.mlp_dim) == (plain.hidden_dim // 16, plain.mlp_dim // 16)
+    assert narrow(torch.randn(2, 3, 64, 64)).shape == (2, 1000)  # 64px: 16 patches and the class token
+
+
 def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
     """``eager_overhead.py --switch`` (issue 49's "faster than timm's switch at its peak"): timm's switch,
     every block under torch's checkpoint, trains as the plain model does and lowers the peak; the time

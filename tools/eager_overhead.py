@@ -36,6 +36,7 @@ import torchvision
 from tabulate import tabulate
 from torch import nn
 from torchvision.models.resnet import ResNet
+from torchvision.models.vision_transformer import VisionTransformer
 
 from trunksplit import CheckpointedTrunk, PeakMemory
 from trunksplit.planning.peak import PeakModel
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch", action="store_true",
                    help="also timm's set_grad_checkpointing (every block under torch's checkpoint) and the time plans at its peak")
     p.add_argument("--narrow", type=int, default=1, metavar="D",
-                   help="ResNets: every width divided by D (16: a ResNet whose step costs its ops' dispatch, "
+                   help="ResNets and ViTs: every width divided by D (16: a ResNet whose step costs its ops' dispatch, "
                         "a CPU stand-in for a GPU's launch-bound step; see build)")
     return p
 
@@ -176,18 +177,22 @@ class _NarrowResNet(ResNet):
         return super()._make_layer(block, planes // self.divisor, blocks, stride, dilate)
 
 
-def build(name: str, narrow: int = 1) -> nn.Module:
-    """torchvision's ``name``; a ResNet with every width divided by ``narrow`` where it is above 1.
+def build(name: str, narrow: int = 1, size: int = 224) -> nn.Module:
+    """torchvision's ``name``; a ResNet or ViT with every width divided by ``narrow`` where it is above 1.
 
     A narrow ResNet-50 (16: 4 to 128 channels) has ResNet-50's ops, modules and saved tensors, each
     costing about its dispatch on a CPU, as a GPU's ops cost their launch at a few images: the
     stand-in for a launch-bound step that this CPU can run (the thin one, ``width_per_group=1``,
-    kept its wide 1x1 convolutions and stayed compute-bound)."""
+    kept its wide 1x1 convolutions and stayed compute-bound). A narrow ViT keeps its heads, layers
+    and patches, its hidden and MLP widths divided, for images of ``size`` pixels (64: 16 tokens)."""
     model = getattr(torchvision.models, name)()
     if narrow == 1:
         return model
+    if isinstance(model, VisionTransformer):
+        return VisionTransformer(size, model.patch_size, len(model.encoder.layers), model.encoder.layers[0].self_attention.num_heads,
+                                 model.hidden_dim // narrow, model.mlp_dim // narrow)
     if not isinstance(model, ResNet):
-        raise SystemExit(f"error: --narrow builds ResNets only, not {name}")
+        raise SystemExit(f"error: --narrow builds ResNets and ViTs only, not {name}")
     return _NarrowResNet(type(model.layer1[0]), [len(getattr(model, f"layer{i}")) for i in range(1, 5)], narrow)
 
 
@@ -239,7 +244,7 @@ def _regions(plan) -> str:
 
 
 def rows_for(name: str, x, budget: float, repeats: int, narrow: int = 1):
-    model = build(name, narrow).to(x.device)
+    model = build(name, narrow, x.shape[-1]).to(x.device)
     name = name if narrow == 1 else f"{name} / {narrow}"
     steps, plan = variants(model, x, budget)
     if steps is None:
@@ -284,7 +289,7 @@ def main(argv=None) -> int:
             attributions += a
         if args.switch:
             print(f"eager_overhead: {name} against timm's switch ...", file=sys.stderr, flush=True)
-            switched += switch_rows(name if args.narrow == 1 else f"{name} / {args.narrow}", build(name, args.narrow).to(device), x, args.repeats)
+            switched += switch_rows(name if args.narrow == 1 else f"{name} / {args.narrow}", build(name, args.narrow, args.size).to(device), x, args.repeats)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
     print(tabulate(tables, headers=["model", "budget", "step", "plan", "ms", "time ratio", "extra ms", "predicted extra ms", "peak ratio", "aten ops"], tablefmt="github"))
