@@ -100,6 +100,35 @@ def test_a_step_difference_takes_the_fastest_of_each_step_timed_in_turn(monkeypa
     assert calls == [plain, a, b, plain, a, b]
 
 
+def test_short_steps_are_timed_more_often_until_they_took_long_enough(monkeypatch):
+    """A unit of a launch-bound step takes a millisecond, and the fastest of two such steps is at the
+    mercy of a shared machine: short rounds go on until they took ``MIN_SECONDS`` together, at most
+    ``MAX_REPEATS``; long ones stop at ``REPEATS``."""
+    calls = []
+
+    def step_seconds(seconds):
+        def timed(run, h, input_needs_grad, repeats):
+            calls.append(repeats)
+            return seconds + 0.001 * (len(calls) == 1)  # the first step disturbed
+        return timed
+
+    plain, a = (lambda x: x), (lambda x: x + 1)
+    monkeypatch.setattr(timing, "step_seconds", step_seconds(0.002))
+    assert added_seconds({"a": a}, plain, torch.ones(1), False) == {"a": pytest.approx(0.0)}
+    rounds = min(timing.MAX_REPEATS, -(-timing.MIN_SECONDS // 0.004))  # two steps of 2 ms a round
+    assert len(calls) == 2 * rounds and set(calls) == {1}
+    calls.clear()
+    monkeypatch.setattr(timing, "step_seconds", step_seconds(0.5))
+    added_seconds({"a": a}, plain, torch.ones(1), False)
+    assert len(calls) == 2 * timing.REPEATS
+    # fastest() alike: a 0.1 ms call runs MAX_REPEATS times, and once where asked for once
+    ticks = []
+    assert timing.fastest(lambda: ticks.append(1), torch.device("cpu")) >= 0 and len(ticks) == timing.MAX_REPEATS
+    ticks.clear()
+    timing.fastest(lambda: ticks.append(1), torch.device("cpu"), repeats=1)
+    assert len(ticks) == 1
+
+
 def test_a_region_nested_in_a_checkpointed_segment_is_priced_at_its_run_in_the_segments_recompute():
     """Nested in a checkpointed segment, a region runs in the segment's recompute too, where a later
     unit of the segment needs it (torch reruns a nested checkpoint as its first forward ran, hooks

@@ -4,9 +4,11 @@ segment, or a span under a region policy, costs on the device in use.
 Memory is counted exactly by a tracker; time cannot be. These are wall-clock
 measurements of warm runs outside any tracker (a dispatch mode would slow every op
 and hide a checkpoint's own per-tensor and per-op overhead, which is what they must see),
-the faster of ``REPEATS``: the least disturbed by other work on a shared machine. They
-vary from run to run by a few percent, so a ``"time"`` plan may too where two choices
-are that close.
+the fastest of ``REPEATS`` or more: the least disturbed by other work on a shared machine.
+Short runs (a unit of a launch-bound step takes a millisecond) are repeated until they
+have taken ``MIN_SECONDS`` together, up to ``MAX_REPEATS``: the fastest of two such runs
+varied by half between profiles, and so did the plans. They vary from run to run by a few
+percent, so a ``"time"`` plan may too where two choices are that close.
 
 Every price is a measured step difference, overhead included: a unit's step under a checkpoint
 of its own less its plain step (:func:`rerun_seconds`), a span's step under a region policy less
@@ -30,21 +32,30 @@ from ..recompute.regions import run_region, run_units
 from .memory import tensors_in
 from .unit_copies import private_copy
 
-REPEATS = 2
+REPEATS = 2  # at least
+MIN_SECONDS, MAX_REPEATS = 0.05, 10  # short runs: repeated until they took MIN_SECONDS, at most MAX_REPEATS times
 
 
 def fastest(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
-    """The least wall time of ``repeats`` calls of ``fn`` (CUDA work included: synchronised)."""
-    best = float("inf")
-    for _ in range(repeats):
+    """The least wall time of ``repeats`` or more calls of ``fn`` (see :func:`_rounds`; CUDA work
+    included: synchronised)."""
+    times: List[float] = []
+    while _more(times, repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _more(times: Sequence[float], repeats: int) -> bool:
+    """Whether to time once more, after ``times``: until ``repeats`` times, then while short runs
+    have taken under ``MIN_SECONDS`` together, up to ``MAX_REPEATS``. ``repeats=1``: once (a caller
+    that times in turn repeats the rounds itself)."""
+    return len(times) < repeats or (repeats > 1 and sum(times) < MIN_SECONDS and len(times) < MAX_REPEATS)
 
 
 def forward_seconds(m: nn.Module, h: Any, input_needs_grad: bool) -> float:
@@ -66,13 +77,18 @@ def step_seconds(run: Callable[[Any], Any], h: Any, input_needs_grad: bool, repe
 def added_seconds(runs: Dict[str, Callable[[Any], Any]], plain: Callable[[Any], Any], h: Any, input_needs_grad: bool,
                   repeats: int = REPEATS) -> Dict[str, float]:
     """What each of ``runs`` adds to ``plain``'s step on ``h`` (see :func:`step_seconds`): the fastest
-    of ``repeats`` steps of each, timed in turn, so that a burst of other work on a shared machine
-    slows a step of each rather than every step of one (a difference of two timings amplifies it)."""
+    of ``repeats`` or more steps of each (see :func:`_more`; a round is a step of each), timed in
+    turn, so that a burst of other work on a shared machine slows a step of each rather than every
+    step of one (a difference of two timings amplifies it)."""
     fastest_plain, best = float("inf"), {name: float("inf") for name in runs}
-    for _ in range(repeats):
-        fastest_plain = min(fastest_plain, step_seconds(plain, h, input_needs_grad, repeats=1))
+    rounds: List[float] = []  # each round's seconds, all its steps together (see _more)
+    while _more(rounds, repeats):
+        took = step_seconds(plain, h, input_needs_grad, repeats=1)
+        fastest_plain = min(fastest_plain, took)
         for name, run in runs.items():
-            best[name] = min(best[name], step_seconds(run, h, input_needs_grad, repeats=1))
+            seconds = step_seconds(run, h, input_needs_grad, repeats=1)
+            best[name], took = min(best[name], seconds), took + seconds
+        rounds.append(took)
     return {name: seconds - fastest_plain for name, seconds in best.items()}
 
 
