@@ -64,8 +64,9 @@ class UnitCosts:
       training step (forward and backward, against the units run plainly), at the
       span's first unit: the recompute, and the policy's own overhead (a selective
       checkpoint intercepts every op in both passes, which costs more than the cheap
-      ops it reruns on small ones). ``nested_forward_seconds``: its forward as a checkpointed
-      segment's recompute runs a region nested in it (its hooks included), at its first unit.
+      ops it reruns on small ones). ``nested_forward_seconds``: what a checkpointed segment's
+      recompute adds where it runs a region nested in it (measured so: see
+      :func:`~trunksplit.planning.timing.time_span`), at its first unit.
     - ``policies``: per region policy (see :func:`trunksplit.recompute.regions.run_region`),
       the chain with each measured span run as one region under it: only
       ``saved``, ``keeps_output``, ``forward_peak`` and ``backward_excess`` (the
@@ -176,7 +177,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:
-                    _measure_span(span, under_policy, allocator, sum(fields["forward_seconds"][span[0]:]) if timed else None)
+                    _measure_span(span, under_policy, allocator, fields if timed else None)
                     span = None
             # a unit measured on a compact copy of a view returns a compact view: what the chain's holds is its base
             fields["output"][i] = max(fields["output"][i], storage_bytes(next_h))
@@ -193,15 +194,17 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
 
 
-def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, forward: Optional[float]) -> None:
+def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]]) -> None:
     """Measure a span ``(start, its input, its units)`` under each region policy into
-    ``under_policy``, and where ``forward`` (its units' forward seconds) is given, time it."""
+    ``under_policy``, and where ``timings`` (the units' ``forward_seconds`` and ``rerun_seconds``
+    so far) are given, time it (see :func:`~trunksplit.planning.timing.time_span`)."""
     start, span_input, members = span
     stop = start + len(members)
     for policy, measured in under_policy.items():
         measured[(start, stop)] = _measure_under(members, span_input, start > 0, policy, allocator)
-    if forward is not None:
-        time_span(members, span_input, start > 0, {p: m[(start, stop)] for p, m in under_policy.items()}, forward)
+    if timings is not None:
+        forward, rerun = (sum(timings[k][start:stop]) for k in ("forward_seconds", "rerun_seconds"))
+        time_span(members, span_input, start > 0, {p: m[(start, stop)] for p, m in under_policy.items()}, forward, rerun)
 
 
 def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:

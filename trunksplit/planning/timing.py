@@ -19,13 +19,13 @@ launch-bound step; docs/benchmarks.md).
 """
 import functools
 import time
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..chains.blocks import layer_splittable_before
-from ..recompute.checkpoint import map_tensors, recomputing, run_checkpointed
+from ..recompute.checkpoint import map_tensors, run_checkpointed
 from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region, run_units
@@ -172,36 +172,40 @@ def _device(h: Any) -> torch.device:
     return next(iter(tensors_in(h))).device
 
 
-def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: dict, forward: float) -> None:
+def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: dict, forward: float, rerun: float) -> None:
     """Add to each region policy's measured ``costs`` of a span (``None``: not measured) what
     running it so adds to the span's plain step (``again_seconds``), at least the forwards the
-    policy reruns (``forward`` each: two timings' difference may come out below it); and what its
-    forward costs where a checkpointed segment's recompute runs it (``nested_forward_seconds``).
+    policy reruns (``forward`` each: two timings' difference may come out below it); and what
+    the segment's recompute adds where it runs a region nested in a checkpointed segment
+    (``nested_forward_seconds``, at least ``forward``).
 
-    Nested in a checkpointed segment, a region runs in the segment's recompute too, where a later
-    unit needs it, and not as a plain forward: torch reruns a nested checkpoint as its first
-    forward ran, the policy's hooks on every tensor it saves (a selective one runs as it nests:
-    see :attr:`~trunksplit.recompute.policies.Policy.nested`). Timed so, inside a recompute, at
-    least its plain ``forward``: priced at that forward, nested regions cost several times their
-    price on a launch-bound step."""
+    Nested, a region runs in the segment's recompute too where a later unit of the segment needs
+    it, and not as a plain forward: torch reruns a nested checkpoint as its first forward ran, its
+    hooks on every tensor it saves (a selective policy runs as it nests: see
+    :attr:`~trunksplit.recompute.policies.Policy.nested`). Measured as run: a checkpoint of the span
+    nested as a region and one op after it that saves its output (so that the recompute runs
+    through the region), against the same checkpoint of the span run plainly, whose units add
+    ``rerun`` (their ``rerun_seconds``); less what the region adds on its own (``again_seconds``)."""
     measured = [p for p, cost in costs.items() if cost is not None]
     under = {p: functools.partial(_run_region, members, p) for p in measured}
     for policy, added in added_seconds(under, nn.Sequential(*members), h, input_needs_grad).items():
         costs[policy]["again_seconds"] = max(added, POLICIES[policy].reruns * forward)
-    nests_as = {p: POLICIES[p].nested.name for p in measured}
-    nested = {q: _recompute_forward_seconds(members, q, h, input_needs_grad) for q in set(nests_as.values())}
-    for policy in measured:
-        costs[policy]["nested_forward_seconds"] = max(nested[nests_as[policy]], forward)
+    nests_as = {p: POLICIES[p].nested.name for p in measured if POLICIES[p].nested.name in measured}
+    nested = {q: functools.partial(_run_in_segment, members, q) for q in set(nests_as.values())}
+    for q, added in added_seconds(nested, functools.partial(_run_in_segment, members, None), h, input_needs_grad).items():
+        for policy in (p for p, as_run in nests_as.items() if as_run == q):
+            costs[policy]["nested_forward_seconds"] = max(added + rerun - costs[q]["again_seconds"], forward)
 
 
-def _recompute_forward_seconds(members: Sequence[nn.Module], policy: str, h, input_needs_grad: bool) -> float:
-    """Seconds of ``members``' forward as one region of ``policy``, run as a recompute runs it."""
+def _run_in_segment(members: Sequence[nn.Module], policy: Optional[str], x: Any) -> Any:
+    """``members`` in a checkpointed segment as one region of ``policy`` (None: plainly), and after
+    them an op that saves what they return, as a later unit of the segment would."""
 
-    def forward():
-        with recomputing():
-            _run_region(members, policy, _input(h, input_needs_grad))
+    def body(h, *layers):
+        regions = () if policy is None else ((0, len(layers), policy),)
+        return map_tensors(torch.sin, run_units(not layer_splittable_before(layers[0]), regions, True, h, *layers))
 
-    return fastest(forward, _device(h))
+    return run_checkpointed(body, members, (x, *members))
 
 
 def _run_region(members: Sequence[nn.Module], policy: str, x: Any) -> Any:

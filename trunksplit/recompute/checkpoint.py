@@ -43,8 +43,8 @@ def is_recomputing() -> bool:
 
 @contextlib.contextmanager
 def recomputing():
-    """Mark what runs inside as a recompute (:func:`is_recomputing` is True): what a checkpoint's
-    recompute does around its function, and what timing does to run a function as one would."""
+    """Mark what runs inside as a recompute (:func:`is_recomputing` is True), as a checkpoint's
+    recompute does around its function."""
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
