@@ -2,7 +2,7 @@
 # A GPU session's one prepared command: the CUDA tier, the GPU check's report and the eager step's
 # attribution (at 4 images, launch-bound, and at 64, where kernels weigh more), each under its own time
 # limit, their logs and reports written to $OUT (default gpu_out/). Sized for a lease of 15 minutes on
-# one H100 or H200: 10 minutes at most here.
+# one H100 or H200: about 10 minutes at most here.
 #
 #     bash tools/gpu_session.sh                 # from the repository root, on the GPU machine
 #
@@ -21,6 +21,6 @@ fi
 # the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them
 timeout 150 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 210 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
-timeout 150 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
-timeout 90 python3 tools/eager_overhead.py --device cuda --models resnet50 --batch 64 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
+timeout 180 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
+timeout 75 python3 tools/eager_overhead.py --device cuda --models resnet50 --batch 64 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
 echo "gpu_session: done; files in $OUT"
