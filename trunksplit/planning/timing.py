@@ -7,8 +7,8 @@ and hide a checkpoint's own per-tensor and per-op overhead, which is what they m
 the fastest of ``REPEATS`` or more: the least disturbed by other work on a shared machine.
 Short runs (a unit of a launch-bound step takes a millisecond) are repeated until they
 have taken ``MIN_SECONDS`` together, up to ``MAX_REPEATS``: the fastest of two such runs
-varied by half between profiles, and so did the plans. They vary from run to run by a few
-percent, so a ``"time"`` plan may too where two choices are that close.
+varied too much between profiles for their plans to agree (docs/benchmarks.md). Timings vary
+from run to run by a few percent, so a ``"time"`` plan may too where two choices are that close.
 
 Every price is a measured step difference, overhead included: a unit's step under a checkpoint
 of its own less its plain step (:func:`rerun_seconds`), a span's step under a region policy less
@@ -37,7 +37,7 @@ MIN_SECONDS, MAX_REPEATS = 0.05, 10  # short runs: repeated until they took MIN_
 
 
 def fastest(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS) -> float:
-    """The least wall time of ``repeats`` or more calls of ``fn`` (see :func:`_rounds`; CUDA work
+    """The least wall time of ``repeats`` or more calls of ``fn`` (see :func:`_more`; CUDA work
     included: synchronised)."""
     times: List[float] = []
     while _more(times, repeats):
