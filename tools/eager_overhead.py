@@ -189,10 +189,14 @@ def build(name: str, narrow: int = 1, size: int = 224) -> nn.Module:
     if narrow == 1:
         return model
     if isinstance(model, VisionTransformer):
-        return VisionTransformer(size, model.patch_size, len(model.encoder.layers), model.encoder.layers[0].self_attention.num_heads,
-                                 model.hidden_dim // narrow, model.mlp_dim // narrow)
+        heads = model.encoder.layers[0].self_attention.num_heads
+        if narrow < 1 or model.hidden_dim % (narrow * heads):
+            raise SystemExit(f"error: --narrow {narrow}: {name}'s width {model.hidden_dim} divided by it must still split into its {heads} heads")
+        return VisionTransformer(size, model.patch_size, len(model.encoder.layers), heads, model.hidden_dim // narrow, model.mlp_dim // narrow)
     if not isinstance(model, ResNet):
         raise SystemExit(f"error: --narrow builds ResNets and ViTs only, not {name}")
+    if narrow < 1 or 64 % narrow:
+        raise SystemExit(f"error: --narrow {narrow}: a ResNet's widths (64 to 2048) divided by it must stay whole: use a divisor of 64")
     return _NarrowResNet(type(model.layer1[0]), [len(getattr(model, f"layer{i}")) for i in range(1, 5)], narrow)
 
 
@@ -210,8 +214,10 @@ class _Checkpointed(nn.Module):
 def every_block_checkpointed(model: nn.Module) -> nn.Module:
     """A copy of ``model`` run as timm's ``set_grad_checkpointing(True)`` runs timm's own: every block
     of a ResNet's stages (of a ViT's encoder) checkpointed, the stem and head not."""
+    if not isinstance(model, (ResNet, VisionTransformer)):
+        raise SystemExit(f"error: --switch runs ResNets and ViTs (timm's switch checkpoints their blocks), not {type(model).__name__}")
     model = copy.deepcopy(model)
-    stages = [model.encoder.layers] if hasattr(model, "encoder") else [getattr(model, f"layer{i}") for i in range(1, 5)]
+    stages = [model.encoder.layers] if isinstance(model, VisionTransformer) else [getattr(model, f"layer{i}") for i in range(1, 5)]
     for stage in stages:
         for name, block in stage.named_children():
             setattr(stage, name, _Checkpointed(block))
@@ -281,6 +287,8 @@ def main(argv=None) -> int:
     torch.backends.cudnn.benchmark = False
     x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
     tables, attributions, switched = [], [], []
+    for name in args.models:  # a model the tool cannot build is refused before any is measured
+        every_block_checkpointed(build(name, args.narrow, args.size)) if args.switch else build(name, args.narrow, args.size)
     for name in args.models:
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
