@@ -45,6 +45,10 @@ from trunksplit.planning.memory import TorchDispatchMode  # the package's one im
 from trunksplit.recompute.policies import POLICIES, RECOMPUTE
 
 
+STEP_HEADERS = ["model", "budget", "step", "plan", "ms", "time ratio", "extra ms", "predicted extra ms", "peak ratio", "aten ops"]
+SWITCH_HEADERS = ["model", "step", "ms", "time ratio", "against the switch", "peak ratio"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -293,19 +297,21 @@ def main(argv=None) -> int:
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
             t, a = rows_for(name, x, budget, args.repeats, args.narrow)
+            print(tabulate(t, headers=STEP_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)  # kept should a time limit cut the run
             tables += t
             attributions += a
         if args.switch:
             print(f"eager_overhead: {name} against timm's switch ...", file=sys.stderr, flush=True)
             switched += switch_rows(name if args.narrow == 1 else f"{name} / {args.narrow}", build(name, args.narrow, args.size).to(device), x, args.repeats)
+            print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
-    print(tabulate(tables, headers=["model", "budget", "step", "plan", "ms", "time ratio", "extra ms", "predicted extra ms", "peak ratio", "aten ops"], tablefmt="github"))
+    print(tabulate(tables, headers=STEP_HEADERS, tablefmt="github"))
     print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
     print(tabulate(attributions, headers=["model", "budget", "part", "ms", "share"], tablefmt="github"))
     if switched:
         print("\n### At the peak of timm's switch (the time plans given its measured peak as their budget)\n")
-        print(tabulate(switched, headers=["model", "step", "ms", "time ratio", "against the switch", "peak ratio"], tablefmt="github"))
+        print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"))
     return 0
 
 
