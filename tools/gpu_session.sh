@@ -19,8 +19,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/environment.txt"
 # the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them
-timeout 150 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
-timeout 210 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
+timeout 120 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
+timeout 240 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
 timeout 180 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
 timeout 75 python3 tools/eager_overhead.py --device cuda --models resnet50 --batch 64 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
 echo "gpu_session: done; files in $OUT"
