@@ -150,3 +150,16 @@ def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
 def test_a_stand_in_the_tool_cannot_build_is_refused_with_what_to_change(argv, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
         _tool("eager_overhead").main(["--device", "cpu", "--size", "64", "--batch", "2", "--budgets", "0.9", "--repeats", "1", *argv])
+
+
+def test_the_price_check_sets_each_kind_of_plan_beside_its_measured_step(capsys):
+    """tools/price_check.py (docs/benchmarks.md): five plans over ResNet-50's stem and res2, each with its
+    measured and predicted extra time; nesting regions in a cut is priced above the cut alone."""
+    assert _tool("price_check").main(["--narrow", "16", "--size", "64", "--batch", "2", "--repeats", "1"]) == 0
+    rows = {r[0]: r for r in _table(capsys.readouterr().out, "Prices against steps")}
+    assert list(rows) == ["a cut", "the cut, every span nested", "the cut, its last two spans nested", "no cut, the two spans as last-segment regions", "three cuts"]
+    predicted = {k: float(r[2]) for k, r in rows.items()}
+    assert all(v > 0 for v in predicted.values()) and all(r[1] != "-" for r in rows.values())
+    assert predicted["the cut, every span nested"] > predicted["the cut, its last two spans nested"] > predicted["a cut"]
+    with pytest.raises(SystemExit, match="the plans need two"):
+        _tool("price_check").main(["--narrow", "16", "--size", "64", "--batch", "2", "--repeats", "1", "--units", "1"])

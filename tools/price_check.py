@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""The "time" objective's prices against measured steps, for each kind of thing a plan prices.
+
+    python tools/price_check.py --narrow 16 --size 64 --repeats 41             # the CPU's launch-bound stand-in
+    python tools/price_check.py --device cuda --size 224 --repeats 21          # ResNet-50 on a GPU
+
+One timed profile of ResNet-50 (``--narrow``: every width divided, see ``eager_overhead.build``), then
+five hand-made plans over its first ``--units`` units (the stem and res2 by default), each run as a trunk
+beside the plain one, interleaved (median of ``--repeats``): those units as one checkpointed segment (a
+cut); the same with each region span in it nested as a ``"recompute"`` region; with only its last two
+spans nested; no cut, those two spans as regions of the last segment; and the units as three cuts.
+Each row gives the extra time over the plain step, measured and predicted (the plan's segments'
+``recompute_seconds``), and their ratio: a planner ranks plans right where the ratios agree.
+"""
+import argparse
+import copy
+import pathlib
+import sys
+from dataclasses import replace
+
+import torch
+from tabulate import tabulate
+
+from trunksplit import CheckpointedTrunk
+from trunksplit.planning.search import peak_model, plan_trunk
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # eager_overhead.py, beside this one, builds the models and runs the steps
+import eager_overhead  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--narrow", type=int, default=1, metavar="D", help="every width divided by D (see eager_overhead.py)")
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--units", type=int, default=7, help="the first units the plans checkpoint (ResNet-50: 7 is the stem and res2)")
+    p.add_argument("--repeats", type=int, default=21)
+    return p
+
+
+def plans(model, x, units: int) -> tuple:
+    """The timed profile's peak model and the five plans (label -> plan) over the first ``units`` units."""
+    trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0, objective="time")
+    request = trunk.plan_request()
+    measured = peak_model(request, x, regions=True)
+    template = plan_trunk(request, x, measured)
+    spans = [(r, s, "recompute") for r, s in measured.spans if s <= units]
+    if len(spans) < 2:
+        raise SystemExit(f"error: --units {units} holds {len(spans)} region span(s); the plans need two")
+    shapes = {"a cut": ([0, units], []), "the cut, every span nested": ([0, units], spans), "the cut, its last two spans nested": ([0, units], spans[-2:]),
+              "no cut, the two spans as last-segment regions": ([0], spans[-2:]), "three cuts": ([0, spans[-2][0], spans[-1][0], units], [])}
+    return measured, {label: _plan(template, starts, regions, measured.n) for label, (starts, regions) in shapes.items()}
+
+
+def _plan(template, starts, regions, n):
+    bounds = sorted(set(starts)) + [n]
+    segments = tuple(replace(template.segments[-1], start=a, stop=b, checkpointed=b < n, regions=tuple(g for g in regions if a <= g[0] and g[1] <= b))
+                     for a, b in zip(bounds, bounds[1:]))
+    return replace(template, segments=segments)
+
+
+def rows(model, x, units: int, repeats: int) -> list:
+    measured, chosen = plans(model, x, units)
+    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model))}
+    steps.update({label: eager_overhead._with_plan(model, x, plan) for label, plan in chosen.items()})
+    ms = eager_overhead._median_ms(steps, x, repeats)
+    out = []
+    for label, plan in chosen.items():
+        predicted = sum(cost.seconds for _, cost in measured.segments([s.start for s in plan.segments], plan.regions)) * 1e3
+        extra = ms[label] - ms["plain"]
+        out.append([label, f"{extra:.2f}", f"{predicted:.2f}", f"{predicted / extra:.2f}" if extra > 0 else "-"])
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no GPU here; on CPU: --narrow 16 --size 64", file=sys.stderr)
+        return 2
+    model = eager_overhead.build("resnet50", args.narrow, args.size).to(device)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
+    print(f"### Prices against steps: resnet50{'' if args.narrow == 1 else f' / {args.narrow}'}, {args.batch} x {args.size}px, {device}, median of {args.repeats}\n")
+    print(tabulate(rows(model, x, args.units, args.repeats), headers=["plan over the first units", "extra ms", "predicted ms", "predicted / measured"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
