@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A GPU session's one prepared command: the CUDA tier, the GPU check's report and the eager step's
-# attribution (at 4 images, launch-bound, and at 64, where kernels weigh more), each under its own time
-# limit, their logs and reports written to $OUT (default gpu_out/). Sized for a lease of 15 minutes on
-# one H100 or H200: about 10 minutes at most here.
+# attribution (at 4 images, launch-bound, and at 64, where kernels weigh more) and the time objective's
+# prices against measured steps, each under its own time limit, their logs and reports written to $OUT
+# (default gpu_out/). Sized for a lease of 15 minutes on one H100 or H200: 11 minutes at most here.
 #
 #     bash tools/gpu_session.sh                 # from the repository root, on the GPU machine
 #
@@ -23,4 +23,5 @@ timeout 120 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$O
 timeout 240 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
 timeout 180 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
 timeout 75 python3 tools/eager_overhead.py --device cuda --models resnet50 --batch 64 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
+timeout 45 python3 tools/price_check.py --device cuda --size 224 --repeats 21 2>&1 | tee "$OUT/price_check.md"
 echo "gpu_session: done; files in $OUT"
