@@ -57,9 +57,9 @@ class UnitCosts:
       :func:`trunksplit.recompute.checkpoint.is_heavy`): what the ``"save_heavy"`` policy runs again.
     - ``forward_seconds``, ``rerun_seconds``, ``checkpoint_seconds``, for the ``"time"`` objective
       only (``profile_units(..., timed=True)``; :mod:`trunksplit.planning.timing`): the wall time of
-      the unit's forward (with autograd, warm, the fastest of two or more runs: see timing.py); what the unit adds to a step
-      in a checkpointed segment (its rerun and the checkpoint's hooks on what it saves, in both
-      passes); and what one checkpoint costs beyond its units, once per checkpointed segment.
+      the unit's forward (with autograd, warm, the fastest of two or more runs); what the unit adds
+      to a step in a checkpointed segment (its rerun and the checkpoint's hooks on what it saves, in
+      both passes); and what one checkpoint costs beyond its units, once per checkpointed segment.
     - ``again_seconds``: under a region policy, what running a span so adds to its
       training step (forward and backward, against the units run plainly), at the
       span's first unit: the recompute, and the policy's own overhead (a selective
