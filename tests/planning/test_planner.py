@@ -20,6 +20,7 @@ from trunksplit.planning.profile import UnitCosts, profile_units
 from trunksplit.planning.search import Cuts, _Entry, _pareto, annotate, best_plan, peak_model, plan_from_cuts, plan_trunk, region_spans  # the search's pruning, against its definition
 from trunksplit.planning.memory import meter_name
 from trunksplit.planning.request import priced_in
+from trunksplit.recompute.policies import POLICIES, RECOMPUTE
 from trunksplit.recompute.regions import run_as
 
 from reference import build, check_step, loss_of, second_step_peak, step_both
@@ -325,12 +326,14 @@ def chain_with_regions():
 def _options_template_by_template(model, a):
     """What a segment starting at ``a`` can be, by the definition of ``RegionTemplates.options``:
     every template scanned on its own (``PeakModel._scan``), per end the choices no other beats or
-    equals in both recompute and local peak, of equals the first template's."""
+    equals in both recompute and local peak, of equals the first template's; none with a region run as
+    "recompute" over the whole of a checkpointed segment (the segment's own checkpoint once more)."""
     found, templates = {}, model._choices.templates()
     for t, template in enumerate(templates):
         for last in (False, True):
             for stop, local, cost in model._scan(a, template, last):
-                found.setdefault(stop, {}).setdefault((local, cost), t)
+                if not any(g[:2] == (a, stop) and stop < model.n and POLICIES[g[2]].nested is RECOMPUTE for g in template):
+                    found.setdefault(stop, {}).setdefault((local, cost), t)
     options = {}
     for stop, choices in found.items():
         kept = []
@@ -691,3 +694,19 @@ def test_the_searchs_pruning_keeps_exactly_the_entries_no_other_is_at_least_as_g
                    for _ in range(rng.randint(0, 40))]
         for with_cost in (True, False):
             assert _pareto(entries, cost_key, with_cost) == by_definition(entries, cost_key, with_cost)
+
+
+def test_a_region_over_a_whole_checkpointed_segment_is_never_a_choice_even_priced_below_the_cut(chain_with_regions):
+    """A "recompute" region over the whole of a checkpointed segment runs as the segment's own checkpoint
+    once more: the same memory, one checkpoint dearer. Priced far below the cut (a noisy timing could do
+    that), it is still no choice: the segment is offered without it, at the cut's price."""
+    costs, spans = chain_with_regions
+    cheap = {p: replace(c, again_seconds=tuple(0.0 for _ in c.eligible)) for p, c in costs.policies.items()}
+    costs = replace(costs, forward_seconds=(1.0,) * len(costs), rerun_seconds=(1.0,) * len(costs), checkpoint_seconds=0.5, policies=cheap)
+    model = PeakModel(costs=costs, feature_units=[len(costs) - 1], gradients="allocated", spans=spans, objective="time")
+    whole = [(r, s) for r, s in spans if s < model.n]
+    assert whole  # spans that could be a whole checkpointed segment
+    for r, s in whole:
+        offered = model.options(r, s)
+        assert offered and not any((r, s, RECOMPUTE.name) in regions for _, _, regions in offered), (r, s, offered)
+        assert any(not regions and cost == model._segment(r, s, [])[1] for _, cost, regions in offered)  # the cut alone, at its price

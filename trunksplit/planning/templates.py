@@ -42,15 +42,25 @@ class RegionTemplates:
             templates = self.templates()
             if self._table is None:
                 regions = sorted({g for template in templates for g in template})
-                self._table = region_table(regions, self.model.n, templates), [region_arrays(self.model, regions, last) for last in (False, True)]
-            region_at, figures = self._table
+                nests_whole = np.array([POLICIES[g[2]].nested is RECOMPUTE for g in regions], dtype=bool)
+                self._table = region_table(regions, self.model.n, templates), [region_arrays(self.model, regions, last) for last in (False, True)], nests_whole
+            region_at, figures, nests_whole = self._table
             _, first = np.unique(region_at[:, a:], axis=0, return_index=True)  # one template per set of regions from a on
             rows = np.sort(first)
             scans = [scan_templates(self.model, a, region_at[rows], figures[last], last) for last in (False, True)]
             t, stop, local, flops, cheap, seconds = (np.concatenate(column) for column in zip(*scans))
             t = rows[t]
+            # A region run as "recompute" over the whole of a checkpointed segment is that segment's own
+            # checkpoint once more: the same memory, one checkpoint dearer; only noise in two prices of
+            # the same runs could make it look cheaper. Its option is the segment without it.
+            starting = region_at[t, a]
+            redundant = np.zeros(len(t), dtype=bool)
+            if figures[0].stop.size:
+                g = np.maximum(starting, 0)
+                redundant = (starting >= 0) & (stop < self.model.n) & (figures[0].stop[g] == stop) & nests_whole[g]
             key = (flops, cheap) if self.model.objective == "flops" else (seconds, flops, cheap)  # PeakModel.cost_key
             order = np.lexsort((t, local, *reversed(key), stop))
+            order = order[~redundant[order]]
             self._options[a] = {}
             for group in np.split(order, np.flatnonzero(np.diff(stop[order])) + 1):
                 lowest = np.minimum.accumulate(local[group])
