@@ -51,12 +51,12 @@ SWITCH_HEADERS = ["model", "step", "ms", "time ratio", "against the switch", "pe
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="cuda (the default) or cpu")
     p.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"], help="torchvision model names")
-    p.add_argument("--budgets", nargs="+", type=float, default=[0.7, 0.5, 0.3])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--budgets", nargs="+", type=float, default=[0.7, 0.5, 0.3], help="memory budgets, fractions of the unsplit step")
+    p.add_argument("--batch", type=int, default=4, help="images per step")
+    p.add_argument("--size", type=int, default=224, help="image side in pixels")
+    p.add_argument("--repeats", type=int, default=7, help="steps timed per variant, interleaved; the median is reported")
     p.add_argument("--switch", action="store_true",
                    help="also timm's set_grad_checkpointing (every block under torch's checkpoint) and the time plans at its peak")
     p.add_argument("--narrow", type=int, default=1, metavar="D",
@@ -215,11 +215,15 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
+def _check_switchable(model: nn.Module) -> None:
+    if not isinstance(model, (ResNet, VisionTransformer)):
+        raise SystemExit(f"error: --switch runs ResNets and ViTs (timm's switch checkpoints their blocks), not {type(model).__name__}")
+
+
 def every_block_checkpointed(model: nn.Module) -> nn.Module:
     """A copy of ``model`` run as timm's ``set_grad_checkpointing(True)`` runs timm's own: every block
     of a ResNet's stages (of a ViT's encoder) checkpointed, the stem and head not."""
-    if not isinstance(model, (ResNet, VisionTransformer)):
-        raise SystemExit(f"error: --switch runs ResNets and ViTs (timm's switch checkpoints their blocks), not {type(model).__name__}")
+    _check_switchable(model)
     model = copy.deepcopy(model)
     stages = [model.encoder.layers] if isinstance(model, VisionTransformer) else [getattr(model, f"layer{i}") for i in range(1, 5)]
     for stage in stages:
@@ -253,9 +257,7 @@ def _regions(plan) -> str:
     return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
 
 
-def rows_for(name: str, x, budget: float, repeats: int, narrow: int = 1):
-    model = build(name, narrow, x.shape[-1]).to(x.device)
-    name = name if narrow == 1 else f"{name} / {narrow}"
+def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int):
     steps, plan = variants(model, x, budget)
     if steps is None:
         return [[name, budget, "-", plan, "-", "-", "-", "-", "-", "-"]], []
@@ -291,18 +293,20 @@ def main(argv=None) -> int:
     torch.backends.cudnn.benchmark = False
     x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
     tables, attributions, switched = [], [], []
-    for name in args.models:  # a model the tool cannot build is refused before any is measured
-        every_block_checkpointed(build(name, args.narrow, args.size)) if args.switch else build(name, args.narrow, args.size)
-    for name in args.models:
+    models = {name if args.narrow == 1 else f"{name} / {args.narrow}": build(name, args.narrow, args.size).to(device)
+              for name in args.models}  # all built first: one the tool cannot build is refused before any is measured
+    for model in models.values() if args.switch else ():
+        _check_switchable(model)  # a family without blocks, as early
+    for name, model in models.items():
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
-            t, a = rows_for(name, x, budget, args.repeats, args.narrow)
+            t, a = rows_for(name, model, x, budget, args.repeats)
             print(tabulate(t, headers=STEP_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)  # kept should a time limit cut the run
             tables += t
             attributions += a
         if args.switch:
             print(f"eager_overhead: {name} against timm's switch ...", file=sys.stderr, flush=True)
-            switched += switch_rows(name if args.narrow == 1 else f"{name} / {args.narrow}", build(name, args.narrow, args.size).to(device), x, args.repeats)
+            switched += switch_rows(name, model, x, args.repeats)
             print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")

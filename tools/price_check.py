@@ -16,13 +16,12 @@ import argparse
 import copy
 import pathlib
 import sys
-from dataclasses import replace
 
 import torch
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.planning.search import peak_model, plan_trunk
+from trunksplit.planning.search import Cuts, peak_model, plan_from_cuts
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # eager_overhead.py, beside this one, builds the models and runs the steps
 import eager_overhead  # noqa: E402
@@ -30,44 +29,38 @@ import eager_overhead  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--narrow", type=int, default=1, metavar="D", help="every width divided by D (see eager_overhead.py)")
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--size", type=int, default=224, help="image side in pixels")
+    p.add_argument("--batch", type=int, default=4, help="images per step")
     p.add_argument("--units", type=int, default=7, help="the first units the plans checkpoint (ResNet-50: 7 is the stem and res2)")
-    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--repeats", type=int, default=21, help="steps timed per plan, interleaved; the median is reported")
     return p
 
 
-def plans(model, x, units: int) -> tuple:
-    """The timed profile's peak model and the five plans (label -> plan) over the first ``units`` units."""
-    trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0, objective="time")
-    request = trunk.plan_request()
+def plans(model, x, units: int) -> dict:
+    """The five plans (label -> plan, priced by one timed profile) over the first ``units`` units."""
+    request = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0, objective="time").plan_request()
     measured = peak_model(request, x, regions=True)
-    template = plan_trunk(request, x, measured)
     spans = [(r, s, "recompute") for r, s in measured.spans if s <= units]
     if len(spans) < 2:
         raise SystemExit(f"error: --units {units} holds {len(spans)} region span(s); the plans need two")
     shapes = {"a cut": ([0, units], []), "the cut, every span nested": ([0, units], spans), "the cut, its last two spans nested": ([0, units], spans[-2:]),
               "no cut, the two spans as last-segment regions": ([0], spans[-2:]), "three cuts": ([0, spans[-2][0], spans[-1][0], units], [])}
-    return measured, {label: _plan(template, starts, regions, measured.n) for label, (starts, regions) in shapes.items()}
-
-
-def _plan(template, starts, regions, n):
-    bounds = sorted(set(starts)) + [n]
-    segments = tuple(replace(template.segments[-1], start=a, stop=b, checkpointed=b < n, regions=tuple(g for g in regions if a <= g[0] and g[1] <= b))
-                     for a, b in zip(bounds, bounds[1:]))
-    return replace(template, segments=segments)
+    return {label: plan_from_cuts(measured.costs.names, Cuts(starts, frozenset(regions)), request.stops, "budget", measured)
+            for label, (starts, regions) in shapes.items()}
 
 
 def rows(model, x, units: int, repeats: int) -> list:
-    measured, chosen = plans(model, x, units)
+    print("price_check: profiling (timed) ...", file=sys.stderr, flush=True)
+    chosen = plans(model, x, units)
+    print(f"price_check: timing {len(chosen)} plans and the plain step, {repeats} steps each ...", file=sys.stderr, flush=True)
     steps = {"plain": CheckpointedTrunk(copy.deepcopy(model))}
     steps.update({label: eager_overhead._with_plan(model, x, plan) for label, plan in chosen.items()})
     ms = eager_overhead._median_ms(steps, x, repeats)
     out = []
     for label, plan in chosen.items():
-        predicted = sum(cost.seconds for _, cost in measured.segments([s.start for s in plan.segments], plan.regions)) * 1e3
+        predicted = sum(s.recompute_seconds for s in plan.segments) * 1e3
         extra = ms[label] - ms["plain"]
         out.append([label, f"{extra:.2f}", f"{predicted:.2f}", f"{predicted / extra:.2f}" if extra > 0 else "-"])
     return out
