@@ -136,8 +136,8 @@ def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
     for m in (model, switch):
         m(x).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), switch.parameters()))
-    assert tool.main(["--device", "cpu", "--models", "resnet18", "--narrow", "8", "--size", "128", "--batch", "4", "--budgets", "0.9",
-                      "--repeats", "1", "--switch"]) == 0
+    assert tool.main(["--device", "cpu", "--models", "resnet18", "--narrow", "8", "--size", "128", "--batch", "4", "--budgets",
+                      "--repeats", "1", "--switch"]) == 0  # no budgets: the switch's comparison alone
     rows = {r[1]: r for r in _table(capsys.readouterr().out, "At the peak of timm's switch")}
     peak = {k: float(r[5]) for k, r in rows.items()}
     assert peak["timm's switch (every block checkpointed)"] < 0.9
@@ -146,7 +146,8 @@ def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
 
 @pytest.mark.parametrize("argv, says", [(["--models", "resnet50", "--narrow", "0"], "divisor of 64"), (["--models", "resnet50", "--narrow", "3"], "divisor of 64"),
                                         (["--models", "vit_b_16", "--narrow", "128"], "12 heads"), (["--models", "mobilenet_v3_small", "--narrow", "2"], "ResNets and ViTs only"),
-                                        (["--models", "mobilenet_v3_small", "--switch"], "--switch runs ResNets and ViTs")])
+                                        (["--models", "mobilenet_v3_small", "--switch"], "--switch runs ResNets and ViTs"),
+                                        (["--models", "resnet50", "--budgets"], "nothing to measure")])
 def test_a_stand_in_the_tool_cannot_build_is_refused_with_what_to_change(argv, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
         _tool("eager_overhead").main(["--device", "cpu", "--size", "64", "--batch", "2", "--budgets", "0.9", "--repeats", "1", *argv])

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (the default) or cpu")
     p.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"], help="torchvision model names")
-    p.add_argument("--budgets", nargs="+", type=float, default=[0.7, 0.5, 0.3], help="memory budgets, fractions of the unsplit step")
+    p.add_argument("--budgets", nargs="*", type=float, default=[0.7, 0.5, 0.3],
+                   help="memory budgets, fractions of the unsplit step (none, with --switch: only the switch's comparison)")
     p.add_argument("--batch", type=int, default=4, help="images per step")
     p.add_argument("--size", type=int, default=224, help="image side in pixels")
     p.add_argument("--repeats", type=int, default=7, help="steps timed per variant, interleaved; the median is reported")
@@ -286,6 +287,8 @@ def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.budgets and not args.switch:
+        raise SystemExit("error: nothing to measure: give --budgets, --switch or both")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch sees no GPU here; on CPU: --device cpu --models resnet18 --size 64", file=sys.stderr)
@@ -310,9 +313,10 @@ def main(argv=None) -> int:
             print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
-    print(tabulate(tables, headers=STEP_HEADERS, tablefmt="github"))
-    print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
-    print(tabulate(attributions, headers=["model", "budget", "part", "ms", "share"], tablefmt="github"))
+    if tables:
+        print(tabulate(tables, headers=STEP_HEADERS, tablefmt="github"))
+        print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
+        print(tabulate(attributions, headers=["model", "budget", "part", "ms", "share"], tablefmt="github"))
     if switched:
         print("\n### At the peak of timm's switch (the time plans given its measured peak as their budget)\n")
         print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"))
