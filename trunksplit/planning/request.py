@@ -28,9 +28,8 @@ def priced_in(objective: str, device: torch.device) -> str:
 
     Why: a GPU runs a small op about as fast as it launches it, so the cheap ops a selective
     region runs again (norms, activations) and torch's per-op selective-checkpoint dispatch cost
-    time that FLOPs do not see (on an H100 a ResNet-50 step at budget 0.5 took 3.6x the plain
-    step under FLOPs, 2.0x under time: docs/gpu.md). On a CPU, FLOPs track time well enough, and
-    keep plans the same from run to run and machine to machine."""
+    time that FLOPs do not see (docs/gpu.md measures both objectives' plans on an H100). On a CPU,
+    FLOPs track time well enough, and keep plans the same from run to run and machine to machine."""
     if objective != "auto":
         return objective
     return "flops" if torch.device(device).type == "cpu" else "time"

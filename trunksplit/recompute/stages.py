@@ -11,8 +11,8 @@ functional convolution, linear or matmul) and takes in the cheap ops after it th
 read only what the stage computed (BatchNorm, ReLU, GELU, dropout). Each stage runs
 as a nested checkpoint, so the region's recompute holds only the stages' inputs and
 what the ops between stages save (a bottleneck's residual add and last ReLU), and
-its backward rebuilds one stage at a time: for that block it peaks at 70 MiB instead
-of 86 (its output and the gradient arriving at it included).
+its backward rebuilds one stage at a time (docs/regions.md: what that saves for an
+early bottleneck).
 
 What is exact: the graph calls the unit's own submodules and functions, in the
 unit's order, on the module as it is at run time (parameters, buffers and children
