@@ -8,7 +8,7 @@ import torch
 import torchvision
 from torch import nn
 
-from trunksplit import LARS, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing, fit, optimizer_in_backward
+from trunksplit import LARS, BudgetTooLowError, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing, fit, optimizer_in_backward
 from trunksplit.cli import main
 from trunksplit.in_backward import update_temporaries
 from trunksplit.planning.search import annotate, peak_model
@@ -163,9 +163,9 @@ def test_stepping_in_backward_lowers_the_step_below_the_default_modes_floor():
         trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.01, gradients=gradients)
         if gradients == "in_backward":
             optimizer_in_backward(trunk, torch.optim.SGD, lr=0.1, momentum=0.9)
-        with pytest.raises(ValueError, match=r"smallest feasible budget is [\d.]+ MiB \((\d+) bytes\)") as info:
+        with pytest.raises(BudgetTooLowError, match=r"smallest feasible budget is [\d.]+ MiB \((\d+) bytes\)") as info:
             trunk.plan_for(x)
-        floors[gradients] = int(str(info.value).split("smallest feasible budget is ")[1].split("(")[1].split()[0])
+        floors[gradients] = info.value.smallest_bytes
     gradient_bytes = sum(p.numel() * p.element_size() for p in trunk.parameters())
     assert floors["allocated"] - floors["in_backward"] >= 0.5 * gradient_bytes, floors
 

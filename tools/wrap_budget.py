@@ -15,7 +15,7 @@ import time
 import torch
 import torchvision
 
-from trunksplit import apply_activation_checkpointing
+from trunksplit import BudgetTooLowError, apply_activation_checkpointing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +41,8 @@ def main(argv=None) -> int:
             try:
                 plan = apply_activation_checkpointing(model, memory_budget=budget, example_inputs=(x,), gradients="kept")
                 row = [f"{len(plan.names)} ({plan.policies.count('save_expensive')})", f"{plan.peak_bytes / plan.unwrapped_peak_bytes:.2f}", f"{plan.recompute_flops / plan.forward_flops:.2f}"]
-            except ValueError as e:
-                row = ["-", str(e).split("smallest feasible budget found is ")[-1].split(",")[0], "-"]
+            except BudgetTooLowError as e:  # the smallest budget met, in the peak column
+                row = ["-", f"floor {e.smallest_bytes / e.unsplit_bytes:.2f}" if e.smallest_bytes else str(e), "-"]
             print(f"| {arch} | {budget} | {row[0]} | {row[1]} | {row[2]} | {time.perf_counter() - start:.1f} |")
     return 0
 

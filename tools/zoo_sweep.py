@@ -4,6 +4,7 @@
     python tools/zoo_sweep.py --libraries torchvision timm --size 64 --out output/zoo_sweep.jsonl
     python tools/zoo_sweep.py --libraries timm --peaks --size 224 --limit 20
     python tools/zoo_sweep.py --libraries timm --wrap 0.6 --size 224 --limit 20
+    python tools/zoo_sweep.py --libraries torchvision --budget 0.5 --objective time --batch 8
 
 Each model is built with random weights (nothing is downloaded). ``CheckpointedTrunk(model,
 num_splits=4, strategy="balanced")`` then trains two steps beside the same model unsplit, from
@@ -13,7 +14,9 @@ are also checked against the model's own forward. A model the trunk refuses (tor
 trace it) is *refused*, any other exception a *crash*. With ``--peaks`` the balanced trunk's
 predicted step peak is compared with the measured one (exact tensor bytes) in each gradient mode
 of ``--gradients`` (kept between steps and allocated by the step, both by default), and both with
-the plain step. With ``--wrap B``, ``apply_activation_checkpointing(
+the plain step. With ``--budget B`` (and ``--objective``), the budget plan's trunk (regions and all,
+gradients kept) is checked for exactness instead of the balanced one, at B or, where a model's floor at
+the input is above it, at the floor. With ``--wrap B``, ``apply_activation_checkpointing(
 model, memory_budget=B)`` is checked instead: exact against the plain model, and its measured
 peak within 3% of the budget (or the smallest feasible budget it names). timm models: the smallest two of each timm
 module; transformers models: the listed vision models, where the package is installed. The
@@ -35,7 +38,7 @@ import warnings
 import torch
 import torchvision
 
-from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
+from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
 from trunksplit.chains.families import TORCHVISION_FAMILIES
 
 TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model", "ViTForImageClassification", "ResNetForImageClassification"]
@@ -159,10 +162,14 @@ def _two_steps(module, x):
     return _step(module, x, 2)
 
 
-def exact_row(model, x):
-    """Whether the balanced trunk trains exactly as the unsplit one (and as the model itself, when traced)."""
+def exact_row(model, x, budget=0.0, objective="auto"):
+    """Whether the balanced trunk (with ``budget``: the budget plan, see :func:`_budget_trunk`) trains
+    exactly as the unsplit one (and as the model itself, when traced)."""
     plain = CheckpointedTrunk(copy.deepcopy(model))
-    trunk = CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced")
+    if budget:
+        trunk, budget = _budget_trunk(model, x, budget, objective)
+    else:
+        trunk = CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced")
     want, got = _two_steps(plain, x), _two_steps(trunk, x)
     same = len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
     for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
@@ -175,7 +182,24 @@ def exact_row(model, x):
         torch.manual_seed(3)
         chain = _tensors(CheckpointedTrunk(copy.deepcopy(model))(x)[-1])
         same = same and len(own) == len(chain) > 0 and all(torch.equal(a, b) for a, b in zip(own, chain))
-    return {"result": "exact" if same else "differs", "segments": len(trunk.plan.segments), "traced": traced}
+    row = {"result": "exact" if same else "differs", "segments": len(trunk.plan.segments), "traced": traced}
+    if budget:
+        row.update(budget=budget, regions=sorted({policy for _, _, policy in trunk.plan.regions}))  # the budget: asked, or the floor
+    return row
+
+
+def _budget_trunk(model, x, budget, objective):
+    """A budget plan's trunk (gradients kept: activations only) and its budget as a fraction of the
+    unsplit step: ``budget``, or the model's floor at this input where that is above it."""
+    def planned(b):
+        trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=b, objective=objective, gradients="kept")
+        trunk.plan_for(x)
+        return trunk
+
+    try:
+        return planned(budget), budget
+    except BudgetTooLowError as e:
+        return planned(e.smallest_bytes), round(e.smallest_bytes / e.unsplit_bytes, 3)
 
 
 def _peak(module, x, gradients="kept"):
@@ -212,8 +236,8 @@ def wrap_row(model, x, budget):
     wrapped = copy.deepcopy(model)
     try:
         plan = apply_activation_checkpointing(wrapped, memory_budget=budget, example_inputs=(x,), gradients="kept")
-    except ValueError as e:
-        return {"result": "infeasible", "smallest": str(e).split("smallest feasible budget")[-1][:80]}
+    except BudgetTooLowError as e:
+        return {"result": "infeasible", "smallest": e.smallest_bytes and round(e.smallest_bytes / e.unsplit_bytes, 3)}
     same = _same_training(model, plain, wrapped, x)
     ratio = _peak(wrapped, x) / _peak(plain, x)
     return {"result": same, "wrapped": len(plan.names), "measured_vs_plain": ratio, "meets": ratio <= budget * 1.03}
@@ -251,7 +275,7 @@ def _time_limit(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
-def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradients=("kept",)):
+def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradients=("kept",), budget=0.0, objective="auto"):
     row = {"library": library, "model": name}
     start = time.perf_counter()
     try:
@@ -260,7 +284,7 @@ def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradi
             torch.manual_seed(0)
             model, row["size"] = _built_and_sized(build, size)
             x = torch.randn(batch, 3, row["size"], row["size"], generator=torch.Generator().manual_seed(0))
-            row.update(wrap_row(model, x, wrap) if wrap else peaks_row(model, x, tuple(gradients)) if peaks else exact_row(model, x))
+            row.update(wrap_row(model, x, wrap) if wrap else peaks_row(model, x, tuple(gradients)) if peaks else exact_row(model, x, budget, objective))
     except TypeError as e:
         row.update(result="refused" if "trace" in str(e) or "feature_blocks" in str(e) else "crash", error=str(e).splitlines()[0][:300])
     except _Timeout as e:
@@ -271,9 +295,10 @@ def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradi
     return row
 
 
-def summary(rows, mode: str) -> str:
-    """The per-library table: counts by result, and for ``peaks`` and ``wrap`` the peak ratios."""
-    extra = {"exact": [], "peaks": ["median measured / plain", "worst predicted / measured"], "wrap": ["infeasible", "meet the budget", "median measured / plain"]}[mode]
+def summary(rows, mode: str, asked: float = 0.0) -> str:
+    """The per-library table: counts by result, for ``peaks`` and ``wrap`` the peak ratios, for
+    ``budget`` how many were planned at their floor, above the ``asked`` budget."""
+    extra = {"exact": [], "budget": ["planned at their floor", "median budget", "with regions"], "peaks": ["median measured / plain", "worst predicted / measured"], "wrap": ["infeasible", "meet the budget", "median measured / plain"]}[mode]
     head = ["library", "models", "planned" if mode == "peaks" else "exact", "differs", "nondeterministic model", "refused", "crash or timeout", *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for lib in dict.fromkeys(r["library"] for r in rows):
@@ -286,6 +311,10 @@ def summary(rows, mode: str) -> str:
             cells += [median, f"±{max((abs(r['predicted_vs_measured'] - 1) for r in mine if 'predicted' in r), default=0):.1%}"]
         elif mode == "wrap":
             cells += [count["infeasible"], sum(bool(r.get("meets")) for r in mine), median]
+        elif mode == "budget":
+            budgets = [r["budget"] for r in mine if "budget" in r]
+            floors = sum(r["budget"] > asked for r in mine if "budget" in r)
+            cells += [floors, f"{statistics.median(budgets):.2f}" if budgets else "-", sum(bool(r.get("regions")) for r in mine)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -299,6 +328,9 @@ def build_parser():
     p.add_argument("--gradients", nargs="+", choices=["kept", "allocated"], default=["kept", "allocated"],
                    help="with --peaks: the gradient modes predicted and measured (the first gives measured / plain)")
     p.add_argument("--wrap", type=float, default=0.0, help="check apply_activation_checkpointing at this memory budget instead")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="check the budget plan at this fraction instead of the balanced one (gradients kept; at the model's floor where that is above it)")
+    p.add_argument("--objective", choices=["auto", "flops", "time"], default="auto", help="with --budget: what the plan is priced in")
     p.add_argument("--limit", type=int, default=0, help="at most this many models per library (0: all)")
     p.add_argument("--only", nargs="*", default=[], help="just these model names")
     p.add_argument("--seconds", type=int, default=300, help="per model; slower ones are reported as timeouts")
@@ -309,6 +341,10 @@ def build_parser():
     return p
 
 
+def _mode(args) -> str:
+    return "wrap" if args.wrap else "peaks" if args.peaks else "budget" if args.budget else "exact"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     sources = {"torchvision": torchvision_models, "timm": timm_models, "transformers": transformers_models}
@@ -316,7 +352,7 @@ def main(argv=None) -> int:
     rows = []
     if args.summarize:
         with open(args.out) as f:
-            print(summary([json.loads(line) for line in f if line.strip()], "wrap" if args.wrap else "peaks" if args.peaks else "exact"))
+            print(summary([json.loads(line) for line in f if line.strip()], _mode(args), args.budget))
         return 0
     k, n = (int(v) for v in args.shard.split("/"))
     if args.resume and os.path.exists(args.out):  # a long sweep that was stopped goes on where it was
@@ -329,11 +365,11 @@ def main(argv=None) -> int:
             for library, name, build in models[: args.limit or None][k::n]:
                 if (library, name) in done:
                     continue
-                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap, args.gradients))
+                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap, args.gradients, args.budget, args.objective))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()
                 print(json.dumps(rows[-1]), flush=True)
-    print(summary(rows, "wrap" if args.wrap else "peaks" if args.peaks else "exact"))
+    print(summary(rows, _mode(args), args.budget))
     return 0
 
 

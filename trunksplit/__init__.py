@@ -25,7 +25,7 @@ PUBLIC = {
     "Fit": "fit", "ScalingRow": "fit", "fit": "fit", "scaling": "fit",
     "InBackwardOptimizer": "in_backward", "optimizer_in_backward": "in_backward",
     "LARS": "lars",
-    "MemoryBudget": "planning.budget",
+    "BudgetTooLowError": "planning.budget", "MemoryBudget": "planning.budget",
     "PeakMemory": "planning.memory",
     "PlanRequest": "planning.request",
     "Segment": "planning.plan", "SplitPlan": "planning.plan",
@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # what editors and type checkers read
     from .fit import Fit, ScalingRow, fit, scaling  # noqa: F401
     from .in_backward import InBackwardOptimizer, optimizer_in_backward  # noqa: F401
     from .lars import LARS  # noqa: F401
-    from .planning.budget import MemoryBudget  # noqa: F401
+    from .planning.budget import BudgetTooLowError, MemoryBudget  # noqa: F401
     from .planning.memory import PeakMemory  # noqa: F401
     from .planning.plan import Segment, SplitPlan  # noqa: F401
     from .planning.request import PlanRequest  # noqa: F401

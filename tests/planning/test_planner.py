@@ -13,7 +13,7 @@ import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward
-from trunksplit.planning.budget import format_bytes
+from trunksplit.planning.budget import BudgetTooLowError, format_bytes
 from trunksplit.planning.costs import Cost
 from trunksplit.planning.peak import GRADIENT_MODES, PeakModel
 from trunksplit.planning.profile import UnitCosts, profile_units
@@ -530,9 +530,11 @@ def test_replans_when_the_input_shape_changes():
 @pytest.mark.parametrize("gradients", ["allocated", "kept"])
 def test_budget_plan_fits_and_impossible_budget_names_the_smallest_feasible(gradients):
     x = torch.randn(2, 3, 64, 64)
-    with pytest.raises(ValueError, match=r"budget.*smallest feasible budget is [\d.]+ MiB \((\d+) bytes\), 0\.\d+ of unsplit") as info:
+    with pytest.raises(BudgetTooLowError, match=r"budget.*smallest feasible budget is [\d.]+ MiB \((\d+) bytes\), 0\.\d+ of unsplit") as info:
         CheckpointedTrunk(build("resnet18"), memory_budget=1000, gradients=gradients).plan_for(x)
-    smallest = int(info.value.args[0].split("smallest feasible budget is ")[1].split("(")[1].split()[0])
+    smallest = info.value.smallest_bytes  # what the message says, as data
+    assert f"smallest feasible budget is {format_bytes(smallest)}" in info.value.args[0]
+    assert info.value.unsplit_bytes == CheckpointedTrunk(build("resnet18"), memory_budget=1.0, gradients=gradients).plan_for(x).predicted_peak_bytes
     # why: at this small input the parameters' gradients, which only the default mode allocates in the step, are most of it
     gradient_bytes = sum(p.numel() * p.element_size() for p in CheckpointedTrunk(build("resnet18")).parameters())
     says_why = f"gradients, which this step allocates (gradients=\"allocated\"), are {format_bytes(gradient_bytes)}" in info.value.args[0]

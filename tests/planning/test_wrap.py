@@ -7,7 +7,8 @@ import torch
 import torchvision
 from torch import nn
 
-from trunksplit import CheckpointedTrunk, PeakMemory, WrapPlan, apply_activation_checkpointing, is_checkpoint_wrapped
+from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, WrapPlan, apply_activation_checkpointing, is_checkpoint_wrapped
+from trunksplit.planning.budget import format_bytes
 import trunksplit.planning.wrap as wrap_module
 from trunksplit.planning.wrap import _cheapest_fit
 from trunksplit.planning.wrap_blocks import measure_blocks
@@ -142,8 +143,9 @@ def test_an_impossible_budget_names_the_smallest_feasible_and_leaves_the_model_a
     torch.manual_seed(0)
     model = Untraceable()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"smallest feasible budget found is [\d.]+ MiB \(\d+ bytes\) \(0\.\d+ of unwrapped\)"):
+    with pytest.raises(BudgetTooLowError, match=r"smallest feasible budget found is [\d.]+ MiB \(\d+ bytes\) \(0\.\d+ of unwrapped\)") as info:
         apply_activation_checkpointing(model, memory_budget=0.01, example_inputs=torch.randn(4, 3, 32, 32), gradients="kept")
+    assert f"found is {format_bytes(info.value.smallest_bytes)}" in str(info.value) and f"unwrapped {format_bytes(info.value.unsplit_bytes)}" in str(info.value)
     assert not any(is_checkpoint_wrapped(m) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # measuring trained nothing
     assert all(p.grad is None for p in model.parameters())
@@ -157,8 +159,9 @@ def test_a_budget_below_the_gradients_the_step_allocates_is_refused_before_any_b
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     measured = []
     monkeypatch.setattr(wrap_module, "measure_blocks", lambda *a, **k: measured.append(a) or measure_blocks(*a, **k))
-    with pytest.raises(ValueError, match=r"gradients, which this step allocates .* are 44\.6 MiB .* no checkpoint frees them.*nothing was changed"):
+    with pytest.raises(BudgetTooLowError, match=r"gradients, which this step allocates .* are 44\.6 MiB .* no checkpoint frees them.*nothing was changed") as info:
         apply_activation_checkpointing(model, memory_budget=grads - 1, example_inputs=torch.randn(2, 3, 32, 32))
+    assert info.value.smallest_bytes is None and info.value.unsplit_bytes > grads  # no floor searched for: refused before
     assert measured == []  # known from the one step: no block was measured
     assert not any(is_checkpoint_wrapped(m) for m in model.modules()) and all(p.grad is None for p in model.parameters())
 

@@ -87,6 +87,26 @@ class MemoryBudget:
         return f"{self.fraction:g} of the unsplit step" if self.fraction is not None else format_bytes(self.bytes)
 
 
+class BudgetTooLowError(ValueError):
+    """No plan meets a memory budget at this input. ``smallest_bytes`` is the lowest step peak the
+    planner reaches (a budget it meets), ``None`` where it refused before searching (the parameters'
+    gradients alone are above the budget); ``unsplit_bytes`` is the step's peak without checkpointing.
+    The message says why and what would help; nothing was changed. A ``ValueError``, as every
+    refused argument, so code that catches those still does. Where the floor will do::
+
+        try:
+            plan = trunk.plan_for(x)
+        except BudgetTooLowError as e:
+            if e.smallest_bytes is None:
+                raise
+            trunk = CheckpointedTrunk(model, memory_budget=e.smallest_bytes)   # the floor, in bytes
+    """
+
+    def __init__(self, message: str, smallest_bytes: Optional[int], unsplit_bytes: int):
+        super().__init__(message)
+        self.smallest_bytes, self.unsplit_bytes = smallest_bytes, unsplit_bytes
+
+
 def parse_memory_size(value: Union[int, float, str], name: str = "memory size") -> int:
     """A memory size in bytes (``16GiB``, ``500MiB``, ``2e9``, ``2147483648``), by the budget's rule,
     with fractions and 0 refused: a size is absolute."""

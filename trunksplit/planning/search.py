@@ -20,7 +20,7 @@ from ..chains.blocks import layer_splittable_before
 from .memory import meter_name, tensors_in
 from .costs import NOTHING, Cost, add_costs
 from .peak import PeakModel
-from .budget import format_bytes
+from .budget import BudgetTooLowError, format_bytes
 from .plan import Segment, SplitPlan
 from .profile import profile_units
 from .request import PlanRequest, priced_in
@@ -286,13 +286,13 @@ def _budget_cuts(request: PlanRequest, x, model: PeakModel) -> Cuts:
     cuts = best_plan(model, splittable, forced, max_segments=request.num_splits, budget=budget_bytes)
     if cuts is None:
         smallest = model.peak(*best_plan(model, splittable, forced, max_segments=request.num_splits))
-        raise ValueError(
+        raise BudgetTooLowError(
             f"no plan meets the memory budget of {format_bytes(budget_bytes)}, {budget_bytes / unsplit:.2f} of the unsplit "
             f"step's {format_bytes(unsplit)}, for input {_shapes(x)}; the smallest feasible budget is {format_bytes(smallest)}, "
             f"{smallest / unsplit:.3f} of unsplit" + (f", with at most {request.num_splits} segments" if request.num_splits else "")
             + ("; use_reentrant=False lets the planner recompute cheap ops only, which goes lower" if request.use_reentrant else "")
-            + _what_would_help(request, model, unsplit, smallest)
-        )
+            + _what_would_help(request, model, unsplit, smallest),
+            smallest, unsplit)
     return cuts
 
 

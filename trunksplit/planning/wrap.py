@@ -44,7 +44,7 @@ from torch import nn
 from ..recompute.policies import RECOMPUTE
 from ..recompute.select import Condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
-from .budget import MemoryBudget, format_bytes
+from .budget import BudgetTooLowError, MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
 from .request import GRADIENT_MODES, UPDATE_TEMPORARIES, UPDATE_TEMPORARIES_ATTR
 from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
@@ -146,11 +146,11 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     k = 0 if unwrapped <= budget else _cheapest_fit(peak_with, len(ladder), budget)
     if k is None:
         smallest = min(peaks.values())
-        raise ValueError(
+        raise BudgetTooLowError(
             f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
             f"unwrapped {format_bytes(unwrapped)}): the smallest feasible budget found is {format_bytes(smallest)} ({smallest / unwrapped:.3f} of unwrapped), "
-            f"among {len(peaks)} measured wrappings of its {len(blocks)} candidate blocks"
-        )
+            f"among {len(peaks)} measured wrappings of its {len(blocks)} candidate blocks",
+            smallest, unwrapped)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     chosen = sorted(ladder[k], key=lambda c: order[c.name])
     for c in chosen:
@@ -354,12 +354,12 @@ def _refuse_below_the_gradients(model: nn.Module, gradients: str, budget: int, u
     from one measured step, before any block is measured."""
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if gradients == "allocated" and budget < grads:
-        raise ValueError(
+        raise BudgetTooLowError(
             f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
             f"unwrapped {format_bytes(unwrapped)}): the parameters' gradients, which this step allocates (gradients=\"allocated\"), are "
             f"{format_bytes(grads)} ({grads / unwrapped:.2f} of the step at this input) and no checkpoint frees them. A larger batch makes "
             "activations the larger share; gradients=\"kept\" (zero_grad(set_to_none=False)) or \"in_backward\" "
-            "(trunksplit.optimizer_in_backward) leaves them out of the step; nothing was changed")
+            "(trunksplit.optimizer_in_backward) leaves them out of the step; nothing was changed", None, unwrapped)
 
 
 def _refuse_stepped_in_backward(model: nn.Module) -> None:
