@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from trunksplit import CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward  # noqa: E402
+from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward  # noqa: E402
+from trunksplit.planning.budget import gib  # noqa: E402
 
 FULL = {"resnet50": "resnet50", "convnext_tiny": "convnext_tiny", "vit_b_16": "vit_base_patch16_224"}  # torchvision -> timm
 QUICK = {"mobilenet_v3_small": "mobilenetv3_small_100"}  # activations outweigh its gradients even at 96px, so budgets below 1 are feasible
@@ -157,8 +158,8 @@ def _planned(model, x, **kw):
     trunk = _stepping(CheckpointedTrunk(model, **kw))
     try:
         trunk.plan_for(x)
-    except ValueError as e:  # a budget below this input's floor: the report says so, with the floor
-        return None, str(e).split(";")[-1].split(". ")[0].strip()
+    except BudgetTooLowError as e:  # a budget below this input's floor: the report says so, with the floor
+        return None, f"below this input's floor, {e.smallest_bytes / e.unsplit_bytes:.3f} of unsplit ({gib(e.smallest_bytes)})"
     return trunk, ""
 
 
