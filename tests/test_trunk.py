@@ -297,7 +297,8 @@ def test_a_list_input_is_planned_on_the_tensors_inside_it(how):
         assert torch.equal(a.grad, b.grad)
     if trunk.cost_aware:
         assert trunk.plan.predicted_peak_bytes is not None
-        assert trunk.plan_for([torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)]) is not trunk.plan  # keyed by the shapes inside
+        first = trunk.plan
+        assert trunk.plan_for([torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)]) is not first  # keyed by the shapes inside
 
 
 def test_an_input_without_tensors_is_a_clear_error_for_a_cost_aware_plan():
@@ -339,7 +340,7 @@ def test_a_plain_models_checkpoint_loads_strictly_into_the_trunk_even_inside_a_w
         CheckpointedTrunk(torchvision.models.resnet18()).load_state_dict(plain.state_dict())
 
 
-def test_an_unplanned_cost_aware_trunk_says_so_and_prints_its_plan_after_the_first_forward():
+def test_an_unplanned_cost_aware_trunk_says_so_and_prints_its_plan_once_planned_up_front_or_by_a_forward():
     for how, kind in ((dict(num_splits=3, strategy="balanced"), "balanced"), (dict(memory_budget=0.9, gradients="kept"), "budget")):
         trunk = CheckpointedTrunk(build("resnet18"), **how)
         before = str(trunk.plan)
@@ -347,5 +348,13 @@ def test_an_unplanned_cost_aware_trunk_says_so_and_prints_its_plan_after_the_fir
         loss_of(trunk(torch.randn(2, 3, 64, 64))).backward()
         after = str(trunk.plan)
         assert after.startswith(f"SplitPlan ({kind}, ") and "not planned yet" not in after and "predicted peak" in after
+        up_front = CheckpointedTrunk(build("resnet18"), **how)
+        planned = up_front.plan_for(torch.randn(2, 3, 64, 64))  # no forward: print(trunk.plan) shows what was planned
+        assert up_front.plan is planned and str(planned) == after
+        small = up_front.plan_for(torch.randn(1, 3, 64, 64))  # the last one made...
+        assert up_front.plan is small and small.predicted_peak_bytes < planned.predicted_peak_bytes
+        up_front.train()
+        up_front(torch.randn(2, 3, 64, 64))  # ...or run
+        assert up_front.plan is planned
     vissl = CheckpointedTrunk(build("resnet18"), num_splits=3)
     assert str(vissl.plan).startswith("SplitPlan (vissl, 3 segments") and "not planned yet" not in str(vissl.plan)

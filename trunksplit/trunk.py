@@ -147,10 +147,10 @@ class CheckpointedTrunk(nn.Module):
 
     @property
     def plan(self) -> SplitPlan:
-        """The plan of the last training forward (a cost-aware trunk's says "not planned yet" before one)."""
+        """The plan last made or run (:meth:`plan_for`, a training forward); "not planned yet" before."""
         if self._plan is self._fixed_plan and self.cost_aware:
             kind = "budget" if self.memory_budget is not None else "balanced"
-            return replace(self._plan, strategy=kind, note=f"not planned yet: no training forward has run; the first one measures the {kind} plan, and plan_for(x) returns the one for inputs like x")
+            return replace(self._plan, strategy=kind, note=f"not planned yet: the first training forward measures the {kind} plan, or plan_for(x) for inputs like x")
         return self._plan
 
     @property
@@ -185,7 +185,8 @@ class CheckpointedTrunk(nn.Module):
                 self._compiled.eager[key] = run_eagerly(self._compiled, [m for _, m in self.units], plan.segments, x, self.agreement)
                 plan = replace(plan, compiled=True)
             self._plans[key] = plan
-        return self._plans[key]
+        self._plan = self._plans[key]  # what print(trunk.plan) shows, planned up front or not
+        return self._plan
 
     @staticmethod
     def key_for(x) -> Tuple:
@@ -199,11 +200,9 @@ class CheckpointedTrunk(nn.Module):
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
         checkpointing = self.training and torch.is_grad_enabled()
         units = [m for _, m in self.units]
-        plan = self._fixed_plan
-        if checkpointing:
-            plan = self._plan = self.plan_for(x)
-            if self._compiled is not None:
-                self._compiled.select(self.key_for(x))
+        plan = self.plan_for(x) if checkpointing else self._fixed_plan
+        if checkpointing and self._compiled is not None:
+            self._compiled.select(self.key_for(x))
         stops = {stop: name for name, stop in self._ends.items()}
         features = {}
         for seg in plan.segments:
