@@ -169,6 +169,8 @@ def test_help_and_argument_errors_answer_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().endswith("no torch"), done.stdout[-300:] + done.stderr[-300:]
     assert "expected a shape like 8x3x224x224, got '3x3'" in done.stderr and "--memory" in done.stderr
+    as_module = subprocess.run([sys.executable, "-m", "trunksplit", "fit", "--memory", "lots"], capture_output=True, text=True, timeout=120)
+    assert as_module.returncode == 2 and "usage: trunksplit fit" in as_module.stderr, as_module.stderr[-300:]  # where the script is not on PATH
 
 
 def test_the_public_names_load_on_first_use_and_stay_what_they_name():

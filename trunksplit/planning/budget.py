@@ -109,10 +109,14 @@ class BudgetTooLowError(ValueError):
 
 def parse_memory_size(value: Union[int, float, str], name: str = "memory size") -> int:
     """A memory size in bytes (``16GiB``, ``500MiB``, ``2e9``, ``2147483648``), by the budget's rule,
-    with fractions and 0 refused: a size is absolute."""
+    with fractions, 0 and negative sizes refused: a size is absolute."""
+    refusal = f"{name} must be a positive size in bytes (2e9) or with a unit (16GiB, 500MiB), got {value!r}"
+    number, _ = _number_and_unit(value, name)
+    if not number > 0:  # before the budget's rule, whose message offers 0 for "off"
+        raise ValueError(refusal)
     budget = MemoryBudget.parse(value, name)
-    if budget is None or budget.bytes is None:
-        raise ValueError(f"{name} must be a positive size in bytes (2e9) or with a unit (16GiB, 500MiB), got {value!r}")
+    if budget.bytes is None:
+        raise ValueError(refusal)
     return budget.bytes
 
 
