@@ -224,6 +224,10 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
         (["OPTIM.LR", "None"], "OPTIM.LR must be a number (default 0.3), got None"),
         (["OPTIM.IN_BACKWARD", "None"], "OPTIM.IN_BACKWARD must be True or False (default False), got None"),
         (["DATA.CROP_SIZES", "None"], "DATA.CROP_SIZES must be a list"),
+        (["DATA.CROP_SIZES", "[64, big]"], "DATA.CROP_SIZES: each item must be a whole number (default [64]), got [64, 'big']"),
+        (["DATA.CROP_SCALES", "[0.2, 1.0]"], "DATA.CROP_SCALES: each item must be a list (default [[0.3, 1.0]]), got [0.2, 1.0]"),
+        (["MODEL.TRUNK.OUT_FEAT_KEYS", "[4]"], "MODEL.TRUNK.OUT_FEAT_KEYS: each item must be text"),
+        (["MODEL.TRUNK.OUT_FEAT_KEYS", "[res4"], "MODEL.TRUNK.OUT_FEAT_KEYS takes a list such as [res4, flatten] or one value, got '[res4'"),
         (["TRAIN.DEVICE", "None"], "TRAIN.DEVICE must be text"),
     ],
 )
@@ -430,6 +434,18 @@ def test_config_mistakes_are_clear_errors(tmp_path, make_config, overrides, mess
     with pytest.raises(ValueError) as caught:
         load_config(path, overrides)
     assert message in str(caught.value)
+
+
+def test_a_list_on_the_command_line_is_written_as_in_a_config_file_or_as_one_value(tmp_path):
+    """``OUT_FEAT_KEYS [res4, flatten]`` as YAML writes it (yacs alone wants a quoted Python literal), and
+    one value for a list of it; each load equals the YAML file's."""
+    keys = _write(tmp_path / "keys.yaml", "_BASE_: " + QUICK + "\nMODEL:\n  TRUNK:\n    OUT_FEAT_KEYS: [res4, flatten]\n")
+    from_file = load_config(keys).MODEL.TRUNK.OUT_FEAT_KEYS
+    assert from_file == ["res4", "flatten"]
+    for written in ("[res4, flatten]", "[res4,flatten]", "['res4', 'flatten']", "('res4', 'flatten')"):
+        assert load_config(QUICK, ["MODEL.TRUNK.OUT_FEAT_KEYS", written]).MODEL.TRUNK.OUT_FEAT_KEYS == from_file, written
+    assert load_config(QUICK, ["MODEL.TRUNK.OUT_FEAT_KEYS", "res5"]).MODEL.TRUNK.OUT_FEAT_KEYS == ["res5"]
+    assert load_config(QUICK, ["DATA.AUG.BLUR_PROB", "1e-1"]).DATA.AUG.BLUR_PROB == [0.1]
 
 
 def test_select_from_the_command_line_equals_select_from_yaml(tmp_path):
