@@ -291,10 +291,14 @@ def test_frozen_parameters_are_left_to_themselves_as_a_standard_optimizer_leaves
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
 
-def test_an_optimizer_that_needs_a_closure_is_refused_before_anything_changes():
+def test_an_optimizer_that_needs_a_closure_or_is_not_one_is_refused_before_anything_changes():
     model = nn.Linear(4, 3)
     with pytest.raises(ValueError, match="LBFGS steps with a closure"):
         optimizer_in_backward(model, torch.optim.LBFGS, lr=0.1)
+    with pytest.raises(TypeError, match=r"optimizer_class is what builds the optimizer .*got 'SGD'"):
+        optimizer_in_backward(model, "SGD", lr=0.1)  # the name, not the class
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lrr'"):  # torch's own words, nothing taken over yet
+        optimizer_in_backward(model, torch.optim.SGD, lrr=0.1)
     model(torch.ones(2, 4)).sum().backward()
     assert model.weight.grad is not None and not model.weight._backward_hooks  # no hook was left: the gradient stays
 

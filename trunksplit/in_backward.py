@@ -66,6 +66,8 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
             optimizer.step()  # nothing left to do
             optimizer.zero_grad()
     """
+    if not callable(optimizer_class):
+        raise TypeError(f"optimizer_class is what builds the optimizer from the parameters (torch.optim.AdamW, or a function), got {optimizer_class!r}")
     if _needs_closure(optimizer_class):
         raise ValueError(f"{getattr(optimizer_class, '__name__', optimizer_class)} steps with a closure that runs forward and backward "
                          "again; stepped in backward there is none to give: use it after backward, as usual")

@@ -1,5 +1,6 @@
 """apply_activation_checkpointing and its conditions."""
 import copy
+import re
 
 import pytest
 import torch
@@ -67,9 +68,12 @@ def test_nothing_selected_lists_the_types_present_and_changes_nothing():
     assert not any(is_checkpoint_wrapped(m) for m in model.modules())
 
 
-@pytest.mark.parametrize("bad", [lambda: every_k(0, Bottleneck), lambda: by_type(), lambda: by_type(int)])
-def test_bad_conditions_are_refused(bad):
-    with pytest.raises((ValueError, TypeError)):
+@pytest.mark.parametrize("bad,message", [(lambda: every_k(0, Bottleneck), "every_k needs a whole number k >= 1, got 0"),
+                                         (lambda: every_k(2.5, Bottleneck), "every_k needs a whole number k >= 1, got 2.5"),
+                                         (lambda: by_type(), "by_type needs one or more nn.Module classes"),
+                                         (lambda: by_type(int), "by_type needs one or more nn.Module classes")])
+def test_bad_conditions_are_refused(bad, message):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         bad()
 
 

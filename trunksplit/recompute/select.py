@@ -45,7 +45,7 @@ class every_k:
 
     def __init__(self, k: int, *types: Type[nn.Module]):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"every_k needs k >= 1, got {k!r}")
+            raise ValueError(f"every_k needs a whole number k >= 1, got {k!r}")
         if types:
             _check_types(types, "every_k")
         self.k, self.types, self.seen = k, types, 0
