@@ -153,6 +153,14 @@ def test_a_run_stepped_in_backward_trains_the_standard_runs_weights_in_less_memo
     assert checkpointed < plain and checkpointed <= 1.05 * stepped_row["peak_memory_bytes"]  # the copies stepped in backward too
 
 
+def test_the_side_by_side_step_under_autocast_is_the_step_trained(tmp_path):
+    """Under bf16 autocast the training step runs backward outside autocast (its weight casts freed as
+    their layers' backward ends); the side-by-side copy must too, or it reports autocast's cached casts
+    of every weight alive through backward (here about half again the step's peak)."""
+    _, last = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path), "TRAIN.STEPS", "2", "TRAIN.LOG_EVERY", "1", "TRAIN.AUTOCAST", "bf16", *SMALL]))
+    assert abs(last["memory_vs_plain"]["checkpointed"] / last["peak_memory_bytes"] - 1) < 0.02, (last["memory_vs_plain"], last["peak_memory_bytes"])
+
+
 def _two_rank_in_backward(rank, world_size, out, in_backward):
     overrides = ["OUTPUT_DIR", out, "TRAIN.STEPS", "3", *SMALL, "OPTIM.NAME", "lars", "OPTIM.IN_BACKWARD", str(in_backward)]
     model, _ = train(load_config(QUICK, overrides))

@@ -277,9 +277,11 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: O
         try:
             m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
             steps = stepping(m) if stepping is not None else None
-            with PeakMemory(crops[0].device) as mem, autocast, updates_of_this_rank_alone():
+            with PeakMemory(crops[0].device) as mem, updates_of_this_rank_alone():
                 for start, stop in same_size_runs(crops) if grouped else [(0, len(crops))]:
-                    sum(o.float().pow(2).mean() for o in m(crops[start:stop])).backward()
+                    with autocast:  # the forward only, as in training: autocast keeps its casts of the weights until it exits
+                        loss = sum(o.float().pow(2).mean() for o in m(crops[start:stop]))
+                    loss.backward()
         except torch.cuda.OutOfMemoryError:
             return None
         peaks[name] = mem.peak_bytes
