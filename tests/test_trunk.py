@@ -30,6 +30,31 @@ def test_input_that_requires_grad_gets_the_plain_gradient(reentrant):
     assert xt.grad is not None and (torch.equal if not reentrant else close)(xp.grad, xt.grad)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_frozen_stem_trains_the_rest_exactly(reentrant):
+    """Fine-tuning with the first layers frozen: a segment where neither the input nor any parameter
+    needs a gradient has nothing to recompute (torch's reentrant checkpoint would fail in backward:
+    "none of output has requires_grad=True"); the rest gets the plain model's gradients."""
+    plain = build("resnet18")
+    for p in [*plain.conv1.parameters(), *plain.bn1.parameters(), *plain.layer1.parameters()]:
+        p.requires_grad_(False)
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=6, use_reentrant=reentrant)
+    assert trunk.plan.segments[0].checkpointed and trunk.plan.segments[0].stop <= 5  # the stem's segment is checkpointed
+    x = torch.randn(2, 3, 64, 64)
+    want = plain_features(plain, x, ["flatten"])
+    loss_of(want).backward()
+    got = trunk(x)
+    loss_of(got).backward()
+    assert torch.equal(want[0], got[0])
+    same = torch.equal if not reentrant else close
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        if name.startswith("fc."):
+            continue
+        assert (a.grad is None) == (b.grad is None) == (not a.requires_grad), name
+        assert a.grad is None or same(a.grad, b.grad), name
+
+
 def test_batchnorm_counts_one_batch_per_step():
     plain, model, trunk, *_ = step_both("resnet18", ["flatten"], 8, False)
     counts = {int(b) for n, b in model.named_buffers() if n.endswith("num_batches_tracked")}

@@ -315,7 +315,9 @@ def run_checkpointed(
     non-reentrant checkpoint follows any tensor the function uses) and any output
     structure. Reentrant mode takes positional tensors only; where no input
     requires grad, torch's reentrant checkpoint would silently give the
-    parameters no gradient, so a zero-size input that requires grad is added.
+    parameters no gradient, so a zero-size input that requires grad is added; where no
+    parameter of ``modules`` requires grad either (a frozen stem), nothing is saved for
+    backward, and the function runs uncheckpointed.
 
     ``keep(func, args)``, where given, picks the aten ops whose outputs are kept (as
     :func:`is_expensive` does): the others are recomputed (torch's selective
@@ -367,6 +369,8 @@ def run_checkpointed(
     skeleton, tensors = _flatten_tensors(args)
     if any(t.requires_grad for t in tensors):
         return checkpoint(lambda *t: run(*_filled(skeleton, t)), *tensors, use_reentrant=True)
+    if not any(p.requires_grad for m in modules for p in m.parameters()):
+        return run(*args)  # nothing here needs a gradient (a frozen stem): nothing to save, nor to recompute
     device = tensors[0].device if tensors else None
     anchor = torch.empty(0, device=device, requires_grad=True)  # same device: torch infers the RNG device from the inputs
     return checkpoint(lambda _anchor, *t: run(*_filled(skeleton, t)), anchor, *tensors, use_reentrant=True)
