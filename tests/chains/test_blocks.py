@@ -59,6 +59,11 @@ def test_register_trunk_teaches_a_new_family():
     assert torch.equal(trunk(x)[0], model.stage(model.stem(x)))
 
 
+def test_a_data_parallel_wrapper_is_refused_naming_the_model_inside_it():
+    with pytest.raises(TypeError, match=r"DataParallel wraps the model: give the model it holds \(.module\).*DataParallel\(CheckpointedTrunk\(model"):
+        feature_blocks(nn.DataParallel(torchvision.models.resnet18()))  # traced, it failed on a Proxy iterated, naming nothing
+
+
 def test_register_trunk_refuses_non_modules():
     with pytest.raises(TypeError):
         register_trunk(int, lambda m: m)

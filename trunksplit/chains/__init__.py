@@ -54,6 +54,9 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     for klass in type(model).__mro__:
         if klass in _TRUNK_FAMILIES:
             return _TRUNK_FAMILIES[klass](model)
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        raise TypeError(f"{type(model).__name__} wraps the model: give the model it holds (.module); to train the trunk "
+                        f"data-parallel, build it first and wrap the trunk: {type(model).__name__}(CheckpointedTrunk(model, ...))")
     try:
         return traced_blocks(model)
     except TypeError as e:
