@@ -1,4 +1,5 @@
 """The trunksplit command: plan and bench."""
+import os
 import subprocess
 import sys
 
@@ -6,6 +7,8 @@ import pytest
 
 import trunksplit
 from trunksplit.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_plan_prints_the_table_with_predicted_memory(capsys):
@@ -171,6 +174,17 @@ def test_help_and_argument_errors_answer_without_importing_torch():
     assert "expected a shape like 8x3x224x224, got '3x3'" in done.stderr and "--memory" in done.stderr
     as_module = subprocess.run([sys.executable, "-m", "trunksplit", "fit", "--memory", "lots"], capture_output=True, text=True, timeout=120)
     assert as_module.returncode == 2 and "usage: trunksplit fit" in as_module.stderr, as_module.stderr[-300:]  # where the script is not on PATH
+
+
+@pytest.mark.parametrize("flag,value,key", [("--arch", "resnet18", "MODEL.TRUNK.NAME"), ("--input", "3x32x32", "DATA.CROP_SIZES"),
+                                            ("--gradients", "kept", "TRAIN.GRADIENTS")])
+def test_fit_with_a_config_refuses_a_flag_the_config_sets_naming_the_key(flag, value, key, capsys):
+    """Ignored, ``--arch resnet18`` would fit the config's ResNet-50 and print a batch for the wrong model."""
+    config = os.path.join(ROOT, "configs", "quickstart.yaml")
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config-file", config, "--memory", "1GiB", flag, value])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"the config says what {flag} would: set {key} after it" in err, err
 
 
 def test_the_public_names_load_on_first_use_and_stay_what_they_name():

@@ -28,9 +28,26 @@ DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse, then load the module that runs the command and run it."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "fit" and args.config_file:
+        _refuse_what_the_config_says(parser, args)
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
     return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
+
+
+# fit's flags that a config file sets instead: given with --config-file, they would be ignored
+CONFIG_SAYS = {"arch": "MODEL.TRUNK.NAME", "input": "DATA.CROP_SIZES", "optimizer": "OPTIM.NAME",
+               "splits": "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "gradients": "TRAIN.GRADIENTS"}
+
+
+def _refuse_what_the_config_says(parser: argparse.ArgumentParser, args) -> None:
+    """``fit --config-file`` with ``--arch`` (say): refused, naming the config key to set instead."""
+    defaults = parser.parse_args(["fit", "--memory", "1GiB"])
+    for dest, key in CONFIG_SAYS.items():
+        if getattr(args, dest) != getattr(defaults, dest):
+            parser.exit(2, f"trunksplit fit: error: with --config-file the config says what --{dest} would: "
+                           f"set {key} after it (trunksplit fit --config-file CONFIG --memory SIZE {key} VALUE)\n")
 
 
 class _ParserWithDefaults(argparse.ArgumentParser):
@@ -78,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
     f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
     f.add_argument("--config-file", default=None, help="fit the launcher's whole SSL step of this config (every crop group, head, loss, teacher); "
-                   "--arch, --input, --optimizer, --splits and --gradients are then the config's")
+                   "--arch, --input, --optimizer, --splits and --gradients are then the config's to say (given too, refused)")
     f.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
     _add_bench_data_parser(sub)
     _add_run_parsers(sub)
