@@ -364,6 +364,12 @@ def run_checkpointed(
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
         raise TypeError("reentrant checkpointing takes positional arguments only; use use_reentrant=False to pass keywords")
+    return _reentrant(run, args, modules)
+
+
+def _reentrant(run: Callable, args: Tuple, modules: Sequence[nn.Module]) -> Any:
+    """``run(*args)`` under torch's reentrant checkpoint, which gives gradients to its top-level
+    tensor arguments only, and to the parameters only where one of those requires grad."""
     # Reentrant checkpoint gives gradients to its top-level tensor arguments only: tensors inside
     # a tuple (what a traced model carries after x.split) travel as arguments of their own.
     skeleton, tensors = _flatten_tensors(args)
