@@ -496,13 +496,30 @@ def test_launcher_mistakes_are_clear_errors_and_write_nothing(tmp_path, setup, o
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-def test_resume_with_another_architecture_is_refused(tmp_path):
+@pytest.mark.parametrize("key,value,saved", [("MODEL.TRUNK.NAME", "resnet34", "resnet18"), ("OPTIM.NAME", "adamw", "sgd"),
+                                             ("METHOD.NAME", "swav", "simclr")])
+def test_resume_with_another_architecture_method_or_optimizer_is_refused(tmp_path, key, value, saved):
+    """Another optimizer's state fails deep in torch (AdamW's load_state_dict: KeyError 'step'), another head
+    with a size mismatch: refused first, naming the key, nothing written."""
     out = tmp_path / "run"
     train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
     before = _snapshot(out)
-    with pytest.raises(ValueError, match="holds a resnet18 run, but the config asks for resnet34"):
-        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, "MODEL.TRUNK.NAME", "resnet34"]), resume=True)
+    with pytest.raises(ValueError, match=f"holds a run with {key} {saved}, but the config asks for {value}; resume with the same {key}"):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, key, value]), resume=True)
     assert _snapshot(out) == before
+
+
+def test_resume_with_other_checkpointing_plans_again_and_a_finished_run_says_so(tmp_path):
+    """The checkpoint's plans are the ones its run trained with; a resumed run that asks for other
+    checkpointing (here vissl's 2 segments for balanced 4) gets a plan made for what it asks, and a warning."""
+    out = tmp_path / "run"
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
+    other = ["MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "2"]
+    with pytest.warns(UserWarning, match="MODEL.ACTIVATION_CHECKPOINTING changed since .* the trunk plans again"):
+        model, last = train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, *other]), resume=True)
+    assert last["step"] == 2 and (model.trunk.plan.strategy, len(model.trunk.plan.segments)) == ("vissl", 2)
+    with pytest.warns(UserWarning, match="is at step 2 and TRAIN.STEPS is 2: nothing is left to train"):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, *other]), resume=True)
 
 
 @pytest.mark.slow  # two big trunks trained for real: python -m pytest -q -m slow

@@ -98,17 +98,36 @@ def _metrics_before(path: str, step: int) -> list:
     return [line for line, row in metrics_rows(path, "--resume")[0] if row["step"] <= step]
 
 
-def _check_same_model(state: dict, cfg, path: str) -> None:
-    """The checkpoint must be of the configured architecture (a clear error instead of a size mismatch)."""
-    try:
-        saved = yaml.safe_load(state.get("config") or "{}")["MODEL"]["TRUNK"]["NAME"]
-    except (yaml.YAMLError, KeyError, TypeError):
-        saved = None
-    if saved is not None and saved != cfg.MODEL.TRUNK.NAME:
-        raise ValueError(
-            f"--resume: {path} holds a {saved} run, but the config asks for {cfg.MODEL.TRUNK.NAME}; "
-            "resume with the same MODEL.TRUNK.NAME, or start afresh in another OUTPUT_DIR"
-        )
+# what a checkpoint's state is made of: another value would not load, or would load into another run
+SAME_ON_RESUME = ("MODEL.TRUNK.NAME", "METHOD.NAME", "OPTIM.NAME")
+# what the trunk's saved plans were made for: another value plans again
+PLANNED_FOR = ("MODEL.ACTIVATION_CHECKPOINTING", "TRAIN.GRADIENTS", "OPTIM.IN_BACKWARD")
+
+
+def _at(config: dict, key: str):
+    """``config``'s value at a dotted ``key`` (None where it has none: a checkpoint of an earlier release)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
+def _check_same_run(saved: dict, cfg, path: str) -> None:
+    """The checkpoint must be of the configured architecture, method and optimizer: a clear error
+    instead of a size mismatch or an optimizer state of another kind."""
+    now = yaml.safe_load(cfg.dump())
+    for key in SAME_ON_RESUME:
+        if _at(saved, key) is not None and _at(saved, key) != _at(now, key):
+            raise ValueError(f"--resume: {path} holds a run with {key} {_at(saved, key)}, but the config asks for {_at(now, key)}; "
+                             f"resume with the same {key}, or start afresh in another OUTPUT_DIR")
+
+
+def _plans_still_asked_for(saved: dict, cfg, path: str) -> bool:
+    """Whether the checkpoint's plans were made for this config's checkpointing; if not, say that they are made again."""
+    now = yaml.safe_load(cfg.dump())
+    changed = [key for key in PLANNED_FOR if _at(saved, key) != _at(now, key)]
+    if changed:
+        warnings.warn(f"--resume: {', '.join(changed)} changed since {path} was saved: the trunk plans again for the new settings", UserWarning)
+    return not changed
 
 
 def saved_batch(cfg) -> Optional[Tuple[int, float]]:
@@ -139,7 +158,11 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
     it trained with: a plan measured again may differ); read and checked before anything is written."""
     ckpt_path = os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)
     state = load_checkpoint(ckpt_path)
-    _check_same_model(state, cfg, ckpt_path)
+    try:
+        saved = yaml.safe_load(state.get("config") or "{}") or {}
+    except yaml.YAMLError:
+        saved = {}
+    _check_same_run(saved, cfg, ckpt_path)
     try:
         load(cfg, state, model, optimizer)
     except RuntimeError as e:
@@ -147,9 +170,12 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
     if "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state.get("rng"), rank, world, ckpt_path)
-    for key, plan in state.get("plans") or []:
+    for key, plan in (state.get("plans") or []) if _plans_still_asked_for(saved, cfg, ckpt_path) else []:
         model.trunk.store_plan(key, SplitPlan.from_state(plan))
     start = state["step"]
+    if start >= cfg.TRAIN.STEPS:
+        warnings.warn(f"--resume: {ckpt_path} is at step {start} and TRAIN.STEPS is {cfg.TRAIN.STEPS}: nothing is left to train "
+                      "(raise TRAIN.STEPS to go on)", UserWarning)
     return Resumed(start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start), dict(state.get("skipped_images") or {}))
 
 
