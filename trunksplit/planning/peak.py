@@ -59,6 +59,7 @@ from ..recompute.policies import POLICIES
 from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
+from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -88,17 +89,14 @@ class PeakModel:
     def __init__(self, *, costs: UnitCosts, feature_units: Sequence[int], gradients: str, spans: Iterable[Tuple[int, int]] = (),
                  objective: str = "flops", compiled: bool = False, update_temporaries: float = UPDATE_TEMPORARIES, reentrant: bool = False):
         _check_words(gradients, objective)
-        self.costs = costs
-        self.objective = objective
-        self.n = len(costs)
-        self.gradients = gradients
+        c = self.costs = costs
+        self.objective, self.n, self.gradients = objective, len(costs), gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
         # while a segment ending before unit b runs its backward: the features it and later segments returned
         self._features_held = [sum(costs.output[f] for f in self.features if f >= b - 1) for b in range(self.n + 1)]
         self.spans = sorted(set(spans))
         if self.spans and costs.policies is None:
             raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")
-        c = costs
         self._flops_prefix = _prefix(c.flops)
         self._cheap = c.recompute_bytes or (0,) * self.n
         self._cheap_prefix = _prefix(self._cheap)
@@ -128,6 +126,10 @@ class PeakModel:
         self._param_prefix = _prefix(c.param_bytes)
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
+        # a non-reentrant recompute stops at the last tensor its segment saves (torch's early stop): what
+        # runs to where (see _step); a reentrant one runs its segment whole
+        self._packs = [reentrant or bool(c.saves_input[i] or c.saved[i] or c.keeps_output[i]) for i in range(self.n)]
+        self._rerun_peak, self._first_peak = c.forward_peak if reentrant else c.rerun_peak or c.forward_peak, c.first_peak or c.forward_peak
         self._regions: Dict[Region, tuple] = {}  # see _region
         self._region_steps: Dict[Tuple[Region, bool], _RegionStep] = {}  # see _step_region
         self._choices = RegionTemplates(self)
@@ -155,15 +157,23 @@ class PeakModel:
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
         c, g = self.costs, self._gathered
-        kept, forward, backward, counted, cost, pending = state
+        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first = state
         source = c.input_from[i]
-        forward = max(forward, kept + max(c.forward_peak[i] + g[i], 2 * g[i]))  # FSDP2: see _fsdp_in_backward
-        backward = max(backward, kept + _fsdp_at_reduce(self, a, i, last))  # FSDP2: after its backward, before what it keeps is counted
+        peak = max(c.forward_peak[i] + g[i], 2 * g[i])  # FSDP2: see sharded_peak.fsdp_in_backward
+        live = kept + (0 if counted or source < a else c.output[source])  # its input is alive, kept or not
+        here = live + peak
+        forward = max(forward, here)
+        first = max(first, (c.output[source] if source >= a else 0) + max(self._first_peak[i] + g[i], 2 * g[i]))
+        if not last and self._packs[i]:  # the recompute runs every unit before this one whole, and this one to its last save
+            ran, tail, rerun = max(ran, tail), here, max(ran, tail, live + max(self._rerun_peak[i] + g[i], 2 * g[i]))
+        elif not last:  # runs in the recompute only if a later unit saves
+            tail = max(tail, here)
+        backward = max(backward, kept + fsdp_at_reduce(self, a, i, last))  # FSDP2: after its backward, before what it keeps is counted
         if c.saves_input[i] and source >= a and not counted:
             kept, counted = kept + c.output[source], True
         kept += c.saved[i] + (0 if last else g[i])
         grads_after = self._grads_after[i] if grads_after is None else grads_after
-        backward = max(backward, kept + self._backward_excess[i] + grads_after + _fsdp_in_backward(self, a, i, last))
+        backward = max(backward, kept + self._backward_excess[i] + grads_after + fsdp_in_backward(self, a, i, last))
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -176,7 +186,7 @@ class PeakModel:
             pending = add_costs(pending, self._unit_costs[i])
             if c.saved[i] or c.keeps_output[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
-        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending))  # _Scan(...) without a call: the inner loop
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending, ran, tail, rerun, first))  # _Scan(...) without a call: the inner loop
 
     def _region_step(self, region: Region, last: bool) -> "_RegionStep":
         """What a region ``(r, s, policy)`` adds to a scan, looked up once per (region, last)."""
@@ -185,19 +195,23 @@ class PeakModel:
             r, s, _ = region
             step = self._region_steps[region, last] = _RegionStep(
                 self._region(_as_run(region, last)), source=self.costs.input_from[r],
-                gathered=self._gathered_prefix[s] - self._gathered_prefix[r], largest=max(self._gathered[r:s]))  # FSDP2: see _fsdp_in_backward
+                gathered=self._gathered_prefix[s] - self._gathered_prefix[r], largest=max(self._gathered[r:s]))  # FSDP2: see sharded_peak.fsdp_in_backward
         return step
 
     def _fsdp_terms(self, a: int, i: int, last: bool) -> Tuple[int, int]:
         """FSDP2's holdings at unit ``i``'s reduce-scatter and in its backward (see the functions); 0, 0 unsharded."""
-        return _fsdp_at_reduce(self, a, i, last), _fsdp_in_backward(self, a, i, last)
+        return fsdp_at_reduce(self, a, i, last), fsdp_in_backward(self, a, i, last)
 
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
         step = self._region_step(region, last)
         g = step.region
-        kept, forward, backward, counted, cost, pending = state
-        forward = max(forward, kept + g.forward + step.largest)
+        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first = state
+        here = kept + (0 if counted or step.source < a else self.costs.output[step.source]) + g.forward + step.largest
+        forward = max(forward, here)
+        first = max(first, (self.costs.output[step.source] if step.source >= a else 0) + g.forward + step.largest)
+        if not last:  # a region saves (its input at least): the recompute runs it whole
+            ran, tail, rerun = max(ran, tail), here, max(ran, tail, here)
         if step.source >= a and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[step.source], True
         # the region's backward recomputes it holding its weights: in a recomputed segment, held already
@@ -206,40 +220,12 @@ class PeakModel:
         counted = counted if g.output_counted is None else g.output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
             cost, pending = add_costs(cost, pending), g.body
-        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending))
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending, ran, tail, rerun, first))
 
     def _region(self, region: Region) -> "RegionCosts":
-        """What a region adds to a scan, whatever comes before it (see :class:`RegionCosts`; a
-        region's seconds are measured under its policy, overhead included)."""
+        """What a region adds to a scan (:func:`_region_costs`), worked out once."""
         if region not in self._regions:
-            r, s, policy = region
-            c = self.costs.under(policy)
-            held, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
-            for i in range(r, s):  # span by span: a span's figures are at its first unit (see profile._span_costs)
-                region_forward = max(region_forward, held + c.forward_peak[i])
-                held += c.saved[i]
-            allocates = s == self.n or self.costs.input_from[s] >= r  # the region's output is a storage it allocated
-            flops, cheap = self._flops_prefix[s] - self._flops_prefix[r], self._cheap_prefix[s] - self._cheap_prefix[r]
-            seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
-            # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
-            # the light ones, or none ("save_expensive"); and its cheap ops
-            chosen = POLICIES[policy]
-            compiled = self.compiled and chosen.selective
-            alone = self._alone(r, s, compiled)
-            if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
-                cheap, seconds = 0, 0.0
-            again = Cost(*rebuilt(chosen, (alone.cost.flops, alone.cost.cheap_bytes), (flops, cheap), self._light_prefix[s] - self._light_prefix[r]), seconds)
-            if chosen.staged:
-                if (r, s) not in self.spans:
-                    raise ValueError(f"a {policy} region is one span of units, not {(r, s)}")
-                # measured whole: its recompute's holdings and its stages' backward, beyond its input
-                gathered = self._gathered_prefix[s] - self._gathered_prefix[r]
-                backward = c.saved[r] + c.backward_excess[r] + max(self._update[r:s]) + self._grads_after[r] + gathered + _fsdp_in_backward(self, r, r, False)
-            else:
-                backward = self._region_backward(alone, s)
-            # a checkpointed segment's recompute runs it as its first forward ran (hooks included), where timed so
-            body = Cost(flops, cheap, sum(c.nested_forward_seconds[r:s]) if any(c.nested_forward_seconds) else self._seconds_prefix[s] - self._seconds_prefix[r])
-            self._regions[region] = RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
+            self._regions[region] = _region_costs(self, region)
         return self._regions[region]
 
     def _alone(self, r: int, s: int, compiled: bool = False) -> "_Scan":
@@ -257,21 +243,21 @@ class PeakModel:
         (``state``, ending before unit ``s``): its recompute holds everything it saves (the
         kept expensive outputs among them), with its output's gradient waiting, then
         backward walks back through it."""
-        recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.forward
+        recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.rerun
         return max(recompute, state.backward)
 
     def _local(self, state: "_Scan", b: int) -> int:
         """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries.
 
-        The last segment's forward keeps what it saves. A checkpointed segment's forward
-        keeps nothing (its peak, a unit's forward peak, is below the recompute's); the
-        recompute, in backward with later gradients allocated, keeps everything, with
-        the output's gradient waiting."""
+        The last segment's forward keeps what it saves. A checkpointed segment's first forward
+        keeps nothing (its peak: a unit's forward peak beside its input); the recompute, in
+        backward with later gradients allocated, keeps everything, with the output's gradient
+        waiting, and stops at the last tensor the segment saves (non-reentrant: see ``_step``)."""
         held = self._features_held[b]
         if b == self.n:
             return held + max(state.forward, state.backward)
-        recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.forward
-        return held + max(recompute, state.backward + self._rerun_output_held[b])
+        recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.rerun
+        return held + max(recompute, state.first, state.backward + self._rerun_output_held[b])
 
     def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
         """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each
@@ -321,6 +307,39 @@ class PeakModel:
         return sum(cost.flops for _, cost in self.segments(starts, regions))
 
 
+def _region_costs(model: "PeakModel", region: Region) -> "RegionCosts":
+    """What a region adds to a scan, whatever comes before it (see :class:`RegionCosts`; a
+    region's seconds are measured under its policy, overhead included)."""
+    r, s, policy = region
+    c = model.costs.under(policy)
+    held, region_forward = 0, 0  # the region's forward keeps its own expensive outputs as it goes
+    for i in range(r, s):  # span by span: a span's figures are at its first unit (see profile._span_costs)
+        region_forward = max(region_forward, held + c.forward_peak[i])
+        held += c.saved[i]
+    allocates = s == model.n or model.costs.input_from[s] >= r  # the region's output is a storage it allocated
+    flops, cheap = model._flops_prefix[s] - model._flops_prefix[r], model._cheap_prefix[s] - model._cheap_prefix[r]
+    seconds = sum(c.again_seconds[r:s]) if c.again_seconds else 0.0  # measured per span, at its first unit
+    # the expensive ops a region's backward runs again: as far as it must, all twice (in stages),
+    # the light ones, or none ("save_expensive"); and its cheap ops
+    chosen = POLICIES[policy]
+    compiled = model.compiled and chosen.selective
+    alone = model._alone(r, s, compiled)
+    if compiled:  # its cheap ops run again fused into its backward's kernels: free, as measured
+        cheap, seconds = 0, 0.0
+    again = Cost(*rebuilt(chosen, (alone.cost.flops, alone.cost.cheap_bytes), (flops, cheap), model._light_prefix[s] - model._light_prefix[r]), seconds)
+    if chosen.staged:
+        if (r, s) not in model.spans:
+            raise ValueError(f"a {policy} region is one span of units, not {(r, s)}")
+        # measured whole: its recompute's holdings and its stages' backward, beyond its input
+        gathered = model._gathered_prefix[s] - model._gathered_prefix[r]
+        backward = c.saved[r] + c.backward_excess[r] + max(model._update[r:s]) + model._grads_after[r] + gathered + fsdp_in_backward(model, r, r, False)
+    else:
+        backward = model._region_backward(alone, s)
+    # a checkpointed segment's recompute runs it as its first forward ran (hooks included), where timed so
+    body = Cost(flops, cheap, sum(c.nested_forward_seconds[r:s]) if any(c.nested_forward_seconds) else model._seconds_prefix[s] - model._seconds_prefix[r])
+    return RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
+
+
 def _update_excess(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: bool) -> List[int]:
     """What each unit's backward holds beyond ``excess`` when an optimizer stepped in backward
     updates its parameters, each update making ``temporaries`` tensors of its parameter's size:
@@ -334,45 +353,6 @@ def _update_excess(c: UnitCosts, excess: Sequence[int], temporaries: float, comp
     return [int(temporaries * b) for b in c.largest_param] if c.largest_param else [0] * len(c)
 
 
-def _fsdp_in_backward(self: "PeakModel", a: int, i: int, last: bool) -> int:
-    """Under FSDP2, what a rank holds beyond the unsharded model's figures while unit ``i``
-    of a segment starting at ``a`` runs its backward (0 unsharded).
-
-    Measured on gloo ranks (torch.profiler's allocation events around FSDP2's own
-    record_function marks), as FSDP2's source says: a unit's forward all-gathers its weights
-    into a flat buffer, then copies them out to each parameter (twice its weights for a
-    moment), and frees them after the forward, except in a checkpoint's recompute, which
-    runs in backward: there they stay until the unit's own backward (``PeakModel._step`` keeps them).
-    A unit's backward holds its weights (gathered again, in the last segment), its whole
-    gradients as its backward makes them until they are reduce-scattered (``backward_fresh``,
-    with the scratch a CPU convolution's weight-gradient kernel holds beside each), the
-    reduce-scatter input of the unit before
-    it in backward (kept until this unit's own reduce), and the flat buffer of the next
-    unit's weights, prefetched (already held inside a recomputed segment, but for its first)."""
-    g, c = self._gathered, self.costs
-    if not c.gathered:
-        return 0
-    after = g[i + 1] if i + 1 < self.n else 0
-    prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
-    # its whole gradients, as its backward makes them (the profiled ones already hold theirs)
-    grads = c.backward_fresh[i] - c.backward_excess[i] if c.backward_fresh else g[i]
-    return (g[i] if last else 0) + grads + after + prefetched
-
-def _fsdp_at_reduce(self: "PeakModel", a: int, i: int, last: bool) -> int:
-    """Under FSDP2, what a rank holds beyond the units before ``i`` while unit ``i``'s gradients
-    are reduce-scattered (0 unsharded): its activations and gathered weights are freed by then;
-    the gradients of the units after it, the next unit's prefetched weights, its whole
-    gradients copied into the reduce-scatter input (both for a moment), then that input, the
-    backend's own copy of it (gloo clones it; ``reduce_scatter_copies``) and the rank's shard
-    of the result."""
-    c, g = self.costs, self._gathered
-    if not c.gathered:
-        return 0
-    prefetched = g[i - 1] if i > 0 and (last or i == a) else 0
-    reduce = max(2 * g[i], (1 + c.reduce_scatter_copies) * g[i] + c.param_bytes[i] + self._update[i])
-    return self._grads_after[i] + prefetched + reduce
-
-
 class _Scan(NamedTuple):
     """A segment scanned up to some unit, for one choice of policies: what the peak
     model needs to extend it by one more unit."""
@@ -383,6 +363,10 @@ class _Scan(NamedTuple):
     counted: bool  # the current activation's storage is already in ``kept``
     cost: "Cost"  # recompute so far
     pending: "Cost"  # recompute of the units since the last that saves a tensor: paid only if a later one does
+    ran: int  # a checkpointed segment's recompute: the forward peak of the units it runs whole (those before the last that saves)
+    tail: int  # the forward peak of the units from the last that saves on: they run whole only if a later one saves
+    rerun: int  # the recompute's forward peak: ``ran``, or the last unit that saves up to its last save (``rerun_peak``)
+    first: int  # a checkpointed segment's first forward, which keeps nothing: its largest unit's peak, with its input
 
 
 class _RegionStep(NamedTuple):
@@ -394,4 +378,4 @@ class _RegionStep(NamedTuple):
     largest: int  # FSDP2: the largest of them
 
 
-_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING)  # a segment's input is its boundary, counted in the prefix
+_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING, 0, 0, 0, 0)  # a segment's input is its boundary, counted in the prefix

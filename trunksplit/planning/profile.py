@@ -1,8 +1,7 @@
 """Profiling: what each unit of a chain costs (``UnitCosts``), measured on private copies.
 
-The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the tracker that
-counts the bytes is :class:`trunksplit.planning.memory.PeakMemory`'s.
-"""
+The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the tracker that counts the bytes is
+:class:`trunksplit.planning.memory.PeakMemory`'s."""
 import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -38,7 +37,8 @@ class UnitCosts:
       (-1: the chain's input). In-place units pass their input's storage on, so
       two units may keep the same storage; the peak model counts it once.
     - ``keeps_output``: whether the unit's own backward needs its output.
-    - ``forward_peak``: peak of the unit's forward, beyond its input.
+    - ``forward_peak``: peak of the unit's forward, beyond its input; ``rerun_peak``: up to its last save (where
+      a recompute stops); ``first_peak``: saving nothing (a checkpointed segment's first forward).
     - ``backward_excess``: peak of the unit's backward above what its forward
       left alive: the gradient arriving at its output (until backward frees it),
       gradient buffers of activations and transient weight gradients (weights
@@ -110,6 +110,8 @@ class UnitCosts:
     gathered: Tuple[int, ...] = ()  # FSDP2: each unit's whole parameters, all-gathered to run it
     largest_param: Tuple[int, ...] = ()
     update_moments: Tuple[Tuple[Tuple[int, int], ...], ...] = ()
+    rerun_peak: Tuple[int, ...] = ()  # either empty: forward_peak
+    first_peak: Tuple[int, ...] = ()
     reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
     def __len__(self) -> int:
@@ -118,6 +120,10 @@ class UnitCosts:
     def under(self, policy: str) -> "UnitCosts":
         """The costs with each unit alone under the region ``policy``."""
         return self.policies[policy]
+
+
+_MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "first_peak", "backward_excess",
+             "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,
@@ -147,8 +153,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     measured by the allocator needs (CUDA; FSDP2 on CPU); about twice the profiling. ``progress(name)`` is called as each unit is done
     (a command line's progress bar: profiling a big trunk takes tens of seconds).
     """
-    keys = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
-    fields = {k: [] for k in keys + (("forward_seconds", "rerun_seconds") if timed else ())}
+    fields = {k: [] for k in _MEASURED + (("forward_seconds", "rerun_seconds") if timed else ())}
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
     span = None  # (start, its input, private copies of its units so far) while inside a span
@@ -170,6 +175,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 fields[key].append(value)
             fields["flops"].append(int(flops.get_total_flops()))
             fields["recompute_bytes"].append(tracker.cheap_bytes)
+            fields["first_peak"].append(tracker.peak)  # that forward kept nothing for backward
             fields["light_flops"].append(tracker.light_flops)
             if timed:
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
@@ -272,6 +278,7 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
         moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
     if allocator:
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
+        kept["rerun_peak"] = forward_peak
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy) if loss is not None else 0
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments)
 
@@ -351,10 +358,11 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
     ``output``, ``saved``, ``saves_input`` and ``keeps_output`` of :class:`UnitCosts`."""
     params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
     in_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in(inp)}  # a tuple's tensors too
-    packed = []
+    packed, peak_at_pack = [], [0]  # torch stops a recompute at the last pack: the peak up to it is the rerun's
 
     def pack(t):
         packed.append(t)
+        peak_at_pack[0] = tracker.peak
         return t
 
     checkpointed = policy != "keep"
@@ -377,6 +385,7 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
         cached = getattr(tracker, keeps) if keeps else set()  # the tracker's storages of the ops it keeps: .expensive, .heavy
         keeps_output = any(k in cached for k in out_keys)
         saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
+        peak_at_pack[0] = tracker.peak  # a region as a whole: its forward's peak
     else:
         saved, saves_input, keeps_output = {}, False, False
         for t in packed:
@@ -387,4 +396,5 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
                 saved[key] = t.untyped_storage().nbytes()
                 keeps_output |= key in out_keys
         packed.clear()  # release the saved tensors' extra references before backward
-    return out, dict(output=sum(out_keys.values()), saved=sum(saved.values()), saves_input=saves_input, keeps_output=keeps_output)
+    return out, dict(output=sum(out_keys.values()), saved=sum(saved.values()), saves_input=saves_input, keeps_output=keeps_output,
+                     rerun_peak=peak_at_pack[0])

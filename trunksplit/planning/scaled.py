@@ -119,7 +119,7 @@ def scaled_costs(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
     everything that does not grow with the batch (names, parameters, FSDP2's gathered weights and
     its backend's copies) as profiled. At a profiled batch: that batch's costs.
 
-    Sharp edge: a peak (``forward_peak``, ``backward_excess``, ``backward_fresh``) is the largest of
+    Sharp edge: a peak (``forward_peak``, ``rerun_peak``, ``first_peak``, ``backward_excess``, ``backward_fresh``) is the largest of
     lines, so its line through two small batches runs below it where a steeper moment overtakes
     (a weight gradient's bytes at 2 and 4 images, an activation's at 24): a lower bound there.
     ``fit`` and the launcher's fit check a real step and keep what it missed free."""
@@ -131,7 +131,7 @@ def scaled_costs(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
     def line(v0, v1):
         return tuple(max(0, at(a, b)) for a, b in zip(v0, v1))
 
-    counts = ("output", "saved", "forward_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
+    counts = ("output", "saved", "forward_peak", "rerun_peak", "first_peak", "backward_excess", "backward_fresh", "flops", "recompute_bytes", "light_flops")
     # a moment's bytes beyond what the forward left may be negative (freed by then): not clamped
     moments = tuple(tuple((at(m0[0], m1[0]), m1[1]) for m0, m1 in zip(u0, u1)) for u0, u1 in zip(c0.update_moments, c1.update_moments))
     return replace(c1, update_moments=moments, **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts})

@@ -6,7 +6,7 @@ ranks, the largest); its gradients and the optimizer's per-element state are sha
 same shape. Buffers are replicated. To run a unit a rank all-gathers its whole parameters:
 the peak model places those gathered weights, the unit's whole gradients before they are
 reduce-scattered, the reduce-scatter buffer and the prefetched weights of the next unit on the
-step's timeline, unit by unit (see :func:`trunksplit.planning.peak._fsdp_in_backward`).
+step's timeline, unit by unit (see :func:`trunksplit.planning.sharded_peak.fsdp_in_backward`).
 A checkpointed segment's recompute holds the gathered weights of every unit in it until their
 backward, so under FSDP2 a long segment costs its weights as well as its activations.
 

@@ -69,6 +69,10 @@ class _Scans(NamedTuple):
     counted: np.ndarray
     cost: List[np.ndarray]  # FLOPs, cheap bytes, seconds
     pending: List[np.ndarray]
+    ran: np.ndarray
+    tail: np.ndarray
+    rerun: np.ndarray
+    first: np.ndarray
 
 
 def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: bool) -> Yields:
@@ -82,7 +86,8 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
     rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
-    state = _Scans(*(np.zeros(rows, dtype=np.int64) for _ in range(3)), np.ones(rows, dtype=bool), zeros(), zeros())
+    ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
+    state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints())
     if not last:  # a checkpointed segment pays its checkpoint's own cost once (PeakModel._checkpointed_start)
         state.cost[2][:] = model._checkpointed_start.cost.seconds
     position = np.full(rows, a, dtype=np.int64)
@@ -103,8 +108,9 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
         if ends.size:  # PeakModel._local
             b = position[ends]
             forward, backward = state.forward[ends], state.backward[ends]
-            recompute = grads_after[b - 1] + output[b - 1] + forward
-            local = held_after[b] + np.where(b == n, np.maximum(forward, backward), np.maximum(recompute, backward + rerun_output_held[b]))
+            recompute = grads_after[b - 1] + output[b - 1] + state.rerun[ends]
+            checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), backward + rerun_output_held[b])
+            local = held_after[b] + np.where(b == n, np.maximum(forward, backward), checkpointed)
             found.append((ends, b, local, *(c[ends] for c in state.cost)))
     if not found:
         empty = np.zeros(0, dtype=np.int64)
@@ -115,8 +121,13 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
 def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _Scans, table: _Regions, output: np.ndarray) -> None:
     """:meth:`PeakModel._step_region` for the scans at ``rows``, each entering region ``k`` (in place)."""
     kept, counted = state.kept[rows], state.counted[rows]
-    state.forward[rows] = np.maximum(state.forward[rows], kept + table.forward[k])
     source = table.source[k]
+    here = kept + np.where(counted | (source < a), 0, output[np.maximum(source, 0)]) + table.forward[k]
+    state.forward[rows] = np.maximum(state.forward[rows], here)
+    state.first[rows] = np.maximum(state.first[rows], np.where(source >= a, output[np.maximum(source, 0)], 0) + table.forward[k])
+    if not last:  # a region saves (its input at least): the recompute runs it whole
+        ran = np.maximum(state.ran[rows], state.tail[rows])
+        state.ran[rows], state.tail[rows], state.rerun[rows] = ran, here, np.maximum(ran, here)
     takes = (source >= a) & ~counted  # the region keeps its input
     kept = kept + np.where(takes, output[np.maximum(source, 0)], 0)
     state.backward[rows] = np.maximum(state.backward[rows], kept + table.backward[k])
@@ -133,7 +144,16 @@ def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Sca
     """:meth:`PeakModel._step` for the scans at ``rows``, all at unit ``i`` (in place)."""
     c, g = model.costs, model._gathered
     kept, counted = state.kept[rows], state.counted[rows]
-    state.forward[rows] = np.maximum(state.forward[rows], kept + max(c.forward_peak[i] + g[i], 2 * g[i]))
+    peak = max(c.forward_peak[i] + g[i], 2 * g[i])
+    live = kept + np.where(counted | (c.input_from[i] < a), 0, c.output[c.input_from[i]])  # its input is alive, kept or not
+    here = live + peak
+    state.forward[rows] = np.maximum(state.forward[rows], here)
+    state.first[rows] = np.maximum(state.first[rows], (c.output[c.input_from[i]] if c.input_from[i] >= a else 0) + max(model._first_peak[i] + g[i], 2 * g[i]))
+    if not last and model._packs[i]:  # the recompute runs the units before whole, this one to its last save
+        ran = np.maximum(state.ran[rows], state.tail[rows])
+        state.ran[rows], state.tail[rows], state.rerun[rows] = ran, here, np.maximum(ran, live + max(model._rerun_peak[i] + g[i], 2 * g[i]))
+    elif not last:
+        state.tail[rows] = np.maximum(state.tail[rows], here)
     reduce, in_backward = model._fsdp_terms(a, i, last)
     backward = np.maximum(state.backward[rows], kept + reduce)
     source = c.input_from[i]
