@@ -20,7 +20,9 @@ checkpointed) holds, while segment j runs its backward:
   from its accumulation to its update, and the update of the unit's largest
   parameter allocates ``update_temporaries`` tensors of its size beside it.
 
-So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
+A checkpointed segment's recompute stops at the last tensor it saves (torch's non-reentrant early
+stop: the last unit's forward beyond its last save never runs again, ``UnitCosts.rerun_peak``); its
+first forward keeps nothing (``UnitCosts.first_peak``). So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
 local to the segment (the gradients allocated so far depend on the unit only).
 :func:`best_plan` finds the optimal cuts exactly by dynamic programming over
 Pareto sets of (P, peak so far, recompute), with forced cuts after requested
