@@ -184,7 +184,9 @@ def _as_list(key: str, text: str) -> Optional[list]:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             raise ValueError(f"{key} takes a list such as [res4, flatten] or one value, got {text!r}") from None
-    return list(value) if isinstance(value, (list, tuple)) else value if value is None else [value]  # None: refused by type
+    if value is None:
+        return None  # refused by the type check, which names the key
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _merge_file(cfg: CN, path: str) -> None:
