@@ -478,6 +478,36 @@ def test_a_recompute_stops_at_its_last_saved_tensor_and_the_plan_predicts_so(gra
         assert measured <= predicted <= 1.002 * measured, peaks
 
 
+class _KeepsItsOutput(nn.Module):
+    """A convolution over its input repeated 16 times, then a sigmoid, which saves its output for
+    backward: the unit's backward peaks in the convolution's backward (its input's gradient, 16
+    activations), after the sigmoid's has let its output go."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(128, 32, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.conv(x.repeat(1, 16, 1, 1)))
+
+
+@pytest.mark.parametrize("starts", [[0], [0, 2]])
+def test_a_units_output_that_its_backward_saved_is_freed_as_that_backward_runs(starts):
+    """In a chain nothing else holds a unit's output once the op that saved it has run its backward;
+    profiled alone, the caller's reference held it through the whole backward, and a later peak in
+    the unit's backward was predicted that much high (ResNet-50's and RegNet's blocks end in a ReLU
+    that saves its output: 1.1-1.7% over at 128px; this chain 11%)."""
+    torch.manual_seed(0)
+    blocks = OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), keeps=_KeepsItsOutput(), conv=nn.Conv2d(32, 8, 1), pool=nn.AdaptiveAvgPool2d(1))
+    x = torch.randn(2, 3, 32, 32)
+    trunk = CheckpointedTrunk(blocks, memory_budget=1.0, gradients="kept")
+    request = trunk.plan_request()
+    plan = plan_from_cuts(list(request.names), Cuts(starts), request.stops, "budget", peak_model(request, x))
+    trunk.store_plan(trunk.key_for(x), plan)
+    measured = second_step_peak(trunk, x)
+    assert measured <= plan.predicted_peak_bytes <= 1.002 * measured, (plan.predicted_peak_bytes, measured)
+
+
 PLANS = {"balanced4": dict(strategy="balanced", splits=4), "balanced2": dict(strategy="balanced", splits=2),
          "budget0.8": dict(memory_budget=0.8, splits=None, gradients="kept"), "budget0.8-time": dict(memory_budget=0.8, splits=None, gradients="kept", objective="time")}
 

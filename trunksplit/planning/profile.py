@@ -264,10 +264,11 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     tracker, inp = _TensorAccounting(), _unit_input(h, input_needs_grad)
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy)
-    forward_peak, after_forward = tracker.peak, tracker.current
-    backward_excess = backward_fresh = 0
-    moments = ()
+    forward_peak, backward_excess, backward_fresh, moments = tracker.peak, 0, 0, ()
     loss = _unit_loss(out)
+    del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
+    tracker._sweep()
+    after_forward = tracker.current
     if loss is not None:
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
         tracker.peak = tracker.peak_with_held = tracker.current
@@ -291,9 +292,8 @@ def _unit_input(h, input_needs_grad: bool):
 
 
 def _unit_loss(out) -> Optional[torch.Tensor]:
-    """A scalar whose backward allocates the gradient arriving at each of ``out``'s tensors inside
-    the measured window, held by nobody else (as in a real step, where backward frees it once
-    consumed): the multiply's backward makes it. None where no output needs a gradient."""
+    """A scalar whose backward makes the gradient arriving at each of ``out``'s tensors inside the measured
+    window, held by nobody else (freed once consumed, as in a step). None where no output needs a gradient."""
     outs = [t for t in tensors_in(out) if t.requires_grad]
     return sum((t * torch.ones_like(t)).sum() for t in outs) if outs else None
 
