@@ -111,19 +111,17 @@ def _at(config: dict, key: str):
     return config
 
 
-def _check_same_run(saved: dict, cfg, path: str) -> None:
-    """The checkpoint must be of the configured architecture, method and optimizer: a clear error
-    instead of a size mismatch or an optimizer state of another kind."""
-    now = yaml.safe_load(cfg.dump())
+def _check_same_run(saved: dict, now: dict, path: str) -> None:
+    """The checkpoint's config (``saved``) must be of the configured (``now``) architecture, method and
+    optimizer: a clear error instead of a size mismatch or an optimizer state of another kind."""
     for key in SAME_ON_RESUME:
         if _at(saved, key) is not None and _at(saved, key) != _at(now, key):
             raise ValueError(f"--resume: {path} holds a run with {key} {_at(saved, key)}, but the config asks for {_at(now, key)}; "
                              f"resume with the same {key}, or start afresh in another OUTPUT_DIR")
 
 
-def _plans_still_asked_for(saved: dict, cfg, path: str) -> bool:
+def _plans_still_asked_for(saved: dict, now: dict, path: str) -> bool:
     """Whether the checkpoint's plans were made for this config's checkpointing; if not, say that they are made again."""
-    now = yaml.safe_load(cfg.dump())
     changed = [key for key in PLANNED_FOR if _at(saved, key) != _at(now, key)]
     if changed:
         warnings.warn(f"--resume: {', '.join(changed)} changed since {path} was saved: the trunk plans again for the new settings", UserWarning)
@@ -162,7 +160,8 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
         saved = yaml.safe_load(state.get("config") or "{}") or {}
     except yaml.YAMLError:
         saved = {}
-    _check_same_run(saved, cfg, ckpt_path)
+    now = yaml.safe_load(cfg.dump())  # the config as the checkpoint stores it, to compare key by key
+    _check_same_run(saved, now, ckpt_path)
     try:
         load(cfg, state, model, optimizer)
     except RuntimeError as e:
@@ -170,7 +169,7 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
     if "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state.get("rng"), rank, world, ckpt_path)
-    for key, plan in (state.get("plans") or []) if _plans_still_asked_for(saved, cfg, ckpt_path) else []:
+    for key, plan in (state.get("plans") or []) if _plans_still_asked_for(saved, now, ckpt_path) else []:
         model.trunk.store_plan(key, SplitPlan.from_state(plan))
     start = state["step"]
     if start >= cfg.TRAIN.STEPS:
