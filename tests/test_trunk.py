@@ -383,3 +383,23 @@ def test_an_unplanned_cost_aware_trunk_says_so_and_prints_its_plan_once_planned_
         assert up_front.plan is planned
     vissl = CheckpointedTrunk(build("resnet18"), num_splits=3)
     assert str(vissl.plan).startswith("SplitPlan (vissl, 3 segments") and "not planned yet" not in str(vissl.plan)
+
+
+@pytest.mark.parametrize("given, match", [("resnet18", r"got str 'resnet18': build it first, e\.g\. torchvision\.models\.get_model\('resnet18'\)"),
+                                          (None, r"takes a model \(an nn\.Module\), got NoneType None")])
+def test_a_model_that_is_not_a_module_is_refused_saying_what_is_taken(given, match):
+    with pytest.raises(TypeError, match=match):
+        CheckpointedTrunk(given, ["flatten"], num_splits=2)
+
+
+def test_a_cost_aware_trunk_on_meta_tensors_gives_the_plain_models_shapes_without_planning():
+    """Shape inference (a FLOP count, deferred init) runs on meta tensors, which hold no memory to plan."""
+    with torch.device("meta"):
+        plain = build("resnet18")
+    trunk = CheckpointedTrunk(copy.deepcopy(plain), ["res4", "flatten"], num_splits=3, strategy="balanced")
+    x = torch.empty(2, 3, 64, 64, device="meta")
+    got = trunk(x)
+    sum(g.sum() for g in got).backward()
+    want = plain_features(plain, x, ["res4", "flatten"])
+    assert [g.shape for g in got] == [w.shape for w in want] and all(g.is_meta for g in got)
+    assert trunk.plans == {} and all(p.grad is not None and p.grad.is_meta for p in trunk.parameters())

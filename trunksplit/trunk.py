@@ -58,7 +58,7 @@ class CheckpointedTrunk(nn.Module):
 
     Exact: a training step gives the plain model's outputs, every parameter's
     gradient and BatchNorm buffers. The last segment is never checkpointed, and in
-    eval mode or under ``no_grad`` nothing is. The trunk holds only the blocks up to
+    eval mode, under ``no_grad`` or on meta tensors nothing is. The trunk holds only the blocks up to
     the last requested feature (a classifier head is not among its parameters, so
     plain ``DDP(trunk)`` needs no ``find_unused_parameters``). Its ``state_dict``
     keys are the feature block names (``res2.0.conv1.weight``) and do not depend
@@ -81,7 +81,7 @@ class CheckpointedTrunk(nn.Module):
     ):
         super().__init__()
         source = None if isinstance(trunk, Mapping) else trunk
-        blocks = trunk if source is None else feature_blocks(trunk)
+        blocks = trunk if isinstance(trunk, Mapping) else feature_blocks(trunk)
         if out_feat_keys is None:
             out_feat_keys = [next(reversed(blocks))] if len(blocks) else []
         ends = feature_ends(blocks, out_feat_keys)  # validates the keys
@@ -198,7 +198,8 @@ class CheckpointedTrunk(nn.Module):
         return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device)
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
-        checkpointing = self.training and torch.is_grad_enabled()
+        # a meta tensor holds no memory (shape inference, a FLOP count): nothing to plan or to save
+        checkpointing = self.training and torch.is_grad_enabled() and not any(t.is_meta for t in tensors_in(x))
         units = [m for _, m in self.units]
         plan = self.plan_for(x) if checkpointing else self._fixed_plan
         if checkpointing and self._compiled is not None:

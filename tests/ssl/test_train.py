@@ -192,6 +192,7 @@ def _snapshot(folder):
         (["MODEL.TRUNK.NAME", "resnet9000"], "torchvision has no model 'resnet9000'"),
         (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "the smallest feasible budget"),  # found by planning
         (["DISTRIBUTED.STRATEGY", "fsdp", *SMALL], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
+        ([*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "1"], "SimCLR needs at least 2 images a step, all ranks together"),  # its loss: see below
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
@@ -200,6 +201,15 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not out.exists()
+
+
+def test_simclrs_loss_of_one_image_is_zero_with_no_gradient_so_one_image_a_step_is_refused():
+    """Hand-computed: with one image, each view's only other view is its partner (softmax over one logit)."""
+    z1, z2 = torch.randn(1, 8, requires_grad=True), torch.randn(1, 8, requires_grad=True)
+    loss = loop.nt_xent(z1, z2, 0.1)
+    loss.backward()
+    assert loss.item() == 0 and not z1.grad.any() and not z2.grad.any()
+    assert loop.nt_xent(torch.randn(2, 8), torch.randn(2, 8), 0.1).item() > 0  # two images: a negative each
 
 
 @pytest.mark.parametrize(

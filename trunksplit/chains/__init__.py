@@ -51,6 +51,9 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     all the state (``trunksplit/chains/traced.py``); its last key is ``output``, the model's
     own output. A model that cannot be traced raises ``TypeError`` saying why.
     """
+    if not isinstance(model, nn.Module):
+        hint = f": build it first, e.g. torchvision.models.get_model({model!r})" if isinstance(model, str) else ""
+        raise TypeError(f"feature_blocks takes a model (an nn.Module), got {type(model).__name__} {model!r:.60}{hint}")
     for klass in type(model).__mro__:
         if klass in _TRUNK_FAMILIES:
             return _TRUNK_FAMILIES[klass](model)

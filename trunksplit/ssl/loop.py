@@ -38,6 +38,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
     cfg, fitted_plans = _batch_to_train(cfg, device, strategy, resume) if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0 else (cfg, [])
+    _check_images_a_step(cfg, world)
     cfg = with_scaled_lr(cfg, world, rank)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     monitor = KnnMonitor(cfg) if cfg.EVAL.KNN.TRAIN_PATH else None  # and on bad kNN folders
@@ -84,6 +85,15 @@ def _check_before_start(cfg, resume: bool) -> None:
     """What can be refused before anything is run or written: the output directory, the logging."""
     check_output_dir(cfg.OUTPUT_DIR, resume)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
+
+
+def _check_images_a_step(cfg, world: int) -> None:
+    """SimCLR tells each view's partner from the views of the step's other images (every rank's): a
+    step of one image has none, so its loss is 0 and its gradient too."""
+    images = cfg.TRAIN.BATCH_SIZE_PER_RANK * world
+    if cfg.METHOD.NAME == "simclr" and images < 2:
+        raise ValueError(f"SimCLR needs at least 2 images a step, all ranks together (each view is told from the other images' views), got "
+                         f"{images} (TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank): its loss would be 0 and nothing learned")
 
 
 def _start_logging(cfg, resumed: Resumed, rank: int) -> Optional[MetricsLog]:
