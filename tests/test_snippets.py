@@ -57,8 +57,14 @@ BLOCKS = {
         "assert backbone(sample_batch).shape == (4, 384)\n", ("timm", "lightly")),
     ("integrations.md", 2): (TIMM, "assert model(sample_batch).shape == (8, 320)\n", ("timm",)),
     ("integrations.md", 3): (TRANSFORMERS, "assert trainer.train().global_step == 2\n", ("transformers", "accelerate")),
+    ("integrations.md", 4): (
+        "import torch, trunksplit\nfrom transformers import Dinov2Config, Dinov2Model\npixel_values = torch.randn(8, 3, 64, 64)\n"
+        "config = Dinov2Config(image_size=64, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, mlp_ratio=2)\n"
+        "torch.manual_seed(0)\n",
+        "torch.manual_seed(0)\nassert torch.equal(cls, Dinov2Model(config)(pixel_values).pooler_output) and trunk.plan.strategy == 'budget'\n",
+        ("transformers",)),
 }
-RUN_ELSEWHERE = {("integrations.md", 4): "tests/ssl/test_grouped.py", ("integrations.md", 5): "tests/test_integrations.py"}
+RUN_ELSEWHERE = {("integrations.md", 5): "tests/ssl/test_grouped.py", ("integrations.md", 6): "tests/test_integrations.py"}
 # a budget of 0.5 needs activations well above the gradients: 224px images, too slow for the fast suite
 UNDER_TORCHRUN = {("distributed.md", 0): (
     "import torch\nimages = torch.randn(4, 3, 224, 224)\nloss = lambda features: features[-1].sum()\n",

@@ -39,7 +39,6 @@ import torch
 import torchvision
 
 from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
-from trunksplit.chains.families import TORCHVISION_FAMILIES
 
 TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model", "ViTForImageClassification", "ResNetForImageClassification"]
 
@@ -175,7 +174,7 @@ def exact_row(model, x, budget=0.0, objective="auto"):
     for (n, a), b in zip(plain.named_parameters(), trunk.parameters()):
         same = same and torch.equal(a, b) and (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
     same = same and all(torch.equal(a, b) for a, b in zip(plain.buffers(), trunk.buffers()))
-    traced = type(model) not in TORCHVISION_FAMILIES
+    traced = list(plain.feature_blocks)[-1] == "output"  # a family's blocks (torchvision's, transformers') end at its pooled feature
     if traced:  # the traced chain is the model's own forward
         torch.manual_seed(3)
         own = _tensors(model(x))

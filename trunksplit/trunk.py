@@ -27,9 +27,9 @@ class CheckpointedTrunk(nn.Module):
     """A trunk that trains with checkpointed segments and returns the requested features.
 
     Args:
-        trunk: a model (any torchvision classification family, a registered
-            family, or any model ``torch.fx`` can trace), or an ordered dict of
-            feature blocks in execution order.
+        trunk: a model (any torchvision classification family, transformers' ViT,
+            DeiT, DINOv2, ConvNeXt or ResNet, a registered family, or any model
+            ``torch.fx`` can trace), or an ordered dict of feature blocks in execution order.
         out_feat_keys: feature blocks to return, in this order, from ``forward``;
             None: the last one (``flatten`` for torchvision families, ``output`` for
             a traced model).

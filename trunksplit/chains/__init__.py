@@ -13,6 +13,7 @@ from torch import nn
 
 from .blocks import FeatureBlocks, expand_units, feature_ends, layer_splittable_before, stage_names
 from .families import TORCHVISION_FAMILIES
+from .hugging_face import hf_family
 from .traced import traced_blocks
 
 _TRUNK_FAMILIES: Dict[type, Callable[[nn.Module], "OrderedDict[str, nn.Module]"]] = dict(TORCHVISION_FAMILIES)
@@ -47,6 +48,9 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     key is always ``flatten``, the pooled ``[B, C]`` vector the classifier starts
     from. Values are the model's own modules, or small adapters holding them.
 
+    transformers' ViT, DINOv2, ConvNeXt and ResNet (and their image classifiers): the same
+    names (``trunksplit/chains/hugging_face.py``).
+
     Any other model is traced with ``torch.fx`` and cut where one tensor carries
     all the state (``trunksplit/chains/traced.py``); its last key is ``output``, the model's
     own output. A model that cannot be traced raises ``TypeError`` saying why.
@@ -57,6 +61,8 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     for klass in type(model).__mro__:
         if klass in _TRUNK_FAMILIES:
             return _TRUNK_FAMILIES[klass](model)
+    if hf_family(model) is not None:
+        return hf_family(model)(model)
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise TypeError(f"{type(model).__name__} wraps the model: give the model it holds (.module); to train the trunk "
                         f"data-parallel, build it first and wrap the trunk: {type(model).__name__}(CheckpointedTrunk(model, ...))")

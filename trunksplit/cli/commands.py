@@ -15,7 +15,7 @@ from ..in_backward import update_temporaries
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
 from ..planning.wrap import apply_activation_checkpointing
-from ..ssl.backbones import HF, build_backbone, build_hf_model
+from ..ssl.backbones import HF, build_backbone, build_hf_model, hf_is_chain
 from ..ssl.config import load_config
 from ..ssl.fit_step import fit_step
 from ..ssl.loop import step_for_fit
@@ -26,7 +26,7 @@ from .runs import device_of
 
 
 def run_plan(args) -> int:
-    if args.arch.startswith(HF):
+    if _wrapped_only(args.arch):
         return _plan_wrapped(args)
     x = torch.randn(*args.input)
     with warnings.catch_warnings(record=True) as caught:
@@ -58,6 +58,14 @@ def run_plan(args) -> int:
     # the trunk, not the model: blocks after the last requested feature, and the classifier, are not trained
     print(rank_memory(trunk, list(request.modules), args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
     return 0
+
+
+def _wrapped_only(arch: str) -> bool:
+    """``hf:TYPE`` that trunksplit cannot cut (a type transformers lacks is refused as any unknown name is)."""
+    try:
+        return arch.startswith(HF) and not hf_is_chain(arch)
+    except ValueError:
+        return False
 
 
 def _plan_wrapped(args) -> int:

@@ -1,5 +1,5 @@
-"""Backbones by name, built with random weights (nothing is downloaded): torchvision's, and timm's
-as ``timm:NAME`` where timm is installed (an optional extra)."""
+"""Backbones by name, built with random weights (nothing is downloaded): torchvision's, timm's as
+``timm:NAME`` and transformers' as ``hf:TYPE`` where those are installed (optional extras)."""
 import difflib
 import importlib
 import importlib.util
@@ -11,6 +11,7 @@ from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
 from ..chains import feature_blocks
+from ..chains.hugging_face import HF_FAMILIES
 
 
 def vit_s_16(image_size: int = 224, **kwargs) -> VisionTransformer:
@@ -22,15 +23,30 @@ EXTRA_BACKBONES = {"vit_s_16": vit_s_16}  # the recipes' models that torchvision
 
 
 TIMM = "timm:"  # the prefix of a timm model's name
-HF = "hf:"  # the prefix of a transformers model type (its config's defaults): wrapped to a budget, not cut
+HF = "hf:"  # the prefix of a transformers model type (its config's defaults)
+
+
+def hf_is_chain(name: str) -> bool:
+    """Whether ``hf:TYPE`` names a transformers model type trunksplit cuts (ViT, DINOv2, ConvNeXt, ResNet:
+    ``trunksplit/chains/hugging_face.py``); the others are wrapped to a budget. A ``ValueError`` names a
+    type transformers does not have, with the nearest."""
+    transformers, kind = _extra("transformers", name), name[len(HF):]
+    if kind not in transformers.CONFIG_MAPPING:
+        near = difflib.get_close_matches(kind, list(transformers.CONFIG_MAPPING.keys()), n=3)
+        raise ValueError(f"{name}: transformers has no model type {kind!r}" + (f"; did you mean {' or '.join(HF + n for n in near)}?" if near else ""))
+    return importlib.import_module("transformers.models.auto.modeling_auto").MODEL_MAPPING_NAMES.get(kind) in HF_FAMILIES
 
 
 def check_backbone_name(name: str) -> None:
-    """A torchvision classification model's name (or one of :data:`EXTRA_BACKBONES`), or ``timm:NAME``;
-    else a ``ValueError`` with the nearest names (``timm/convnext_atto`` finds ``timm:convnext_atto``)."""
+    """A torchvision classification model's name (or one of :data:`EXTRA_BACKBONES`), ``timm:NAME``, or
+    ``hf:TYPE`` that trunksplit cuts; else a ``ValueError`` with the nearest names (``timm/convnext_atto``
+    finds ``timm:convnext_atto``) or, for a transformers type it cannot cut, where to wrap it instead."""
     if name.startswith(HF):
-        raise ValueError(f"MODEL.TRUNK.NAME {name}: a transformers model is not a chain trunksplit can cut; it is wrapped to a budget: "
-                         f"trunksplit plan --arch {name} --budget 0.5, or trunksplit.apply_activation_checkpointing in your code")
+        if not hf_is_chain(name):
+            cut = ", ".join(sorted(HF + k for k, c in importlib.import_module("transformers.models.auto.modeling_auto").MODEL_MAPPING_NAMES.items() if c in HF_FAMILIES))
+            raise ValueError(f"MODEL.TRUNK.NAME {name}: this transformers model is not a chain trunksplit can cut (it cuts {cut}); it is wrapped to "
+                             f"a budget: trunksplit plan --arch {name} --budget 0.5, or trunksplit.apply_activation_checkpointing in your code")
+        return
     if name.startswith(TIMM):
         if name[len(TIMM):] not in _extra("timm", name).list_models():
             raise ValueError(f"MODEL.TRUNK.NAME: timm has no model {name[len(TIMM):]!r}{_did_you_mean(name, [])}")
@@ -66,13 +82,16 @@ def fixed_resolution(name: str) -> bool:
 
 def build_backbone(name: str, image_size: Optional[int] = None) -> nn.Module:
     """A randomly initialised classification model (nothing is downloaded) that trunksplit can cut:
-    torchvision's by name, timm's as ``timm:NAME``.
+    torchvision's by name, timm's as ``timm:NAME``, transformers' as ``hf:TYPE`` (:func:`hf_is_chain`).
 
     ``image_size`` builds ViT and MaxViT (timm's ViTs too) for that resolution (the zoo's default is 224); a ViT
     trunk takes other sizes too (see ``trunksplit.chains.families.VitEmbedding``)."""
     check_backbone_name(name)
     try:
-        model = _timm_model(name[len(TIMM):], image_size) if name.startswith(TIMM) else _torchvision_model(name, image_size)
+        if name.startswith(HF):
+            model = build_hf_model(name, image_size)
+        else:
+            model = _timm_model(name[len(TIMM):], image_size) if name.startswith(TIMM) else _torchvision_model(name, image_size)
     except (ValueError, AssertionError, RuntimeError) as e:  # e.g. a ViT size that is not a multiple of its patch
         raise ValueError(f"MODEL.TRUNK.NAME {name} cannot be built for {image_size}px crops: {e}") from None
     try:
@@ -103,16 +122,13 @@ def _timm_model(name: str, image_size: Optional[int]) -> nn.Module:
 
 
 def build_hf_model(name: str, image_size: Optional[int] = None) -> nn.Module:
-    """A transformers vision model by its type (``hf:dinov2``, ``hf:vit``, ``hf:convnext``): the type's
-    default config (for ``image_size`` where it has one), random weights, nothing downloaded. Such a
-    model is not a chain trunksplit can cut: it is wrapped to a budget (``apply_activation_checkpointing``)."""
+    """A transformers vision model by its type (``hf:dinov2``, ``hf:vit``, ``hf:swin``): the type's
+    default config (for ``image_size`` where it has one), random weights, nothing downloaded. Those
+    :func:`hf_is_chain` accepts are cut as any trunk; the others are wrapped to a budget
+    (``apply_activation_checkpointing``)."""
+    hf_is_chain(name)  # the type exists
     transformers = _extra("transformers", name)
-    kind = name[len(HF):]
-    try:
-        config = transformers.AutoConfig.for_model(kind)
-    except ValueError:
-        near = difflib.get_close_matches(kind, list(transformers.CONFIG_MAPPING.keys()), n=3)
-        raise ValueError(f"{name}: transformers has no model type {kind!r}" + (f"; did you mean {' or '.join(HF + n for n in near)}?" if near else "")) from None
+    config = transformers.AutoConfig.for_model(name[len(HF):])
     if image_size is not None and hasattr(config, "image_size"):
         config.image_size = image_size
     return transformers.AutoModel.from_config(config)

@@ -20,7 +20,7 @@ _C.SEED = 0
 
 _C.MODEL = CN()
 _C.MODEL.TRUNK = CN()
-_C.MODEL.TRUNK.NAME = "resnet50"  # any torchvision classification model (ResNet to ViT, Swin, MaxViT): docs/backbones.md
+_C.MODEL.TRUNK.NAME = "resnet50"  # a torchvision classification model (ResNet to ViT, Swin, MaxViT), timm:NAME or hf:TYPE: docs/backbones.md
 _C.MODEL.TRUNK.OUT_FEAT_KEYS = ["flatten"]
 _C.MODEL.ACTIVATION_CHECKPOINTING = CN()
 _C.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = True
