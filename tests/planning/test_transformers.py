@@ -1,6 +1,7 @@
 """Hugging Face transformers vision models (an optional test dependency: ``pip install transformers``;
-skipped without it): torch.fx cannot trace them, so the trunk refuses them, quoting fx, and the
-memory-budget wrapper plans them instead, exact. Tiny configs; the full-size sweep is
+skipped without it) that trunksplit does not cut (those it cuts: tests/chains/test_hugging_face.py):
+torch.fx cannot trace them, so the trunk refuses them, quoting fx, and the memory-budget wrapper plans
+them instead, exact. Tiny configs; the full-size sweep is
 ``python tools/zoo_sweep.py --libraries transformers --wrap 0.6 --size 224``."""
 import copy
 
@@ -12,11 +13,11 @@ from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpoin
 transformers = pytest.importorskip("transformers")
 
 
-def _vit():
+def _beit():
     torch.manual_seed(0)
-    config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                                    intermediate_size=64, hidden_dropout_prob=0.1)
-    return transformers.ViTModel(config, add_pooling_layer=False)
+    config = transformers.BeitConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.1)
+    return transformers.BeitModel(config, add_pooling_layer=False)
 
 
 def _step(model, x):
@@ -24,8 +25,8 @@ def _step(model, x):
     model(pixel_values=x).last_hidden_state.pow(2).sum().backward()
 
 
-def test_a_transformers_vit_is_refused_by_the_trunk_and_wrapped_to_a_budget_exactly():
-    plain = _vit().train()
+def test_a_transformers_beit_is_refused_by_the_trunk_and_wrapped_to_a_budget_exactly():
+    plain = _beit().train()
     with pytest.raises(TypeError, match=r"torch.fx said: .*apply_activation_checkpointing"):
         CheckpointedTrunk(copy.deepcopy(plain))
     model = copy.deepcopy(plain)
