@@ -28,7 +28,7 @@ class CheckpointedTrunk(nn.Module):
 
     Args:
         trunk: a model (any torchvision classification family, transformers' ViT,
-            DeiT, DINOv2, ConvNeXt or ResNet, a registered family, or any model
+            DeiT, DINOv2, ConvNeXt or ResNet (``chains/hugging_face.py``), a registered family, or any model
             ``torch.fx`` can trace), or an ordered dict of feature blocks in execution order.
         out_feat_keys: feature blocks to return, in this order, from ``forward``;
             None: the last one (``flatten`` for torchvision families, ``output`` for

@@ -22,14 +22,20 @@ SMALL = {  # the architectures at toy widths, with dropout or drop-path where th
     "vit": dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.1),
     "deit": dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.1),
     "dinov2": dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, mlp_ratio=2, hidden_dropout_prob=0.1),
+    "vit_msn": dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, hidden_dropout_prob=0.1),
+    "dinov2_with_registers": dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, mlp_ratio=2, hidden_dropout_prob=0.1),
     "convnext": dict(hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1], drop_path_rate=0.2),
+    "convnextv2": dict(hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1], drop_path_rate=0.2),
     "resnet": dict(hidden_sizes=[8, 16, 24, 32], depths=[1, 2, 1, 1], embedding_size=8),
 }
 POOLED = {  # the model's own pooled feature, read from its output
     "vit": lambda out: out.last_hidden_state[:, 0],  # what ViTForImageClassification's classifier takes
     "deit": lambda out: out.last_hidden_state[:, 0],
     "dinov2": lambda out: out.pooler_output,
+    "vit_msn": lambda out: out.last_hidden_state[:, 0],
+    "dinov2_with_registers": lambda out: out.pooler_output,
     "convnext": lambda out: out.pooler_output,
+    "convnextv2": lambda out: out.pooler_output,
     "resnet": lambda out: out.pooler_output.flatten(1),
 }
 
@@ -66,7 +72,8 @@ def test_a_training_step_of_the_cut_model_equals_the_models_own(kind, reentrant)
     assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), model.buffers()))  # ResNet's BatchNorm statistics
 
 
-@pytest.mark.parametrize("kind, cls", [("vit", "ViTForImageClassification"), ("deit", "DeiTForImageClassification"), ("convnext", "ConvNextForImageClassification"),
+@pytest.mark.parametrize("kind, cls", [("vit", "ViTForImageClassification"), ("deit", "DeiTForImageClassification"), ("vit_msn", "ViTMSNForImageClassification"),
+                                       ("convnext", "ConvNextForImageClassification"), ("convnextv2", "ConvNextV2ForImageClassification"),
                                        ("resnet", "ResNetForImageClassification")])
 def test_an_image_classifier_gives_the_feature_its_classifier_takes(kind, cls):
     model = _model(kind, getattr(transformers, cls)).eval()
@@ -105,7 +112,7 @@ def test_plan_and_fit_cut_a_transformers_type_and_wrap_one_they_cannot_cut(capsy
     assert main(["fit", "--arch", "hf:resnet", "--input", "3x32x32", "--memory", "600MiB"]) == 0
     assert "fits 600.0 MiB" in capsys.readouterr().out
     assert main(["fit", "--arch", "hf:beit", "--input", "3x32x32", "--memory", "1GiB"]) == 2
-    assert "not a chain trunksplit can cut (it cuts hf:convnext, hf:deit, hf:dinov2, hf:resnet, hf:vit)" in capsys.readouterr().err
+    assert "not a chain trunksplit can cut (it cuts hf:convnext, hf:convnextv2, hf:deit, hf:dinov2, hf:dinov2_with_registers, hf:resnet, hf:vit, hf:vit_msn)" in capsys.readouterr().err
 
 
 def test_the_launcher_trains_a_transformers_trunk(tmp_path):

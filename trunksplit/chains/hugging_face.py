@@ -1,8 +1,9 @@
 """Hugging Face transformers' vision models as feature blocks.
 
 transformers' models cannot be traced by ``torch.fx`` (their forwards take ``**kwargs`` and
-dispatch attention at run time), but their bodies are chains: ViT, DeiT and DINOv2 run embeddings,
-then a list of layers that each take and give one tensor, then a norm; ConvNeXt and ResNet run a
+dispatch attention at run time), but their bodies are chains: ViT (and ViT-MSN), DeiT and DINOv2 (with
+or without registers) run embeddings, then a list of layers that each take and give one tensor, then a
+norm; ConvNeXt (v1, v2) and ResNet run a
 stem and four stages of blocks, then pool. These functions name them as the torchvision families
 are named (``embed, encoder, norm, flatten``; ``conv1, res2..res5, avgpool, flatten``), holding the
 model's own modules, so a trunk cut from them trains the model.
@@ -87,13 +88,18 @@ def resnet_blocks(model: nn.Module) -> FeatureBlocks:
 # a transformers class's name -> its feature blocks
 HF_FAMILIES: Dict[str, Callable[[nn.Module], FeatureBlocks]] = {
     "ViTModel": vit_blocks,
+    "ViTMSNModel": vit_blocks,
     "DeiTModel": vit_blocks,
     "Dinov2Model": dinov2_blocks,
+    "Dinov2WithRegistersModel": dinov2_blocks,
     "ConvNextModel": convnext_blocks,
+    "ConvNextV2Model": convnext_blocks,
     "ResNetModel": resnet_blocks,
     "ViTForImageClassification": lambda m: vit_blocks(m.vit),
+    "ViTMSNForImageClassification": lambda m: vit_blocks(m.vit),
     "DeiTForImageClassification": lambda m: vit_blocks(m.deit),
     "ConvNextForImageClassification": lambda m: convnext_blocks(m.convnext),
+    "ConvNextV2ForImageClassification": lambda m: convnext_blocks(m.convnextv2),
     "ResNetForImageClassification": lambda m: resnet_blocks(m.resnet),
 }
 

@@ -22,7 +22,7 @@ OBJECTIVE_HELP = ("what cost-aware plans minimise: time (recompute priced from o
 GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's default); kept: zero_grad(set_to_none=False); "
                   "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
 ARCH_HELP = ("a torchvision classification model name (resnet50), timm:NAME (timm:convnext_atto) where timm is installed, "
-             "or hf:TYPE (hf:vit, hf:deit, hf:dinov2, hf:convnext, hf:resnet), a transformers model type's default config")
+             "or hf:TYPE (hf:vit, hf:deit, hf:dinov2, hf:convnextv2, hf:resnet, ...), a transformers model type's default config")
 PLAN_ARCH_HELP = ARCH_HELP + "; another transformers type (hf:swin) is wrapped to --budget"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
 

@@ -27,7 +27,7 @@ HF = "hf:"  # the prefix of a transformers model type (its config's defaults)
 
 
 def hf_is_chain(name: str) -> bool:
-    """Whether ``hf:TYPE`` names a transformers model type trunksplit cuts (ViT, DINOv2, ConvNeXt, ResNet:
+    """Whether ``hf:TYPE`` names a transformers model type trunksplit cuts (ViT, DeiT, DINOv2, ConvNeXt, ResNet and kin:
     ``trunksplit/chains/hugging_face.py``); the others are wrapped to a budget. A ``ValueError`` names a
     type transformers does not have, with the nearest."""
     transformers, kind = _extra("transformers", name), name[len(HF):]
