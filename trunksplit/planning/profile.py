@@ -17,7 +17,7 @@ from ..recompute.stages import staged_graph
 from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
 from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
-from .unit_copies import private_copy
+from .unit_copies import private_copy, unit_input, unit_loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,11 +261,11 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     transient peaks as the allocator's, see :func:`profile_units`)."""
     device = next(tensors_in(h)).device
     forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
-    tracker, inp = _TensorAccounting(), _unit_input(h, input_needs_grad)
+    tracker, inp = _TensorAccounting(), unit_input(h, input_needs_grad)
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy)
     forward_peak, backward_excess, backward_fresh, moments = tracker.peak, 0, 0, ()
-    loss = _unit_loss(out)
+    loss = unit_loss(out)
     del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
     tracker._sweep()
     after_forward = tracker.current
@@ -284,28 +284,14 @@ def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy:
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments)
 
 
-def _unit_input(h, input_needs_grad: bool):
-    """A unit's input as in a chain: a non-leaf copy where it needs a gradient (so that an
-    in-place first op is allowed); the chain's input (a list or dict of tensors, maybe) as it is."""
-    leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
-    return map_tensors(torch.clone, leaf) if input_needs_grad else leaf
-
-
-def _unit_loss(out) -> Optional[torch.Tensor]:
-    """A scalar whose backward makes the gradient arriving at each of ``out``'s tensors inside the measured
-    window, held by nobody else (freed once consumed, as in a step). None where no output needs a gradient."""
-    outs = [t for t in tensors_in(out) if t.requires_grad]
-    return sum((t * torch.ones_like(t)).sum() for t in outs) if outs else None
-
-
 def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str) -> int:
     """The allocator's peak of ``m``'s backward beyond what its forward left, with its parameters
     holding no gradient yet (``UnitCosts.backward_fresh``): one more forward and backward."""
     grads = [(p, p.grad) for p in m.parameters()]
     for p, _ in grads:
         p.grad = None
-    out, _ = _forward_keeping(m, _unit_input(h, input_needs_grad), _TensorAccounting(), policy)
-    loss = _unit_loss(out)
+    out, _ = _forward_keeping(m, unit_input(h, input_needs_grad), _TensorAccounting(), policy)
+    loss = unit_loss(out)
     seed = torch.ones_like(loss)
     with allocator_meter(seed.device) as meter:
         loss.backward(seed)

@@ -30,7 +30,7 @@ from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region, run_units
 from .memory import tensors_in
-from .unit_copies import private_copy
+from .unit_copies import arriving_ones, private_copy
 
 REPEATS = 2  # at least
 MIN_SECONDS, MAX_REPEATS = 0.05, 10  # short runs: repeated until they took MIN_SECONDS, at most MAX_REPEATS times
@@ -69,7 +69,7 @@ def step_seconds(run: Callable[[Any], Any], h: Any, input_needs_grad: bool, repe
     def step():
         outs = [t for t in tensors_in(run(_input(h, input_needs_grad))) if t.requires_grad]
         if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            torch.autograd.backward(outs, [arriving_ones(t) for t in outs])
 
     return fastest(step, _device(h), repeats)
 

@@ -1,13 +1,17 @@
-"""Private copies of a chain's units, which the profiler runs instead of the units themselves:
-the model's parameters, gradients, BatchNorm statistics and hooks stay untouched."""
+"""Private copies of a chain's units, which the profiler runs instead of the units themselves (the
+model's parameters, gradients, BatchNorm statistics and hooks stay untouched), and what a copy is
+given when measured alone: its input, and the gradient arriving at its output, as in a chain."""
 import copy
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ..recompute.checkpoint import map_tensors
 from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts
+from .memory import tensors_in
 
 
 def private_copy(unit: nn.Module, like=None) -> nn.Module:
@@ -72,3 +76,28 @@ def _unsharded_copy(module: nn.Module) -> nn.Module:
     clone._buffers = {n: None if b is None else b.detach().clone() for n, b in module._buffers.items()}
     clone._modules = {n: None if m is None else _unsharded_copy(m) for n, m in module._modules.items()}
     return clone
+
+
+def unit_input(h, input_needs_grad: bool):
+    """A unit's input as in a chain: a non-leaf copy where it needs a gradient (so that an
+    in-place first op is allowed); the chain's input (a list or dict of tensors, maybe) as it is."""
+    leaf = map_tensors(lambda t: t.detach().requires_grad_(input_needs_grad), h)
+    return map_tensors(torch.clone, leaf) if input_needs_grad else leaf
+
+
+def unit_loss(out) -> Optional[torch.Tensor]:
+    """A scalar whose backward makes the gradient arriving at each of ``out``'s tensors inside the measured
+    window, held by nobody else (freed once consumed, as in a step), laid out as in a step (see
+    :func:`arriving_ones`). None where no output needs a gradient."""
+    outs = [t for t in tensors_in(out) if t.requires_grad]
+    return sum((t * arriving_ones(t)).sum() for t in outs) if outs else None
+
+
+def arriving_ones(t: torch.Tensor) -> torch.Tensor:
+    """Ones laid out as the gradient that arrives at ``t`` in a step: made by the next unit's backward (or
+    the loss's), it is contiguous, or channels-last where ``t`` is (a convolution's input gradient follows
+    its input's format), whatever ``t``'s own strides. torchvision's ViT layers return a transposed layout
+    (their attention runs sequence-first); a gradient with those strides would be copied where a view
+    needs it contiguous: one activation more than a step holds."""
+    channels_last = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+    return torch.ones_like(t, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
