@@ -34,7 +34,12 @@ def hf_is_chain(name: str) -> bool:
     if kind not in transformers.CONFIG_MAPPING:
         near = difflib.get_close_matches(kind, list(transformers.CONFIG_MAPPING.keys()), n=3)
         raise ValueError(f"{name}: transformers has no model type {kind!r}" + (f"; did you mean {' or '.join(HF + n for n in near)}?" if near else ""))
-    return importlib.import_module("transformers.models.auto.modeling_auto").MODEL_MAPPING_NAMES.get(kind) in HF_FAMILIES
+    return _hf_model_classes().get(kind) in HF_FAMILIES
+
+
+def _hf_model_classes() -> dict:
+    """transformers' model type -> the class name ``AutoModel`` builds for it (``vit`` -> ``ViTModel``)."""
+    return importlib.import_module("transformers.models.auto.modeling_auto").MODEL_MAPPING_NAMES
 
 
 def check_backbone_name(name: str) -> None:
@@ -43,7 +48,7 @@ def check_backbone_name(name: str) -> None:
     finds ``timm:convnext_atto``) or, for a transformers type it cannot cut, where to wrap it instead."""
     if name.startswith(HF):
         if not hf_is_chain(name):
-            cut = ", ".join(sorted(HF + k for k, c in importlib.import_module("transformers.models.auto.modeling_auto").MODEL_MAPPING_NAMES.items() if c in HF_FAMILIES))
+            cut = ", ".join(sorted(HF + k for k, c in _hf_model_classes().items() if c in HF_FAMILIES))
             raise ValueError(f"MODEL.TRUNK.NAME {name}: this transformers model is not a chain trunksplit can cut (it cuts {cut}); it is wrapped to "
                              f"a budget: trunksplit plan --arch {name} --budget 0.5, or trunksplit.apply_activation_checkpointing in your code")
         return
