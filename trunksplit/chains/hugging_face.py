@@ -3,9 +3,8 @@
 transformers' models cannot be traced by ``torch.fx`` (their forwards take ``**kwargs`` and
 dispatch attention at run time), but their bodies are chains: ViT (and ViT-MSN), DeiT and DINOv2 (with
 or without registers) run embeddings, then a list of layers that each take and give one tensor, then a
-norm; ConvNeXt (v1, v2) and ResNet run a
-stem and four stages of blocks, then pool. These functions name them as the torchvision families
-are named (``embed, encoder, norm, flatten``; ``conv1, res2..res5, avgpool, flatten``), holding the
+norm; ConvNeXt (v1, v2) and ResNet run a stem and four stages of blocks, then pool. These functions
+name them as the torchvision families are named (``embed, encoder, norm, flatten``; ``conv1, res2..res5, avgpool, flatten``), holding the
 model's own modules, so a trunk cut from them trains the model.
 
 Models are matched by class name and module (``transformers.models.*``), so nothing here
@@ -13,8 +12,8 @@ imports transformers (an optional extra). A ``...ForImageClassification`` model 
 of the model it holds, whose pooled output its classifier takes.
 
 Sharp edges: a layer is called with its hidden states alone, as the model's own loop calls it
-without an attention mask (a vision model is given none); ViT's embeddings interpolate the
-position embeddings (DeiT's too) at any size other than the configured one (``interpolate_pos_encoding=True``,
+without an attention mask (a vision model is given none); ViT's and DeiT's embeddings interpolate
+the position embeddings at any size other than the configured one (``interpolate_pos_encoding=True``,
 which at the configured size adds them unchanged), so multi-crop trunks run where the model's own
 forward would ask for that flag.
 """
