@@ -48,8 +48,8 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     key is always ``flatten``, the pooled ``[B, C]`` vector the classifier starts
     from. Values are the model's own modules, or small adapters holding them.
 
-    transformers' ViT, DINOv2, ConvNeXt and ResNet (and their image classifiers): the same
-    names (``trunksplit/chains/hugging_face.py``).
+    transformers' ViT, DeiT, DINOv2, ConvNeXt and ResNet (and kin, and their image classifiers):
+    the same names (``trunksplit/chains/hugging_face.py``).
 
     Any other model is traced with ``torch.fx`` and cut where one tensor carries
     all the state (``trunksplit/chains/traced.py``); its last key is ``output``, the model's
@@ -61,8 +61,9 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     for klass in type(model).__mro__:
         if klass in _TRUNK_FAMILIES:
             return _TRUNK_FAMILIES[klass](model)
-    if hf_family(model) is not None:
-        return hf_family(model)(model)
+    family = hf_family(model)
+    if family is not None:
+        return family(model)
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise TypeError(f"{type(model).__name__} wraps the model: give the model it holds (.module); to train the trunk "
                         f"data-parallel, build it first and wrap the trunk: {type(model).__name__}(CheckpointedTrunk(model, ...))")

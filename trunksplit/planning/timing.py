@@ -30,7 +30,7 @@ from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region, run_units
 from .memory import tensors_in
-from .unit_copies import arriving_ones, private_copy
+from .unit_copies import arriving_ones, private_copy, unit_input
 
 REPEATS = 2  # at least
 MIN_SECONDS, MAX_REPEATS = 0.05, 10  # short runs: repeated until they took MIN_SECONDS, at most MAX_REPEATS times
@@ -60,14 +60,14 @@ def _more(times: Sequence[float], repeats: int) -> bool:
 
 def forward_seconds(m: nn.Module, h: Any, input_needs_grad: bool) -> float:
     """Seconds of a forward of a private copy ``m`` on ``h``, with autograd (as a recompute runs it)."""
-    return fastest(lambda: m(_input(h, input_needs_grad)), _device(h))
+    return fastest(lambda: m(unit_input(h, input_needs_grad)), _device(h))
 
 
 def step_seconds(run: Callable[[Any], Any], h: Any, input_needs_grad: bool, repeats: int = REPEATS) -> float:
     """Seconds of one forward and backward of ``run`` (a module, or any function of one input) on ``h``."""
 
     def step():
-        outs = [t for t in tensors_in(run(_input(h, input_needs_grad))) if t.requires_grad]
+        outs = [t for t in tensors_in(run(unit_input(h, input_needs_grad))) if t.requires_grad]
         if outs:
             torch.autograd.backward(outs, [arriving_ones(t) for t in outs])
 
@@ -161,11 +161,6 @@ def run_eagerly(compiled: CompiledUnits, units: Sequence[nn.Module], segments, x
 def group_step_seconds(run: Callable, layers: Sequence[nn.Module], h: Any, input_needs_grad: bool) -> float:
     """Seconds of one forward and backward of ``run(h, *layers)`` (eager or compiled units)."""
     return step_seconds(lambda inp: run(inp, *layers), h, input_needs_grad)
-
-
-def _input(h: Any, needs_grad: bool) -> Any:
-    leaf = map_tensors(lambda t: t.detach().requires_grad_(needs_grad), h)
-    return map_tensors(torch.clone, leaf) if needs_grad else leaf  # not a leaf: an in-place first op is allowed
 
 
 def _device(h: Any) -> torch.device:
