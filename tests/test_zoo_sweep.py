@@ -21,3 +21,14 @@ def test_a_budget_sweep_checks_the_budget_plan_at_the_models_floor_where_the_bud
     assert row["result"] == "exact" and row["regions"], row  # regions: nested checkpoints checked too
     assert 0.1 < row["budget"] < 0.5  # the floor (tests/planning/test_planner.py: just under it, none fits)
     assert "| planned at their floor | median budget | with regions |" in capsys.readouterr().out
+
+
+def test_a_peaks_sweep_predicts_the_step_with_the_optimizer_stepped_in_backward(tmp_path):
+    """``--gradients in_backward``: SGD with momentum updates each parameter in backward, in the plain
+    step and the balanced trunk's alike; the plan's prediction is checked against the measured step."""
+    out = tmp_path / "rows.jsonl"
+    assert _sweep().main(["--libraries", "torchvision", "--only", "squeezenet1_0", "--peaks", "--gradients", "in_backward", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["result"] == "planned", row
+    assert row["measured_in_backward"] < row["plain_in_backward"]
+    assert abs(row["predicted_vs_measured_in_backward"] - 1) <= 0.01, row

@@ -13,7 +13,8 @@ after the SGD step and every buffer are bit-identical. Traced models (no torchvi
 are also checked against the model's own forward. A model the trunk refuses (torch.fx cannot
 trace it) is *refused*, any other exception a *crash*. With ``--peaks`` the balanced trunk's
 predicted step peak is compared with the measured one (exact tensor bytes) in each gradient mode
-of ``--gradients`` (kept between steps and allocated by the step, both by default), and both with
+of ``--gradients`` (kept between steps and allocated by the step, both by default; or stepped in
+backward, ``in_backward``: SGD with momentum), and both with
 the plain step. With ``--budget B`` (and ``--objective``), the budget plan's trunk (regions and all,
 gradients kept) is checked for exactness instead of the balanced one, at B or, where a model's floor at
 the input is above it, at the floor. With ``--wrap B``, ``apply_activation_checkpointing(
@@ -38,7 +39,7 @@ import warnings
 import torch
 import torchvision
 
-from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
+from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, apply_activation_checkpointing, optimizer_in_backward
 
 TRANSFORMERS = ["ViTModel", "ConvNextModel", "ResNetModel", "SwinModel", "Dinov2Model", "ViTForImageClassification", "ResNetForImageClassification"]
 
@@ -202,12 +203,21 @@ def _budget_trunk(model, x, budget, objective):
 
 
 def _peak(module, x, gradients="kept"):
-    _step(module, x, 0)  # gradients exist, as from the second step on
-    for p in module.parameters():  # where the loop leaves them: zeroed, or None (torch's default)
-        p.grad = None if gradients == "allocated" else p.grad
+    _step(module, x, 0)  # gradients exist (or an optimizer's state, stepped in backward), as from the second step on
+    for p in module.parameters():  # where the loop leaves them: zeroed, or None (torch's default; the update freed them)
+        p.grad = p.grad if gradients == "kept" else None
     with PeakMemory() as mem:
         _step(module, x, 0)
     return mem.peak_bytes
+
+
+def _trunk(model, gradients, **kwargs):
+    """A trunk of a copy of ``model`` in a gradient mode; ``"in_backward"``: SGD with momentum stepped in
+    its backward (the update's temporaries as :func:`trunksplit.optimizer_in_backward` tells the trunk)."""
+    trunk = CheckpointedTrunk(copy.deepcopy(model), gradients=gradients, **kwargs)
+    if gradients == "in_backward":
+        optimizer_in_backward(trunk, torch.optim.SGD, lr=1e-3, momentum=0.9)
+    return trunk
 
 
 def peaks_row(model, x, modes=("kept",)):
@@ -215,8 +225,8 @@ def peaks_row(model, x, modes=("kept",)):
     of ``modes``; ``predicted_vs_measured`` is the one furthest from 1."""
     row = {"result": "planned"}
     for gradients in modes:
-        plain = _peak(CheckpointedTrunk(copy.deepcopy(model), gradients=gradients), x, gradients)
-        trunk = CheckpointedTrunk(copy.deepcopy(model), num_splits=4, strategy="balanced", gradients=gradients)
+        plain = _peak(_trunk(model, gradients), x, gradients)
+        trunk = _trunk(model, gradients, num_splits=4, strategy="balanced")
         plan = trunk.plan_for(x)
         measured = _peak(trunk, x, gradients)
         row.update({f"plain_{gradients}": plain, f"predicted_{gradients}": plan.predicted_peak_bytes, f"measured_{gradients}": measured,
@@ -324,7 +334,7 @@ def build_parser():
     p.add_argument("--size", type=int, default=64, help="input resolution")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--peaks", action="store_true", help="compare predicted and measured peaks instead of checking exactness")
-    p.add_argument("--gradients", nargs="+", choices=["kept", "allocated"], default=["kept", "allocated"],
+    p.add_argument("--gradients", nargs="+", choices=["kept", "allocated", "in_backward"], default=["kept", "allocated"],
                    help="with --peaks: the gradient modes predicted and measured (the first gives measured / plain)")
     p.add_argument("--wrap", type=float, default=0.0, help="check apply_activation_checkpointing at this memory budget instead")
     p.add_argument("--budget", type=float, default=0.0,
