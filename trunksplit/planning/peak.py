@@ -99,23 +99,23 @@ class PeakModel:
         self.spans = sorted(set(spans))
         if self.spans and costs.policies is None:
             raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")
-        self._flops_prefix = _prefix(c.flops)
-        self._cheap = c.recompute_bytes or (0,) * self.n
+        self._flops_prefix, self._cheap = _prefix(c.flops), c.recompute_bytes or (0,) * self.n
         self._cheap_prefix = _prefix(self._cheap)
         # what running each unit again in a checkpointed segment costs (timed: its rerun and the checkpoint's
         # hooks), once per checkpointed segment what the checkpoint costs itself, and what a region's forward takes
         self._unit_costs = [Cost(*v) for v in zip(c.flops, self._cheap, c.rerun_seconds or (0.0,) * self.n)]
         self._checkpointed_start = _EMPTY._replace(cost=Cost(0, 0, c.checkpoint_seconds)) if c.checkpoint_seconds else _EMPTY
-        self._seconds_prefix = _prefix(c.forward_seconds or (0.0,) * self.n)
-        self._light_prefix = _prefix(c.light_flops or (0,) * self.n)
+        self._seconds_prefix, self._light_prefix = _prefix(c.forward_seconds or (0.0,) * self.n), _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
         # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
         after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
         self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
         self.compiled, self.reentrant = compiled, reentrant
-        # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``)
+        # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``); beside a recompute ending at
+        # unit i, its output's gradient and what non-reentrant backward made of it first (UnitCosts.rerun_gradient)
         self._rerun_output_held = [c.output[b - 1] if reentrant and 0 < b < self.n else 0 for b in range(self.n + 1)]
+        self._rerun_gradient = list(c.output if reentrant or not c.rerun_gradient else map(max, c.output, c.rerun_gradient))
         # a unit's backward beyond what its forward left. Its own gradients stay as its backward makes
         # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
         # own at once), or where a compiled graph returns them together (see ``compiled``)
@@ -245,7 +245,7 @@ class PeakModel:
         (``state``, ending before unit ``s``): its recompute holds everything it saves (the
         kept expensive outputs among them), with its output's gradient waiting, then
         backward walks back through it."""
-        recompute = self._grads_after[s - 1] + self.costs.output[s - 1] + state.rerun
+        recompute = self._grads_after[s - 1] + self._rerun_gradient[s - 1] + state.rerun
         return max(recompute, state.backward)
 
     def _local(self, state: "_Scan", b: int) -> int:
@@ -258,7 +258,7 @@ class PeakModel:
         held = self._features_held[b]
         if b == self.n:
             return held + max(state.forward, state.backward)
-        recompute = self._grads_after[b - 1] + self.costs.output[b - 1] + state.rerun
+        recompute = self._grads_after[b - 1] + self._rerun_gradient[b - 1] + state.rerun
         return held + max(recompute, state.first, state.backward + self._rerun_output_held[b])
 
     def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):

@@ -2,7 +2,6 @@
 
 The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the tracker that counts the bytes is
 :class:`trunksplit.planning.memory.PeakMemory`'s."""
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -12,12 +11,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..recompute.checkpoint import map_tensors
 from ..recompute.policies import POLICIES
-from ..recompute.regions import run_region
-from ..recompute.stages import staged_graph
-from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, storage_bytes, tensors_in
+from .memory import _TensorAccounting, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
 from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
-from .unit_copies import private_copy, unit_input, unit_loss
+from .unit_copies import private_copy
+from .unit_measure import measure_again_where_gradients_arrive_otherwise, measure_under, measure_unit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +37,11 @@ class UnitCosts:
     - ``keeps_output``: whether the unit's own backward needs its output.
     - ``forward_peak``: peak of the unit's forward, beyond its input; ``rerun_peak``: up to its last save (where
       a recompute stops); ``first_peak``: saving nothing (a checkpointed segment's first forward).
+    - ``rerun_gradient``: the gradient bytes held while a checkpointed segment ending at the unit recomputes:
+      torch recomputes at the first saved tensor backward needs, so the unit's backward ops before it have
+      run; the gradient arriving at its output, and what those ops made of it (a ``reshape`` copying a
+      gradient made non-contiguous by a window's ``permute``). Empty, or 0 for a unit that saves nothing:
+      its output's bytes.
     - ``backward_excess``: peak of the unit's backward above what its forward
       left alive: the gradient arriving at its output (until backward frees it),
       gradient buffers of activations and transient weight gradients (weights
@@ -111,6 +114,7 @@ class UnitCosts:
     largest_param: Tuple[int, ...] = ()
     update_moments: Tuple[Tuple[Tuple[int, int], ...], ...] = ()
     rerun_peak: Tuple[int, ...] = ()  # either empty: forward_peak
+    rerun_gradient: Tuple[int, ...] = ()  # empty: output
     first_peak: Tuple[int, ...] = ()
     reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
@@ -122,7 +126,7 @@ class UnitCosts:
         return self.policies[policy]
 
 
-_MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "first_peak", "backward_excess",
+_MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess",
              "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
@@ -153,7 +157,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     measured by the allocator needs (CUDA; FSDP2 on CPU); about twice the profiling. ``progress(name)`` is called as each unit is done
     (a command line's progress bar: profiling a big trunk takes tens of seconds).
     """
-    fields = {k: [] for k in _MEASURED + (("forward_seconds", "rerun_seconds") if timed else ())}
+    fields = {k: [] for k in _MEASURED + ("input_gradient",) + (("forward_seconds", "rerun_seconds") if timed else ())}
+    inputs = []  # the first unit's input, then each unit's as a meta tensor: see measure_again_where_gradients_arrive_otherwise
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
     span = None  # (start, its input, private copies of its units so far) while inside a span
@@ -165,18 +170,12 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
         for i, (_, unit) in enumerate(units):
             fields["input_from"].append(source)
             m = private_copy(unit, like=h)
+            inputs.append(h if i == 0 or not isinstance(h, torch.Tensor) else torch.empty_like(h, device="meta"))
             if i in span_stop:
                 span = (i, h, [])
-            tracker = _TensorAccounting()
-            with torch.no_grad(), FlopCounterMode(display=False) as flops, tracker:
-                next_h = m(h)
-            cost = _measure_unit(m, h, input_needs_grad=i > 0, allocator=allocator)
-            for key, value in cost.items():
+            next_h, forward = _forward_figures(m, h)
+            for key, value in {**measure_unit(m, h, input_needs_grad=i > 0, allocator=allocator), **forward}.items():
                 fields[key].append(value)
-            fields["flops"].append(int(flops.get_total_flops()))
-            fields["recompute_bytes"].append(tracker.cheap_bytes)
-            fields["first_peak"].append(tracker.peak)  # that forward kept nothing for backward
-            fields["light_flops"].append(tracker.light_flops)
             if timed:
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
                 fields["rerun_seconds"].append(rerun_seconds(m, h, i > 0, use_reentrant, own, fields["forward_seconds"][-1]))
@@ -192,12 +191,23 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             h = next_h
             if progress is not None:
                 progress(units[i][0])
+        measure_again_where_gradients_arrive_otherwise([u for _, u in units], inputs, fields, allocator, device)
+    del fields["input_gradient"]
     plain = {k: tuple(v) for k, v in fields.items()}
     costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]),
                       checkpoint_seconds=own, **plain)
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})
+
+
+def _forward_figures(m: nn.Module, h) -> Tuple[object, dict]:
+    """``m(h)`` without autograd, and what it tells: ``flops``, ``recompute_bytes``, ``light_flops``, and
+    ``first_peak`` (a forward that keeps nothing for backward: a checkpointed segment's first)."""
+    tracker = _TensorAccounting()
+    with torch.no_grad(), FlopCounterMode(display=False) as flops, tracker:
+        out = m(h)
+    return out, dict(flops=int(flops.get_total_flops()), recompute_bytes=tracker.cheap_bytes, first_peak=tracker.peak, light_flops=tracker.light_flops)
 
 
 def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]]) -> None:
@@ -207,7 +217,7 @@ def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, t
     start, span_input, members = span
     stop = start + len(members)
     for policy, measured in under_policy.items():
-        measured[(start, stop)] = _measure_under(members, span_input, start > 0, policy, allocator)
+        measured[(start, stop)] = measure_under(members, span_input, start > 0, policy, allocator)
     if timings is not None:
         forward, rerun = (sum(timings[k][start:stop]) for k in ("forward_seconds", "rerun_seconds"))
         time_span(members, span_input, start > 0, {p: m[(start, stop)] for p, m in under_policy.items()}, forward, rerun)
@@ -234,153 +244,3 @@ def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]
         values["nested_forward_seconds"][r] = cost.get("nested_forward_seconds", 0.0)
         values["keeps_output"][s - 1] = cost["keeps_output"]
     return replace(costs, eligible=tuple(eligible), **{k: tuple(v) for k, v in values.items()})
-
-
-def _measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str, allocator: bool = False) -> Optional[dict]:
-    """The costs of ``members`` run in order as one region under a policy, or None where they cannot run so.
-
-    torch's selective checkpoint refuses (at backward) a region that changes a kept output
-    in place, as EfficientNet's squeeze-excitation does with ``SiLU(inplace=True)`` after
-    a convolution: such a span is not eligible for ``"save_expensive"``. A span none of
-    whose units runs in stages (see :func:`trunksplit.recompute.stages.staged_graph`) is not
-    eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
-    copies = private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
-    if POLICIES[policy].staged and not any(staged_graph(m) for m in copies):
-        return None
-    try:
-        return _measure_unit(copies, h, input_needs_grad, policy, allocator)
-    except RuntimeError as e:
-        if "mutated" not in str(e):
-            raise
-        return None
-
-
-def _measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep", allocator: bool = False) -> dict:
-    """One forward and backward of ``m`` on a copy of ``h``, run plainly (``"keep"``) or as one
-    region under ``policy``: the figures of :class:`UnitCosts` for it (``allocator``: its
-    transient peaks as the allocator's, see :func:`profile_units`)."""
-    device = next(tensors_in(h)).device
-    forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
-    tracker, inp = _TensorAccounting(), unit_input(h, input_needs_grad)
-    with forward_meter:
-        out, kept = _forward_keeping(m, inp, tracker, policy)
-    forward_peak, backward_excess, backward_fresh, moments = tracker.peak, 0, 0, ()
-    loss = unit_loss(out)
-    del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
-    tracker._sweep()
-    after_forward = tracker.current
-    if loss is not None:
-        seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
-        tracker.peak = tracker.peak_with_held = tracker.current
-        with backward_meter, tracker, _held_when_fresh(m, tracker) as accumulations:
-            loss.backward(seed)
-        backward_excess = tracker.peak - after_forward
-        backward_fresh = tracker.peak_with_held - after_forward
-        moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
-    if allocator:
-        forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
-        kept["rerun_peak"] = forward_peak
-        backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy) if loss is not None else 0
-    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments)
-
-
-def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str) -> int:
-    """The allocator's peak of ``m``'s backward beyond what its forward left, with its parameters
-    holding no gradient yet (``UnitCosts.backward_fresh``): one more forward and backward."""
-    grads = [(p, p.grad) for p in m.parameters()]
-    for p, _ in grads:
-        p.grad = None
-    out, _ = _forward_keeping(m, unit_input(h, input_needs_grad), _TensorAccounting(), policy)
-    loss = unit_loss(out)
-    seed = torch.ones_like(loss)
-    with allocator_meter(seed.device) as meter:
-        loss.backward(seed)
-    for p, g in grads:
-        p.grad = g
-    return meter.peak_bytes
-
-
-class _held_when_fresh:
-    """While a backward runs into gradients that exist already (accumulated in place, each new
-    one freed after), count each parameter's gradient as ``tracker.held`` from its first
-    accumulation on: what the same backward would hold had the gradients not existed.
-
-    Tensor storages only, as the tracker that measures a step on CPU counts them: a CPU
-    convolution's weight-gradient scratch (oneDNN's), which the allocator holds beside each new
-    gradient for a moment, is in the allocator's figures (``profile_units(allocator=True)``,
-    what FSDP2 ranks and compiled trunks on CPU plan from), not here.
-
-    Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
-    an optimizer stepped in backward would update it (``UnitCosts.update_moments``)."""
-
-    def __init__(self, m: nn.Module, tracker: _TensorAccounting):
-        self.params = [p for p in m.parameters() if p.requires_grad]
-        self.tracker = tracker
-        self.moments: List[Tuple[int, int]] = []
-
-    def __enter__(self):
-        seen = set()
-        t = self.tracker
-
-        def accumulated(p):
-            nbytes = p.numel() * p.element_size()
-            self.moments.append((t.current_bytes(), nbytes))
-            if id(p) not in seen:
-                seen.add(id(p))
-                t.held += nbytes
-
-        self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        self.tracker.held = 0
-        return False
-
-
-def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting, policy: str):
-    """``m(inp)`` under ``tracker``; returns the output and what the forward keeps for backward:
-    ``output``, ``saved``, ``saves_input`` and ``keeps_output`` of :class:`UnitCosts`."""
-    params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
-    in_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in(inp)}  # a tuple's tensors too
-    packed, peak_at_pack = [], [0]  # torch stops a recompute at the last pack: the peak up to it is the rerun's
-
-    def pack(t):
-        packed.append(t)
-        peak_at_pack[0] = tracker.peak
-        return t
-
-    checkpointed = policy != "keep"
-    if checkpointed:
-        # A checkpoint keeps its tensors out of saved-tensor hooks: what it keeps is its
-        # input and (save_expensive) the expensive ops' outputs, all alive after the forward.
-        with tracker:
-            out = run_region(list(m), inp, policy)
-    else:
-        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = m(inp)
-    tracker._sweep()  # storages freed as the forward returned (its locals) are not alive after it
-    # a chain's last unit may return any structure (a traced model's own output): count all its tensors
-    out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in tensors_in(out)}
-    if checkpointed:
-        # what is alive after the forward is kept for backward, but for outputs: those only
-        # where a selective policy caches them (a convolution's, say)
-        saves_input = True
-        keeps = POLICIES[policy].keeps if policy in POLICIES else None  # "keep": a unit run plainly
-        cached = getattr(tracker, keeps) if keeps else set()  # the tracker's storages of the ops it keeps: .expensive, .heavy
-        keeps_output = any(k in cached for k in out_keys)
-        saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
-        peak_at_pack[0] = tracker.peak  # a region as a whole: its forward's peak
-    else:
-        saved, saves_input, keeps_output = {}, False, False
-        for t in packed:
-            key = StorageWeakRef(t.untyped_storage()).cdata
-            if key in in_keys:
-                saves_input = True
-            elif key not in params and key in tracker.live:
-                saved[key] = t.untyped_storage().nbytes()
-                keeps_output |= key in out_keys
-        packed.clear()  # release the saved tensors' extra references before backward
-    return out, dict(output=sum(out_keys.values()), saved=sum(saved.values()), saves_input=saves_input, keeps_output=keeps_output,
-                     rerun_peak=peak_at_pack[0])

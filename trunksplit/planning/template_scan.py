@@ -85,6 +85,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     held_after = np.asarray(model._features_held, dtype=np.int64)
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
     rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
+    rerun_gradient = np.asarray(model._rerun_gradient, dtype=np.int64)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
     state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints())
@@ -108,7 +109,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
         if ends.size:  # PeakModel._local
             b = position[ends]
             forward, backward = state.forward[ends], state.backward[ends]
-            recompute = grads_after[b - 1] + output[b - 1] + state.rerun[ends]
+            recompute = grads_after[b - 1] + rerun_gradient[b - 1] + state.rerun[ends]
             checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), backward + rerun_output_held[b])
             local = held_after[b] + np.where(b == n, np.maximum(forward, backward), checkpointed)
             found.append((ends, b, local, *(c[ends] for c in state.cost)))

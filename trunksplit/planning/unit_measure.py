@@ -1,0 +1,205 @@
+"""What one unit of a chain costs, measured alone on a private copy: one forward and backward under the
+tensor-accounting tracker (:mod:`trunksplit.planning.memory`), the figures of
+:class:`trunksplit.planning.profile.UnitCosts` for it. :func:`trunksplit.planning.profile.profile_units` walks the chain."""
+import contextlib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..recompute.policies import POLICIES
+from ..recompute.regions import run_region
+from ..recompute.stages import staged_graph
+from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, tensors_in
+from .unit_copies import arriving_layout, gradient_layout, private_copy, unit_input, unit_loss
+
+
+def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str, allocator: bool = False) -> Optional[dict]:
+    """The costs of ``members`` run in order as one region under a policy, or None where they cannot run so.
+
+    torch's selective checkpoint refuses (at backward) a region that changes a kept output
+    in place, as EfficientNet's squeeze-excitation does with ``SiLU(inplace=True)`` after
+    a convolution: such a span is not eligible for ``"save_expensive"``. A span none of
+    whose units runs in stages (see :func:`trunksplit.recompute.stages.staged_graph`) is not
+    eligible for ``"recompute_stages"``: it would be a ``"recompute"`` region."""
+    copies = private_copy(nn.Sequential(*members))  # a deepcopy drops parameters' .grad: set them again
+    if POLICIES[policy].staged and not any(staged_graph(m) for m in copies):
+        return None
+    try:
+        return measure_unit(copies, h, input_needs_grad, policy, allocator)
+    except RuntimeError as e:
+        if "mutated" not in str(e):
+            raise
+        return None
+
+
+# the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
+BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "update_moments", "rerun_gradient")
+
+
+def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
+                                                   device: torch.device) -> None:
+    """Measure again, last unit first, each unit whose output's gradient the next unit's backward lays out
+    otherwise than :func:`arriving_ones` supposed (``figures["input_gradient"]``: what each unit's backward
+    gave its input), with that layout; what its own backward gives its input may change in turn, and so on
+    down the chain. A ConvNeXt's last block gets a contiguous gradient from the pooling, not a channels-last
+    one; a Sequencer's stage, a permuted one from the convolution after it, which each block's backward
+    copies. Only the figures of :data:`BACKWARD_FIGURES` change.
+
+    ``inputs``: the first unit's input, then each unit's input as a meta tensor (its shape and strides); a
+    unit is measured again on random values of that layout, as bytes do not depend on values."""
+    given = figures["input_gradient"]
+    for i in range(len(units) - 1, 0, -1):
+        output, source = inputs[i], inputs[i - 1]
+        if given[i] is None or not isinstance(output, torch.Tensor) or given[i] == arriving_layout(output):
+            continue
+        if i > 1 and not (isinstance(source, torch.Tensor) and source.is_floating_point()):
+            continue
+        h = source if i == 1 else torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=device).normal_()
+        cost = measure_unit(private_copy(units[i - 1], like=h), h, input_needs_grad=i > 1, allocator=allocator, layout=given[i])
+        for key in BACKWARD_FIGURES:
+            figures[key][i - 1] = cost[key]
+        given[i - 1] = cost["input_gradient"]
+
+
+def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep", allocator: bool = False,
+                 layout: Optional[Tuple[int, ...]] = None) -> dict:
+    """One forward and backward of ``m`` on a copy of ``h``, run plainly (``"keep"``) or as one
+    region under ``policy``: the figures of :class:`UnitCosts` for it (``allocator``: its
+    transient peaks as the allocator's, see :func:`profile_units`), and ``input_gradient``: the
+    layout of the gradient its backward gives its input (:func:`gradient_layout`; None: not a dense
+    tensor's). ``layout``: the strides of the gradient arriving at a tensor output (see :func:`arriving_ones`)."""
+    device = next(tensors_in(h)).device
+    forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
+    tracker, inp = _TensorAccounting(), unit_input(h, input_needs_grad)
+    unpacked, given = [], []  # bytes alive at backward's first unpack of a saved tensor; the input's gradient layout
+    if isinstance(inp, torch.Tensor) and inp.requires_grad:
+        inp.register_hook(lambda g: given.append(gradient_layout(g)))
+    with forward_meter:
+        out, kept = _forward_keeping(m, inp, tracker, policy, unpacked)
+    forward_peak, backward_excess, backward_fresh, moments = tracker.peak, 0, 0, ()
+    loss = unit_loss(out, layout)
+    del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
+    tracker._sweep()
+    after_forward = tracker.current
+    if loss is not None:
+        seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
+        tracker.peak = tracker.peak_with_held = tracker.current
+        with backward_meter, tracker, _held_when_fresh(m, tracker) as accumulations:
+            loss.backward(seed)
+        backward_excess = tracker.peak - after_forward
+        backward_fresh = tracker.peak_with_held - after_forward
+        moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
+    kept["rerun_gradient"] = unpacked[0] - after_forward if unpacked else 0
+    if allocator:
+        forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
+        kept["rerun_peak"] = forward_peak
+        backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments,
+                input_gradient=given[0] if given else None)
+
+
+def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[Tuple[int, ...]]) -> int:
+    """The allocator's peak of ``m``'s backward beyond what its forward left, with its parameters
+    holding no gradient yet (``UnitCosts.backward_fresh``): one more forward and backward."""
+    grads = [(p, p.grad) for p in m.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    out, _ = _forward_keeping(m, unit_input(h, input_needs_grad), _TensorAccounting(), policy, [])
+    loss = unit_loss(out, layout)
+    seed = torch.ones_like(loss)
+    with allocator_meter(seed.device) as meter:
+        loss.backward(seed)
+    for p, g in grads:
+        p.grad = g
+    return meter.peak_bytes
+
+
+class _held_when_fresh:
+    """While a backward runs into gradients that exist already (accumulated in place, each new
+    one freed after), count each parameter's gradient as ``tracker.held`` from its first
+    accumulation on: what the same backward would hold had the gradients not existed.
+
+    Tensor storages only, as the tracker that measures a step on CPU counts them: a CPU
+    convolution's weight-gradient scratch (oneDNN's), which the allocator holds beside each new
+    gradient for a moment, is in the allocator's figures (``profile_units(allocator=True)``,
+    what FSDP2 ranks and compiled trunks on CPU plan from), not here.
+
+    Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
+    an optimizer stepped in backward would update it (``UnitCosts.update_moments``)."""
+
+    def __init__(self, m: nn.Module, tracker: _TensorAccounting):
+        self.params = [p for p in m.parameters() if p.requires_grad]
+        self.tracker = tracker
+        self.moments: List[Tuple[int, int]] = []
+
+    def __enter__(self):
+        seen = set()
+        t = self.tracker
+
+        def accumulated(p):
+            nbytes = p.numel() * p.element_size()
+            self.moments.append((t.current_bytes(), nbytes))
+            if id(p) not in seen:
+                seen.add(id(p))
+                t.held += nbytes
+
+        self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.tracker.held = 0
+        return False
+
+
+def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting, policy: str, unpacked: list):
+    """``m(inp)`` under ``tracker``; returns the output and what the forward keeps for backward:
+    ``output``, ``saved``, ``saves_input`` and ``keeps_output`` of :class:`UnitCosts`. Run plainly,
+    ``unpacked`` gets the tracker's bytes at the first unpack of a saved tensor in backward."""
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
+    in_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in(inp)}  # a tuple's tensors too
+    packed, peak_at_pack = [], [0]  # torch stops a recompute at the last pack: the peak up to it is the rerun's
+
+    def pack(t):
+        packed.append(t)
+        peak_at_pack[0] = tracker.peak
+        return t
+
+    def unpack(t):  # the first, in backward, is where a recompute of the unit would start
+        unpacked[:] = unpacked or [tracker.current_bytes()]
+        return t
+
+    checkpointed = policy != "keep"
+    if checkpointed:
+        # A checkpoint keeps its tensors out of saved-tensor hooks: what it keeps is its input and (save_expensive) the expensive ops' outputs
+        with tracker:
+            out = run_region(list(m), inp, policy)
+    else:
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = m(inp)
+    tracker._sweep()  # storages freed as the forward returned (its locals) are not alive after it
+    # a chain's last unit may return any structure (a traced model's own output): count all its tensors
+    out_keys = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in tensors_in(out)}
+    if checkpointed:
+        # what is alive after the forward is kept for backward, but for outputs: those only
+        # where a selective policy caches them (a convolution's, say)
+        saves_input = True
+        keeps = POLICIES[policy].keeps if policy in POLICIES else None  # "keep": a unit run plainly
+        cached = getattr(tracker, keeps) if keeps else set()  # the tracker's storages of the ops it keeps: .expensive, .heavy
+        keeps_output = any(k in cached for k in out_keys)
+        saved = {k: n for k, (_, n) in tracker.live.items() if k not in params and (k not in out_keys or k in cached)}
+        peak_at_pack[0] = tracker.peak  # a region as a whole: its forward's peak
+    else:
+        saved, saves_input, keeps_output = {}, False, False
+        for t in packed:
+            key = StorageWeakRef(t.untyped_storage()).cdata
+            if key in in_keys:
+                saves_input = True
+            elif key not in params and key in tracker.live:
+                saved[key] = t.untyped_storage().nbytes()
+                keeps_output |= key in out_keys
+        packed.clear()  # release the saved tensors' extra references before backward
+    return out, dict(output=sum(out_keys.values()), saved=sum(saved.values()), saves_input=saves_input, keeps_output=keeps_output,
+                     rerun_peak=peak_at_pack[0])
