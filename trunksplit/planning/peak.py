@@ -119,8 +119,8 @@ class PeakModel:
         # a unit's backward beyond what its forward left. Its own gradients stay as its backward makes
         # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
         # own at once), or where a compiled graph returns them together (see ``compiled``)
-        own_grads_stay = gradients == "allocated" or compiled
-        excess = c.backward_fresh if own_grads_stay and c.backward_fresh and not c.gathered else c.backward_excess
+        excess = c.backward_fresh if (gradients == "allocated" or compiled) and c.backward_fresh and not c.gathered else c.backward_excess
+        self._released = c.released_fresh if gradients == "allocated" and c.released_fresh and not c.gathered else (0,) * self.n
         # stepped in backward: the update of each parameter as its gradient is whole (the largest, at worst)
         self.update_temporaries = update_temporaries
         self._update = _update_excess(c, excess, update_temporaries, compiled) if gradients == "in_backward" else [0] * self.n
@@ -171,11 +171,11 @@ class PeakModel:
         elif not last:  # runs in the recompute only if a later unit saves
             tail = max(tail, here)
         backward = max(backward, kept + fsdp_at_reduce(self, a, i, last))  # FSDP2: after its backward, before what it keeps is counted
-        if c.saves_input[i] and source >= a and not counted:
-            kept, counted = kept + c.output[source], True
+        took = c.output[source] if c.saves_input[i] and source >= a and not counted else 0  # held by this unit alone
+        kept, counted = kept + took, counted or took > 0
         kept += c.saved[i] + (0 if last else g[i])
         grads_after = self._grads_after[i] if grads_after is None else grads_after
-        backward = max(backward, kept + self._backward_excess[i] + grads_after + fsdp_in_backward(self, a, i, last))
+        backward = max(backward, kept + self._backward_excess[i] + grads_after + fsdp_in_backward(self, a, i, last), kept - took + self._released[i] + grads_after)
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:

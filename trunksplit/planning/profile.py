@@ -51,6 +51,9 @@ class UnitCosts:
       start every backward without one): ``backward_excess`` less the transient weight
       gradients, plus the unit's gradients as they appear, in the order backward makes them (the
       allocator's figure also holds a CPU convolution's weight-gradient scratch beside each).
+      ``released_fresh``: the same where the unit's backward has let its input go, at a weight gradient
+      copied into its weight's layout (``unit_measure._held_when_fresh``): the peak model adds the input
+      only where something else holds it.
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
@@ -101,6 +104,7 @@ class UnitCosts:
     flops: Tuple[int, ...]
     param_bytes: Tuple[int, ...]
     backward_fresh: Tuple[int, ...] = ()
+    released_fresh: Tuple[int, ...] = ()
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
     forward_seconds: Tuple[float, ...] = ()
@@ -127,7 +131,7 @@ class UnitCosts:
 
 
 _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess",
-             "backward_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
+             "backward_fresh", "released_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,

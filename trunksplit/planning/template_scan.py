@@ -158,11 +158,13 @@ def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Sca
     reduce, in_backward = model._fsdp_terms(a, i, last)
     backward = np.maximum(state.backward[rows], kept + reduce)
     source = c.input_from[i]
+    took = np.where(counted, 0, c.output[source]) if c.saves_input[i] and source >= a else 0  # held by this unit alone
     if c.saves_input[i] and source >= a:
-        kept = kept + np.where(counted, 0, c.output[source])
+        kept = kept + took
         counted = np.ones_like(counted)
     kept = kept + (c.saved[i] + (0 if last else g[i]))
-    state.backward[rows] = np.maximum(backward, kept + (model._backward_excess[i] + model._grads_after[i] + in_backward))
+    state.backward[rows] = np.maximum(np.maximum(backward, kept + (model._backward_excess[i] + model._grads_after[i] + in_backward)),
+                                      kept - took + (model._released[i] + model._grads_after[i]))
     state.kept[rows] = kept
     state.counted[rows] = np.full(len(rows), bool(c.keeps_output[i])) if model._allocates[i] else counted
     if last:

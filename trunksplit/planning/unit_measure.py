@@ -34,7 +34,23 @@ def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gra
 
 
 # the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
-BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "update_moments", "rerun_gradient")
+BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "released_fresh", "update_moments", "rerun_gradient")
+
+
+class _Unpacks:
+    """What backward has unpacked of a unit's saved tensors: the tracker's bytes at the first unpack
+    (where a recompute of the unit would start), and how many saves of its input are still to come
+    (none: its backward has let its input go)."""
+
+    def __init__(self):
+        self.first: Optional[int] = None
+        self.input_saves = 0
+
+    def unpack(self, t: torch.Tensor, tracker: _TensorAccounting, inputs: set) -> torch.Tensor:
+        """The unpack hook of a unit whose input's storages are ``inputs``."""
+        self.first = tracker.current_bytes() if self.first is None else self.first
+        self.input_saves -= StorageWeakRef(t.untyped_storage()).cdata in inputs
+        return t
 
 
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
@@ -72,7 +88,7 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
     device = next(tensors_in(h)).device
     forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
     tracker, inp = _TensorAccounting(), unit_input(h, input_needs_grad)
-    unpacked, given = [], []  # bytes alive at backward's first unpack of a saved tensor; the input's gradient layout
+    unpacked, given = _Unpacks(), []  # what backward unpacks; the input's gradient layout
     if isinstance(inp, torch.Tensor) and inp.requires_grad:
         inp.register_hook(lambda g: given.append(gradient_layout(g)))
     with forward_meter:
@@ -85,15 +101,17 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
     if loss is not None:
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
         tracker.peak = tracker.peak_with_held = tracker.current
-        with backward_meter, tracker, _held_when_fresh(m, tracker) as accumulations:
+        with backward_meter, tracker, _held_when_fresh(m, tracker, unpacked) as accumulations:
             loss.backward(seed)
         backward_excess = tracker.peak - after_forward
         backward_fresh = tracker.peak_with_held - after_forward
         moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
-    kept["rerun_gradient"] = unpacked[0] - after_forward if unpacked else 0
-    if allocator:
+        kept["released_fresh"] = max(0, accumulations.released - after_forward)
+    kept["rerun_gradient"] = unpacked.first - after_forward if unpacked.first is not None else 0
+    kept.setdefault("released_fresh", 0)
+    if allocator:  # the allocator's fresh backward holds the input: released_fresh is in backward_fresh
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
-        kept["rerun_peak"] = forward_peak
+        kept["rerun_peak"], kept["released_fresh"] = forward_peak, 0
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments,
                 input_gradient=given[0] if given else None)
@@ -105,7 +123,7 @@ def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, l
     grads = [(p, p.grad) for p in m.parameters()]
     for p, _ in grads:
         p.grad = None
-    out, _ = _forward_keeping(m, unit_input(h, input_needs_grad), _TensorAccounting(), policy, [])
+    out, _ = _forward_keeping(m, unit_input(h, input_needs_grad), _TensorAccounting(), policy, _Unpacks())
     loss = unit_loss(out, layout)
     seed = torch.ones_like(loss)
     with allocator_meter(seed.device) as meter:
@@ -118,7 +136,12 @@ def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, l
 class _held_when_fresh:
     """While a backward runs into gradients that exist already (accumulated in place, each new
     one freed after), count each parameter's gradient as ``tracker.held`` from its first
-    accumulation on: what the same backward would hold had the gradients not existed.
+    accumulation on: what the same backward would hold had the gradients not existed. A new gradient
+    laid out otherwise than its parameter (a convolution's weight gradient, channels-last after a
+    channels-last input: ConvNeXt's downsampling) is then copied into the parameter's layout, both
+    alive for a moment (torch's ``AccumulateGrad``), where an existing one adds it in place. Where the
+    unit's backward has let its input go by then (a lone convolution's), that moment is ``released``:
+    the peak model adds the input only where something else holds it.
 
     Tensor storages only, as the tracker that measures a step on CPU counts them: a CPU
     convolution's weight-gradient scratch (oneDNN's), which the allocator holds beside each new
@@ -128,9 +151,9 @@ class _held_when_fresh:
     Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
     an optimizer stepped in backward would update it (``UnitCosts.update_moments``)."""
 
-    def __init__(self, m: nn.Module, tracker: _TensorAccounting):
+    def __init__(self, m: nn.Module, tracker: _TensorAccounting, unpacks: _Unpacks):
         self.params = [p for p in m.parameters() if p.requires_grad]
-        self.tracker = tracker
+        self.tracker, self.unpacks, self.released = tracker, unpacks, 0
         self.moments: List[Tuple[int, int]] = []
 
     def __enter__(self):
@@ -144,7 +167,17 @@ class _held_when_fresh:
                 seen.add(id(p))
                 t.held += nbytes
 
-        self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params]
+        def arriving(p):
+            def copied_if_fresh(g):
+                if id(p) not in seen and any(a != b for a, b, n in zip(g.stride(), p.stride(), p.shape) if n > 1):
+                    alive = t.current_bytes() + t.held + p.numel() * p.element_size()
+                    if self.unpacks.input_saves:
+                        t.peak_with_held = max(t.peak_with_held, alive)
+                    else:
+                        self.released = max(self.released, alive)
+            return copied_if_fresh
+
+        self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params] + [p.register_hook(arriving(p)) for p in self.params]
         return self
 
     def __exit__(self, *exc):
@@ -154,10 +187,10 @@ class _held_when_fresh:
         return False
 
 
-def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting, policy: str, unpacked: list):
+def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting, policy: str, unpacked: _Unpacks):
     """``m(inp)`` under ``tracker``; returns the output and what the forward keeps for backward:
     ``output``, ``saved``, ``saves_input`` and ``keeps_output`` of :class:`UnitCosts`. Run plainly,
-    ``unpacked`` gets the tracker's bytes at the first unpack of a saved tensor in backward."""
+    ``unpacked`` follows what backward unpacks (:class:`_Unpacks`)."""
     params = {StorageWeakRef(p.untyped_storage()).cdata for p in m.parameters()}
     in_keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors_in(inp)}  # a tuple's tensors too
     packed, peak_at_pack = [], [0]  # torch stops a recompute at the last pack: the peak up to it is the rerun's
@@ -165,10 +198,7 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
     def pack(t):
         packed.append(t)
         peak_at_pack[0] = tracker.peak
-        return t
-
-    def unpack(t):  # the first, in backward, is where a recompute of the unit would start
-        unpacked[:] = unpacked or [tracker.current_bytes()]
+        unpacked.input_saves += StorageWeakRef(t.untyped_storage()).cdata in in_keys
         return t
 
     checkpointed = policy != "keep"
@@ -177,7 +207,7 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
         with tracker:
             out = run_region(list(m), inp, policy)
     else:
-        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: unpacked.unpack(t, tracker, in_keys)):
             out = m(inp)
     tracker._sweep()  # storages freed as the forward returned (its locals) are not alive after it
     # a chain's last unit may return any structure (a traced model's own output): count all its tensors
