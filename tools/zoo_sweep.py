@@ -26,6 +26,7 @@ summary table per library is printed at the end; every model's row goes to ``--o
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import os
 import re
@@ -301,6 +302,7 @@ def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradi
     except Exception as e:  # noqa: BLE001 - the sweep reports every other failure as a crash
         row.update(result="crash", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", where=traceback.format_exc().splitlines()[-3][:200])
     row["seconds"] = round(time.perf_counter() - start, 2)
+    gc.collect()  # an optimizer stepped in backward and its model hold each other through hooks: free them before the next model
     return row
 
 
