@@ -93,7 +93,7 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
         inp.register_hook(lambda g: given.append(gradient_layout(g)))
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy, unpacked)
-    forward_peak, backward_excess, backward_fresh, moments = tracker.peak, 0, 0, ()
+    forward_peak, backward_excess, backward_fresh, released, moments = tracker.peak, 0, 0, 0, ()
     loss = unit_loss(out, layout)
     del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
     tracker._sweep()
@@ -106,14 +106,13 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
         backward_excess = tracker.peak - after_forward
         backward_fresh = tracker.peak_with_held - after_forward
         moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
-        kept["released_fresh"] = max(0, accumulations.released - after_forward)
+        released = max(0, accumulations.released - after_forward)
     kept["rerun_gradient"] = unpacked.first - after_forward if unpacked.first is not None else 0
-    kept.setdefault("released_fresh", 0)
     if allocator:  # the allocator's fresh backward holds the input: released_fresh is in backward_fresh
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
-        kept["rerun_peak"], kept["released_fresh"] = forward_peak, 0
+        kept["rerun_peak"], released = forward_peak, 0
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
-    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments,
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, released_fresh=released, update_moments=moments,
                 input_gradient=given[0] if given else None)
 
 
