@@ -2,7 +2,7 @@
 model's parameters, gradients, BatchNorm statistics and hooks stay untouched), and what a copy is
 given when measured alone: its input, and the gradient arriving at its output, as in a chain."""
 import copy
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -85,34 +85,53 @@ def unit_input(h, input_needs_grad: bool):
     return map_tensors(torch.clone, leaf) if input_needs_grad else leaf
 
 
-def unit_loss(out, layout: Optional[Tuple[int, ...]] = None) -> Optional[torch.Tensor]:
+class GradientLayout(NamedTuple):
+    """Where a gradient lies in its storage: its strides, its offset, and the storage's elements. A
+    slice of a larger gradient (``torch.cat``'s backward gives each input one) keeps the whole alive,
+    and a ``view`` of it cannot be taken without a copy."""
+
+    stride: Tuple[int, ...]
+    offset: int
+    storage: int
+
+
+def unit_loss(out, layout: Optional[GradientLayout] = None) -> Optional[torch.Tensor]:
     """A scalar whose backward makes the gradient arriving at each of ``out``'s tensors inside the measured
-    window, held by nobody else (freed once consumed, as in a step), laid out as in a step (see
-    :func:`arriving_ones`; ``layout``: the strides the next unit's backward gives a tensor output). None
-    where no output needs a gradient."""
+    window, held by nobody else (freed once consumed, as in a step), laid out as in a step: ``layout``,
+    what the next unit's backward gives a tensor output where measured (see :func:`gradient_layout`),
+    else :func:`arriving_layout`. None where no output needs a gradient."""
     outs = [t for t in tensors_in(out) if t.requires_grad]
-    return sum((t * arriving_ones(t, layout)).sum() for t in outs) if outs else None
+    given = layout if layout is not None and len(outs) == 1 and len(layout.stride) == outs[0].dim() else None
+    return sum(_Arriving.apply(t, given or arriving_layout(t)).sum() for t in outs) if outs else None
 
 
-def arriving_ones(t: torch.Tensor, layout: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
-    """Ones laid out as the gradient that arrives at ``t`` in a step: made by the next unit's backward (or
-    the loss's), it is contiguous, or channels-last where ``t`` is (a convolution's input gradient follows
-    its input's format), whatever ``t``'s own strides. torchvision's ViT layers return a transposed layout
-    (their attention runs sequence-first); a gradient with those strides would be copied where a view
-    needs it contiguous: one activation more than a step holds.
+class _Arriving(torch.autograd.Function):
+    """Identity forward; its backward makes the gradient of ``layout`` afresh (ones, as bytes do not depend
+    on values), whatever the gradient given to it, as the next unit's backward would."""
 
-    ``layout``: the strides the next unit's backward really gives it, where measured (see
-    :func:`gradient_layout`): a ConvNeXt block's output gets a contiguous gradient from the pooling
-    after the last one, where the others get a channels-last one; a Sequencer's stage, a permuted one from
-    the convolution after it."""
-    if layout is not None and len(layout) == t.dim():
-        return torch.empty_strided(t.shape, layout, dtype=t.dtype, device=t.device).fill_(1)
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, layout: GradientLayout) -> torch.Tensor:
+        ctx.layout, ctx.like = layout, (t.shape, t.dtype, t.device)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, _):
+        (stride, offset, storage), (shape, dtype, device) = ctx.layout, ctx.like
+        return torch.ones(storage, dtype=dtype, device=device).as_strided(shape, stride, offset), None
+
+
+def arriving_ones(t: torch.Tensor) -> torch.Tensor:
+    """Ones laid out as the gradient that arrives at ``t`` in a step, where not measured: made by the next
+    unit's backward (or the loss's), it is contiguous, or channels-last where ``t`` is (a convolution's
+    input gradient follows its input's format), whatever ``t``'s own strides. torchvision's ViT layers
+    return a transposed layout (their attention runs sequence-first); a gradient with those strides would
+    be copied where a view needs it contiguous: one activation more than a step holds."""
     return torch.ones_like(t, memory_format=_arriving_format(t))
 
 
-def arriving_layout(t: torch.Tensor) -> Tuple[int, ...]:
-    """The strides of :func:`arriving_ones` for ``t`` where no layout is given (nothing is allocated)."""
-    return torch.empty_like(t, device="meta", memory_format=_arriving_format(t)).stride()
+def arriving_layout(t: torch.Tensor) -> GradientLayout:
+    """The layout of :func:`arriving_ones` for ``t`` (nothing is allocated)."""
+    return GradientLayout(torch.empty_like(t, device="meta", memory_format=_arriving_format(t)).stride(), 0, t.numel())
 
 
 def _arriving_format(t: torch.Tensor) -> torch.memory_format:
@@ -120,12 +139,9 @@ def _arriving_format(t: torch.Tensor) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
-def gradient_layout(g: torch.Tensor) -> Optional[Tuple[int, ...]]:
-    """The strides of ``g`` where it is laid out densely (its dimensions in some order, no gaps, no
-    overlap: what :func:`arriving_ones` can make), else None (an expanded gradient, a strided view)."""
-    expected = 1
-    for size, stride in sorted(zip(g.shape, g.stride()), key=lambda d: d[1]):
-        if size > 1 and stride != expected:
-            return None
-        expected *= size
-    return tuple(g.stride())
+def gradient_layout(g: torch.Tensor) -> GradientLayout:
+    """How ``g`` lies in its storage, which :func:`unit_loss` makes again: a ConvNeXt block's output gets
+    a contiguous gradient from the pooling after the last one, where the others get a channels-last one; a
+    Sequencer's stage, a permuted one from the convolution after it; VOLO's last block, a slice of the
+    gradient of the class token's ``cat``."""
+    return GradientLayout(tuple(g.stride()), g.storage_offset(), g.untyped_storage().nbytes() // g.element_size())

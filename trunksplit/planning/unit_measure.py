@@ -11,7 +11,7 @@ from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region
 from ..recompute.stages import staged_graph
 from .memory import StorageWeakRef, _TensorAccounting, allocator_meter, tensors_in
-from .unit_copies import arriving_layout, gradient_layout, private_copy, unit_input, unit_loss
+from .unit_copies import GradientLayout, arriving_layout, gradient_layout, private_copy, unit_input, unit_loss
 
 
 def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_grad: bool, policy: str, allocator: bool = False) -> Optional[dict]:
@@ -56,7 +56,7 @@ class _Unpacks:
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
                                                    device: torch.device) -> None:
     """Measure again, last unit first, each unit whose output's gradient the next unit's backward lays out
-    otherwise than :func:`arriving_ones` supposed (``figures["input_gradient"]``: what each unit's backward
+    otherwise than :func:`arriving_layout` supposed (``figures["input_gradient"]``: what each unit's backward
     gave its input), with that layout; what its own backward gives its input may change in turn, and so on
     down the chain. A ConvNeXt's last block gets a contiguous gradient from the pooling, not a channels-last
     one; a Sequencer's stage, a permuted one from the convolution after it, which each block's backward
@@ -79,12 +79,12 @@ def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], i
 
 
 def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: str = "keep", allocator: bool = False,
-                 layout: Optional[Tuple[int, ...]] = None) -> dict:
+                 layout: Optional[GradientLayout] = None) -> dict:
     """One forward and backward of ``m`` on a copy of ``h``, run plainly (``"keep"``) or as one
     region under ``policy``: the figures of :class:`UnitCosts` for it (``allocator``: its
     transient peaks as the allocator's, see :func:`profile_units`), and ``input_gradient``: the
-    layout of the gradient its backward gives its input (:func:`gradient_layout`; None: not a dense
-    tensor's). ``layout``: the strides of the gradient arriving at a tensor output (see :func:`arriving_ones`)."""
+    layout of the gradient its backward gives its input (:func:`gradient_layout`; None: none given).
+    ``layout``: that of the gradient arriving at a tensor output (see :func:`unit_loss`)."""
     device = next(tensors_in(h)).device
     forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
     tracker, inp = _TensorAccounting(), unit_input(h, input_needs_grad)
@@ -116,7 +116,7 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
                 input_gradient=given[0] if given else None)
 
 
-def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[Tuple[int, ...]]) -> int:
+def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[GradientLayout]) -> int:
     """The allocator's peak of ``m``'s backward beyond what its forward left, with its parameters
     holding no gradient yet (``UnitCosts.backward_fresh``): one more forward and backward."""
     grads = [(p, p.grad) for p in m.parameters()]
