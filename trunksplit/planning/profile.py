@@ -84,7 +84,8 @@ class UnitCosts:
       gradient whole (when an optimizer stepped in backward updates it): (bytes alive beyond what the
       forward left, its new gradient already added into the kept one; the parameter's bytes). Stepped
       in backward, that gradient lives on through an update that makes ``k`` tensors of the
-      parameter's size: the first plus ``1 + k`` times the second (``gradients="in_backward"``).
+      parameter's size: the first plus ``1 + k`` times the second (``gradients="in_backward"``). A
+      gradient laid out otherwise than its parameter adds the moment it is copied (see ``backward_fresh``), with 0.
     - ``largest_param``: bytes of each unit's largest trainable parameter (this rank's shard under
       FSDP2): what an optimizer stepped in backward updates at most at once (``gradients="in_backward"``).
     - ``gathered``: under FSDP2, the bytes of each unit's whole parameters, which a rank

@@ -148,7 +148,8 @@ class _held_when_fresh:
     what FSDP2 ranks and compiled trunks on CPU plan from), not here.
 
     Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
-    an optimizer stepped in backward would update it (``UnitCosts.update_moments``)."""
+    an optimizer stepped in backward would update it (``UnitCosts.update_moments``); and where a fresh
+    gradient would be copied, the bytes alive then and 0 (no update runs beside the copy)."""
 
     def __init__(self, m: nn.Module, tracker: _TensorAccounting, unpacks: _Unpacks):
         self.params = [p for p in m.parameters() if p.requires_grad]
@@ -169,7 +170,9 @@ class _held_when_fresh:
         def arriving(p):
             def copied_if_fresh(g):
                 if id(p) not in seen and any(a != b for a, b, n in zip(g.stride(), p.stride(), p.shape) if n > 1):
-                    alive = t.current_bytes() + t.held + p.numel() * p.element_size()
+                    copy_made = t.current_bytes() + p.numel() * p.element_size()
+                    self.moments.append((copy_made, 0))  # stepped in backward, the gradient is fresh too: a fixed moment
+                    alive = copy_made + t.held
                     if self.unpacks.input_saves:
                         t.peak_with_held = max(t.peak_with_held, alive)
                     else:
