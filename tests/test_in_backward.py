@@ -1,7 +1,9 @@
 """The optimizer stepped in backward: the parameters of a standard step, gradients never all alive,
 and the trunk's plans for it met as measured."""
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -105,6 +107,56 @@ def test_step_and_zero_grad_are_harmless_a_closure_is_refused_and_remove_stops_t
     model(torch.ones(2, 4)).sum().backward()
     assert all(torch.equal(a, p) for a, p in zip(updated, model.parameters()))
     assert torch.equal(model.bias.grad, torch.full((3,), 2.0))  # the gradient stays: no update ran
+
+
+def test_a_model_and_its_optimizer_stepped_in_backward_are_freed_once_the_loop_drops_them():
+    """As a model and its standard optimizer are. Until 2026-11-28 each parameter's hook held the
+    stand-in, which holds the parameter through its optimizer: autograd keeps hooks where Python's
+    garbage collector cannot see them, and every model and optimizer ever stepped in backward stayed
+    alive (a zoo sweep in that mode grew by a model's weights and state per model)."""
+    def train_and_drop():
+        trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=2, gradients="in_backward")
+        stand_in = optimizer_in_backward(trunk, torch.optim.SGD, lr=0.1, momentum=0.9)
+        loss_of(trunk(X)).backward()
+        return [weakref.ref(o) for o in (trunk, stand_in, stand_in.optimizer, next(trunk.parameters()))]
+
+    refs = train_and_drop()
+    gc.collect()
+    assert [r() for r in refs] == [None] * 4
+
+
+def test_the_updates_go_on_while_the_model_lives_though_the_loop_keeps_no_stand_in():
+    """A loop that calls ``optimizer_in_backward`` for its effect alone (torch's own in-backward helper
+    returns nothing) still trains: the parameters hold their stand-in."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    reference = copy.deepcopy(model)
+    optimizer_in_backward(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    gc.collect()
+    _linear_steps(model)
+    _linear_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def test_a_whole_model_saved_while_stepped_in_backward_loads_as_a_plain_model(tmp_path):
+    """``torch.save(model)`` pickles the model whole; the stand-in stays behind, as its hooks do (the
+    file once loaded into a half-made stand-in and failed). The loaded model's backward updates
+    nothing, and a new optimizer steps it in backward without taking it over from anyone."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer_in_backward(model, torch.optim.SGD, lr=0.1)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    reference = copy.deepcopy(loaded)
+    _linear_steps(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), loaded.parameters()))
+    loaded.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no earlier stand-in's hooks to remove
+        optimizer_in_backward(loaded, torch.optim.SGD, lr=0.1)
+    _linear_steps(loaded)
+    _linear_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), loaded.parameters()))
 
 
 def test_a_trunk_planned_for_another_gradient_mode_is_refused_and_left_alone():
@@ -252,12 +304,14 @@ def test_a_learning_rate_set_after_the_optimizer_behind_it_loads_a_state_reaches
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def _linear_steps(model, optimizer, stand_in=None):
-    """Two steps of a small regression, as a loop with a standard optimizer runs them (or with a stand-in)."""
+def _linear_steps(model, optimizer=None):
+    """Two steps of a small regression, as a loop with ``optimizer`` (a standard one or a stand-in) runs
+    them; None: backward alone."""
     for x in (torch.ones(2, 4), torch.full((2, 4), 0.5)):
         model(x).pow(2).sum().backward()
-        (stand_in or optimizer).step()
-        (stand_in or optimizer).zero_grad()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 def test_a_second_optimizer_stepped_in_backward_takes_the_parameters_over_from_the_first():
@@ -274,7 +328,7 @@ def test_a_second_optimizer_stepped_in_backward_takes_the_parameters_over_from_t
     plain_first.zero_grad()
     with pytest.warns(UserWarning, match="hooks are removed"):
         second = optimizer_in_backward(model, torch.optim.AdamW, lr=0.01)
-    _linear_steps(model, None, second)
+    _linear_steps(model, second)
     _linear_steps(reference, torch.optim.AdamW(reference.parameters(), lr=0.01))
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     assert second.state_dict()["state"] and not first.state_dict()["state"]
@@ -286,7 +340,7 @@ def test_frozen_parameters_are_left_to_themselves_as_a_standard_optimizer_leaves
     model[0].requires_grad_(False)
     reference = copy.deepcopy(model)
     stand_in = optimizer_in_backward(list(model.parameters()), torch.optim.SGD, lr=0.1, momentum=0.9)  # torch's optimizers take frozen ones
-    _linear_steps(model, None, stand_in)
+    _linear_steps(model, stand_in)
     _linear_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
@@ -400,7 +454,7 @@ def test_an_optimizer_that_steps_parameters_together_is_named_in_a_warning(optim
     reference = copy.deepcopy(model)
     with pytest.warns(UserWarning, match=f"{optimizer_class.__name__} does not step each parameter on its own"):
         stand_in = optimizer_in_backward(model, optimizer_class, lr=0.1)
-    _linear_steps(model, None, stand_in)
+    _linear_steps(model, stand_in)
     _linear_steps(reference, optimizer_class(reference.parameters(), lr=0.1))
     assert not all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))  # the warning was right
     with warnings.catch_warnings():

@@ -302,7 +302,7 @@ def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradi
     except Exception as e:  # noqa: BLE001 - the sweep reports every other failure as a crash
         row.update(result="crash", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", where=traceback.format_exc().splitlines()[-3][:200])
     row["seconds"] = round(time.perf_counter() - start, 2)
-    gc.collect()  # an optimizer stepped in backward and its model hold each other through hooks: free them before the next model
+    gc.collect()  # an optimizer stepped in backward and its model hold each other (a cycle through the parameters): free them now
     return row
 
 

@@ -11,7 +11,6 @@ import contextlib
 import inspect
 import threading
 import warnings
-import weakref
 from typing import Callable, Iterable, List, Optional, Union
 
 import torch
@@ -21,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .planning.memory import PeakMemory
-from .planning.request import UPDATE_TEMPORARIES, UPDATE_TEMPORARIES_ATTR
+from .planning.request import IN_BACKWARD_ATTR, UPDATE_TEMPORARIES, InBackwardMark, in_backward_mark
 from .trunk import CheckpointedTrunk
 
 Params = Union[nn.Module, Iterable[torch.Tensor], Iterable[dict]]
@@ -87,12 +86,21 @@ def optimizer_in_backward(model: Params, optimizer_class: Callable[..., torch.op
     if isinstance(model, DistributedDataParallel):
         if model.find_unused_parameters:  # a parameter no rank used keeps no gradient, as DDP leaves it: mark the local uses
             stand_in._used = set()
-            stand_in._handles = [p.register_post_accumulate_grad_hook(lambda p: stand_in._used.add(p)) for p in _take_over(stand_in)]
+            stand_in._handles = [p.register_post_accumulate_grad_hook(_mark_used) for p in _take_over(stand_in)]
         model.register_comm_hook(dist.group.WORLD if model.process_group is None else model.process_group, stand_in._ddp_hook)
         stand_in._reduced_first = True
         return stand_in
-    stand_in._handles = [p.register_post_accumulate_grad_hook(stand_in.update) for p in _take_over(stand_in)]
+    stand_in._handles = [p.register_post_accumulate_grad_hook(_update) for p in _take_over(stand_in)]
     return stand_in
+
+
+def _update(p: torch.Tensor) -> None:
+    """A parameter's hook: its stand-in's update, the stand-in found on the parameter (see InBackwardMark: a hook holding it leaked)."""
+    in_backward_mark(p).stand_in.update(p)
+
+
+def _mark_used(p: torch.Tensor) -> None:
+    in_backward_mark(p).stand_in._used.add(p)
 
 
 def _warn_unless_per_parameter(optimizer_class, optimizer_kwargs: dict) -> None:
@@ -161,14 +169,13 @@ def _take_over(stand_in: "InBackwardOptimizer") -> List[torch.Tensor]:
     stand-in (a new training phase, a rebuilt optimizer) is taken from it: that one's hooks are
     removed, with a warning, so that two optimizers never update one parameter."""
     params = [p for p in stand_in._groups if p.requires_grad]
-    earlier = {id(e): e for e in (getattr(p, "_stepped_in_backward_by", lambda: None)() for p in params) if e is not None and e._handles}
+    earlier = {id(m.stand_in): m.stand_in for m in map(in_backward_mark, params) if m is not None and m.stand_in._handles}
     for e in earlier.values():
         e.remove()
         warnings.warn(f"optimizer_in_backward: these parameters were stepped in backward by {e!r}; its hooks are removed and the new "
                       "optimizer updates them", UserWarning, stacklevel=3)
     for p in params:
-        p._stepped_in_backward_by = weakref.ref(stand_in)
-        setattr(p, UPDATE_TEMPORARIES_ATTR, stand_in.update_temporaries)
+        setattr(p, IN_BACKWARD_ATTR, InBackwardMark(stand_in, stand_in.update_temporaries))
     return params
 
 
@@ -292,8 +299,9 @@ class InBackwardOptimizer(torch.optim.Optimizer):
             h.remove()
         self._handles = []
         for p in self._groups:  # no longer stepped in backward by this one: plans and wrapping see so
-            if getattr(p, "_stepped_in_backward_by", lambda: None)() is self and hasattr(p, UPDATE_TEMPORARIES_ATTR):
-                delattr(p, UPDATE_TEMPORARIES_ATTR)
+            mark = in_backward_mark(p)
+            if mark is not None and mark.stand_in is self:
+                delattr(p, IN_BACKWARD_ATTR)
 
     def _ddp_hook(self, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook: average the bucket across ranks, then update its parameters."""

@@ -17,9 +17,35 @@ from .choices import GRADIENT_MODES, OBJECTIVES, PRICES, STRATEGIES
 # in_backward: until an optimizer_in_backward measures its own, a parameter's update is taken to
 # allocate two tensors of its size (AdamW's for-loop form: the most of SGD, LARS and AdamW)
 UPDATE_TEMPORARIES = 2.0
-# set on each parameter by trunksplit.optimizer_in_backward: what its optimizer's update allocates
-# (see planned_temporaries), so a trunk handed over as its parameters plans for it too
-UPDATE_TEMPORARIES_ATTR = "_trunksplit_update_temporaries"
+# where trunksplit.optimizer_in_backward marks each parameter it takes over (an InBackwardMark)
+IN_BACKWARD_ATTR = "_trunksplit_stepped_in_backward"
+
+
+class InBackwardMark:
+    """What ``optimizer_in_backward`` leaves on each parameter it takes over: its stand-in, which
+    the parameter's hooks call (``stand_in``), and how many tensors of the parameter's size one
+    update allocates (``update_temporaries``: a trunk handed over as its parameters plans for it too,
+    see :func:`planned_temporaries`).
+
+    Why on the parameter: the stand-in holds the parameter (through its optimizer), and a hook
+    holding the stand-in would close that cycle on autograd's C++ side, where Python's garbage
+    collector cannot see it (every model ever stepped in backward stayed alive); held in the
+    parameter's ``__dict__``, the cycle is one gc frees. Pickled with a whole model
+    (``torch.save(model)``) it becomes None: hooks are not pickled, and a loaded model is not
+    stepped in backward."""
+
+    __slots__ = ("stand_in", "update_temporaries")
+
+    def __init__(self, stand_in, update_temporaries: float):
+        self.stand_in, self.update_temporaries = stand_in, update_temporaries
+
+    def __reduce__(self):
+        return type(None), ()
+
+
+def in_backward_mark(p: torch.Tensor) -> Optional[InBackwardMark]:
+    """``p``'s :class:`InBackwardMark`, or None where no optimizer steps it in backward."""
+    return getattr(p, IN_BACKWARD_ATTR, None)
 
 
 def priced_in(objective: str, device: torch.device) -> str:
@@ -123,7 +149,7 @@ def planned_temporaries(params: Iterable[torch.Tensor], default: float) -> float
     """Tensors of a parameter's size that the update of ``params`` allocates in backward: the most
     that an optimizer stepping them there measured (``optimizer_in_backward`` marks each parameter
     it takes over), else ``default``."""
-    marked = [getattr(p, UPDATE_TEMPORARIES_ATTR) for p in params if hasattr(p, UPDATE_TEMPORARIES_ATTR)]
+    marked = [mark.update_temporaries for mark in map(in_backward_mark, params) if mark is not None]
     return max(marked) if marked else default
 
 

@@ -46,7 +46,7 @@ from ..recompute.select import Condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .budget import BudgetTooLowError, MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
-from .request import GRADIENT_MODES, UPDATE_TEMPORARIES, UPDATE_TEMPORARIES_ATTR
+from .request import GRADIENT_MODES, UPDATE_TEMPORARIES, in_backward_mark
 from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
 
 
@@ -365,7 +365,7 @@ def _refuse_below_the_gradients(model: nn.Module, gradients: str, budget: int, u
 def _refuse_stepped_in_backward(model: nn.Module) -> None:
     """Measuring a budget runs training steps: refuse a model whose parameters an optimizer already
     updates in backward (:func:`trunksplit.optimizer_in_backward` marks them), which those steps would train."""
-    if any(hasattr(p, UPDATE_TEMPORARIES_ATTR) for p in model.parameters()):
+    if any(in_backward_mark(p) is not None for p in model.parameters()):
         raise ValueError(f"{type(model).__name__}'s parameters are stepped in backward by optimizer_in_backward: the steps that measure a "
                          "budget would update them. Wrap first, then call optimizer_in_backward (give its update's size with "
                          "update_temporaries=trunksplit.in_backward.update_temporaries(optimizer_class, kwargs)); nothing was changed")
