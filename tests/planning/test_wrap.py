@@ -1,5 +1,7 @@
 """apply_activation_checkpointing with a memory budget: any nn.Module, traceable or not, wrapped in place."""
 import copy
+import gc
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -96,6 +98,20 @@ def test_a_budget_is_met_as_measured_and_training_is_exact(budget):
         assert torch.equal(a.grad, b.grad), name
     for (name, a), b in zip(plain.named_buffers(), model.buffers()):
         assert torch.equal(a, b), name
+
+
+def test_a_model_wrapped_for_a_budget_is_freed_once_the_loop_drops_it():
+    """Planning runs one forward that never runs backward (which blocks save what): until 2026-11-28
+    its ReLUs' saved outputs held their own graph through autograd's C++ side, and the parameters
+    and activations of every model wrapped for a budget outlived it."""
+    def wrap_and_drop():
+        model = torchvision.models.resnet18()
+        apply_activation_checkpointing(model, memory_budget=0.95, example_inputs=(torch.randn(2, 3, 64, 64),), gradients="kept")
+        return [weakref.ref(p) for p in model.parameters()]
+
+    refs = wrap_and_drop()
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
 
 
 def test_a_budget_that_kept_convolutions_meet_reruns_no_convolution():

@@ -139,7 +139,9 @@ def measure_blocks(model: nn.Module, inputs: Tuple, condition) -> Tuple[List[Blo
                     b.saved += t.untyped_storage().nbytes()
                     if key in attribution.expensive.get(id(b), ()):
                         b.saved_expensive += t.untyped_storage().nbytes()
-        return t
+        # not t itself: an op's saved output would hold its own node through autograd's C++ side, a
+        # cycle gc cannot free (this forward never runs backward): the graph and parameters leaked
+        return t.detach()
 
     attribution = _Attribution(stack)
     handles = [h for b in blocks for h in (b.module.register_forward_pre_hook(pre(b), with_kwargs=True),
