@@ -55,6 +55,7 @@ a selective region runs again cost nothing (they fuse into its backward's kernel
 docs/benchmarks.md#torchcompile).
 """
 import itertools
+import operator
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..recompute.policies import POLICIES
@@ -108,9 +109,7 @@ class PeakModel:
         self._seconds_prefix, self._light_prefix = _prefix(c.forward_seconds or (0.0,) * self.n), _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
-        # grads_after[i]: gradients that exist while unit i runs its backward (those of units after it)
-        after = list(itertools.accumulate(reversed(c.param_bytes)))[::-1] + [0]
-        self._grads_after = after[1:] if gradients == "allocated" else [0] * self.n
+        self._grads_after = _gradients_after(c) if gradients == "allocated" else [0] * self.n
         self.compiled, self.reentrant = compiled, reentrant
         # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``); beside a recompute ending at
         # unit i, its output's gradient and what non-reentrant backward made of it first (UnitCosts.rerun_gradient)
@@ -340,6 +339,13 @@ def _region_costs(model: "PeakModel", region: Region) -> "RegionCosts":
     # a checkpointed segment's recompute runs it as its first forward ran (hooks included), where timed so
     body = Cost(flops, cheap, sum(c.nested_forward_seconds[r:s]) if any(c.nested_forward_seconds) else model._seconds_prefix[s] - model._seconds_prefix[r])
     return RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
+
+
+def _gradients_after(c: UnitCosts) -> List[int]:
+    """For each unit, the gradients the step has allocated while it runs its backward: those of the
+    units after it, as their backward made them (a slice keeps its whole storage: ``fresh_gradient_surplus``)."""
+    grads = c.param_bytes if c.gathered or not c.fresh_gradient_surplus else tuple(map(operator.add, c.param_bytes, c.fresh_gradient_surplus))
+    return list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0]
 
 
 def _update_excess(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: bool) -> List[int]:

@@ -57,6 +57,9 @@ class UnitCosts:
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
+      ``fresh_gradient_surplus``: what they take beyond that, where a fresh gradient arrives as a view
+      into a larger storage laid out as its parameter, which torch keeps whole (EVA's and BEiT's q and
+      v biases, sliced from their fused qkv bias's gradient: see ``unit_measure._held_when_fresh``).
     - ``recompute_bytes``: bytes the unit's cheap ops (all but convolution, matmul,
       attention) write in a forward: what running them again costs, in traffic.
     - ``light_flops``: FLOPs of the unit's light expensive ops (see
@@ -106,6 +109,7 @@ class UnitCosts:
     param_bytes: Tuple[int, ...]
     backward_fresh: Tuple[int, ...] = ()
     released_fresh: Tuple[int, ...] = ()
+    fresh_gradient_surplus: Tuple[int, ...] = ()
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
     forward_seconds: Tuple[float, ...] = ()
@@ -132,7 +136,7 @@ class UnitCosts:
 
 
 _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess",
-             "backward_fresh", "released_fresh", "flops", "recompute_bytes", "light_flops", "update_moments")
+             "backward_fresh", "released_fresh", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,

@@ -34,7 +34,7 @@ def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gra
 
 
 # the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
-BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "released_fresh", "update_moments", "rerun_gradient")
+BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "released_fresh", "update_moments", "rerun_gradient", "fresh_gradient_surplus")
 
 
 class _Unpacks:
@@ -93,7 +93,7 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
         inp.register_hook(lambda g: given.append(gradient_layout(g)))
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy, unpacked)
-    forward_peak, backward_excess, backward_fresh, released, moments = tracker.peak, 0, 0, 0, ()
+    forward_peak, backward_excess, backward_fresh, released, moments, surplus = tracker.peak, 0, 0, 0, (), 0
     loss = unit_loss(out, layout)
     del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
     tracker._sweep()
@@ -107,13 +107,14 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
         backward_fresh = tracker.peak_with_held - after_forward
         moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
         released = max(0, accumulations.released - after_forward)
+        surplus = accumulations.surplus
     kept["rerun_gradient"] = unpacked.first - after_forward if unpacked.first is not None else 0
     if allocator:  # the allocator's fresh backward holds the input: released_fresh is in backward_fresh
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
         kept["rerun_peak"], released = forward_peak, 0
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, released_fresh=released, update_moments=moments,
-                input_gradient=given[0] if given else None)
+                fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None)
 
 
 def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[GradientLayout]) -> int:
@@ -147,17 +148,22 @@ class _held_when_fresh:
     gradient for a moment, is in the allocator's figures (``profile_units(allocator=True)``,
     what FSDP2 ranks and compiled trunks on CPU plan from), not here.
 
+    A fresh gradient laid out as its parameter is kept as it arrives, a view included: where it
+    lies in a larger storage (EVA's and BEiT's q and v biases, sliced by ``torch.cat``'s backward from
+    their fused qkv bias's gradient), the whole storage stays, counted once; ``surplus``: what the
+    unit's fresh gradients so hold beyond their parameters' bytes (``UnitCosts.fresh_gradient_surplus``).
+
     Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
     an optimizer stepped in backward would update it (``UnitCosts.update_moments``); and where a fresh
     gradient would be copied, the bytes alive then and 0 (no update runs beside the copy)."""
 
     def __init__(self, m: nn.Module, tracker: _TensorAccounting, unpacks: _Unpacks):
         self.params = [p for p in m.parameters() if p.requires_grad]
-        self.tracker, self.unpacks, self.released = tracker, unpacks, 0
+        self.tracker, self.unpacks, self.released, self.surplus = tracker, unpacks, 0, 0
         self.moments: List[Tuple[int, int]] = []
 
     def __enter__(self):
-        seen = set()
+        seen, storages, fresh = set(), {}, {}  # fresh: id(p) -> the bytes its fresh gradient holds that none before it held
         t = self.tracker
 
         def accumulated(p):
@@ -165,11 +171,18 @@ class _held_when_fresh:
             self.moments.append((t.current_bytes(), nbytes))
             if id(p) not in seen:
                 seen.add(id(p))
-                t.held += nbytes
+                t.held += fresh.get(id(p), nbytes)
+                self.surplus += fresh.get(id(p), nbytes) - nbytes
 
         def arriving(p):
             def copied_if_fresh(g):
-                if id(p) not in seen and any(a != b for a, b, n in zip(g.stride(), p.stride(), p.shape) if n > 1):
+                if id(p) in seen:
+                    return
+                if not any(a != b for a, b, n in zip(g.stride(), p.stride(), p.shape) if n > 1):
+                    ref = StorageWeakRef(g.untyped_storage())  # a storage freed since may have left its address to this one
+                    fresh[id(p)] = 0 if ref.cdata in storages and not storages[ref.cdata].expired() else g.untyped_storage().nbytes()
+                    storages[ref.cdata] = ref
+                else:
                     copy_made = t.current_bytes() + p.numel() * p.element_size()
                     self.moments.append((copy_made, 0))  # stepped in backward, the gradient is fresh too: a fixed moment
                     alive = copy_made + t.held
