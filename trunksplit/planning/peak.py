@@ -119,6 +119,8 @@ class PeakModel:
         # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
         # own at once), or where a compiled graph returns them together (see ``compiled``)
         excess = c.backward_fresh if (gradients == "allocated" or compiled) and c.backward_fresh and not c.gathered else c.backward_excess
+        if gradients == "allocated" and not compiled and not c.gathered and c.fresh_while_input_held:  # the input beside this part only
+            excess = c.fresh_while_input_held
         self._released = c.released_fresh if gradients == "allocated" and c.released_fresh and not c.gathered else (0,) * self.n
         # stepped in backward: the update of each parameter as its gradient is whole (the largest, at worst)
         self.update_temporaries = update_temporaries

@@ -51,9 +51,12 @@ class UnitCosts:
       start every backward without one): ``backward_excess`` less the transient weight
       gradients, plus the unit's gradients as they appear, in the order backward makes them (the
       allocator's figure also holds a CPU convolution's weight-gradient scratch beside each).
-      ``released_fresh``: the same where the unit's backward has let its input go, at a weight gradient
-      copied into its weight's layout (``unit_measure._held_when_fresh``): the peak model adds the input
-      only where something else holds it.
+      ``fresh_while_input_held`` and ``released_fresh``: the same peak split where the unit's backward
+      lets its input go (the node of its last save of it has run), before and after; the peak model adds
+      the input beside the second only where something else holds it. A block whose branches' input
+      gradients are summed after the last convolution let the input go (FastViT's, Inception's) peaks
+      at that sum, with the input gone; so does a weight gradient copied into its weight's layout
+      (``unit_measure._held_when_fresh``).
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
@@ -108,6 +111,7 @@ class UnitCosts:
     flops: Tuple[int, ...]
     param_bytes: Tuple[int, ...]
     backward_fresh: Tuple[int, ...] = ()
+    fresh_while_input_held: Tuple[int, ...] = ()
     released_fresh: Tuple[int, ...] = ()
     fresh_gradient_surplus: Tuple[int, ...] = ()
     recompute_bytes: Tuple[int, ...] = ()
@@ -136,7 +140,7 @@ class UnitCosts:
 
 
 _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess",
-             "backward_fresh", "released_fresh", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
+             "backward_fresh", "fresh_while_input_held", "released_fresh", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,

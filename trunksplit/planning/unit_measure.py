@@ -2,6 +2,7 @@
 tensor-accounting tracker (:mod:`trunksplit.planning.memory`), the figures of
 :class:`trunksplit.planning.profile.UnitCosts` for it. :func:`trunksplit.planning.profile.profile_units` walks the chain."""
 import contextlib
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,23 +35,63 @@ def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gra
 
 
 # the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
-BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "released_fresh", "update_moments", "rerun_gradient", "fresh_gradient_surplus")
+BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "fresh_while_input_held", "released_fresh", "update_moments", "rerun_gradient", "fresh_gradient_surplus")
 
 
 class _Unpacks:
     """What backward has unpacked of a unit's saved tensors: the tracker's bytes at the first unpack
-    (where a recompute of the unit would start), and how many saves of its input are still to come
-    (none: its backward has let its input go)."""
+    (where a recompute of the unit would start), and how many saves of its input autograd still
+    holds (none: its backward has let its input go). Each save of the input is packed in a holder
+    whose end (its node's release, after the node ran) says when."""
 
     def __init__(self):
         self.first: Optional[int] = None
         self.input_saves = 0
 
-    def unpack(self, t: torch.Tensor, tracker: _TensorAccounting, inputs: set) -> torch.Tensor:
-        """The unpack hook of a unit whose input's storages are ``inputs``."""
+    def hold(self, t: torch.Tensor) -> "_InputSave":
+        """A save of the unit's input, packed: counted until autograd lets it go."""
+        self.input_saves += 1
+        holder = _InputSave(t)
+        weakref.finalize(holder, self._let_go)
+        return holder
+
+    def _let_go(self) -> None:
+        self.input_saves -= 1
+
+    def unpack(self, packed, tracker: _TensorAccounting) -> torch.Tensor:
+        """The unpack hook of the unit."""
         self.first = tracker.current_bytes() if self.first is None else self.first
-        self.input_saves -= StorageWeakRef(t.untyped_storage()).cdata in inputs
-        return t
+        return packed.t if isinstance(packed, _InputSave) else packed
+
+
+class _InputSave:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+class _UntilInputLetGo(_TensorAccounting):
+    """The tracker, its peak of ``current + held`` also split where the unit's backward lets its
+    input go (``unpacks.input_saves`` falls to 0): ``held_peak`` before, ``released_peak`` after.
+    Where the unit alone held its input, the input is alive beside the first only (see
+    ``UnitCosts.fresh_while_input_held``): a block whose branches' input gradients are summed after
+    the last convolution let it go (FastViT's, Inception's) was predicted with it."""
+
+    def __init__(self, unpacks: _Unpacks):
+        super().__init__()
+        self.unpacks, self.held_peak, self.released_peak = unpacks, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.phase_peak(self.current + self.held)
+        return out
+
+    def phase_peak(self, alive: int) -> None:
+        if self.unpacks.input_saves:
+            self.held_peak = max(self.held_peak, alive)
+        else:
+            self.released_peak = max(self.released_peak, alive)
 
 
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
@@ -87,34 +128,35 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
     ``layout``: that of the gradient arriving at a tensor output (see :func:`unit_loss`)."""
     device = next(tensors_in(h)).device
     forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
-    tracker, inp = _TensorAccounting(), unit_input(h, input_needs_grad)
     unpacked, given = _Unpacks(), []  # what backward unpacks; the input's gradient layout
+    tracker, inp = _UntilInputLetGo(unpacked), unit_input(h, input_needs_grad)
     if isinstance(inp, torch.Tensor) and inp.requires_grad:
         inp.register_hook(lambda g: given.append(gradient_layout(g)))
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy, unpacked)
-    forward_peak, backward_excess, backward_fresh, released, moments, surplus = tracker.peak, 0, 0, 0, (), 0
+    forward_peak, backward_excess, backward_fresh, held, released, moments, surplus = tracker.peak, 0, 0, 0, 0, (), 0
     loss = unit_loss(out, layout)
     del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
     tracker._sweep()
     after_forward = tracker.current
     if loss is not None:
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
-        tracker.peak = tracker.peak_with_held = tracker.current
+        tracker.peak = tracker.peak_with_held = tracker.held_peak = tracker.current
+        tracker.released_peak = 0
         with backward_meter, tracker, _held_when_fresh(m, tracker, unpacked) as accumulations:
             loss.backward(seed)
         backward_excess = tracker.peak - after_forward
-        backward_fresh = tracker.peak_with_held - after_forward
+        backward_fresh, held = tracker.peak_with_held - after_forward, tracker.held_peak - after_forward
         moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
-        released = max(0, accumulations.released - after_forward)
+        released = max(0, tracker.released_peak - after_forward)
         surplus = accumulations.surplus
     kept["rerun_gradient"] = unpacked.first - after_forward if unpacked.first is not None else 0
     if allocator:  # the allocator's fresh backward holds the input: released_fresh is in backward_fresh
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
         kept["rerun_peak"], released = forward_peak, 0
-        backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
-    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, released_fresh=released, update_moments=moments,
-                fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None)
+        backward_fresh = held = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, fresh_while_input_held=held,
+                released_fresh=released, update_moments=moments, fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None)
 
 
 def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[GradientLayout]) -> int:
@@ -157,9 +199,9 @@ class _held_when_fresh:
     an optimizer stepped in backward would update it (``UnitCosts.update_moments``); and where a fresh
     gradient would be copied, the bytes alive then and 0 (no update runs beside the copy)."""
 
-    def __init__(self, m: nn.Module, tracker: _TensorAccounting, unpacks: _Unpacks):
+    def __init__(self, m: nn.Module, tracker: _UntilInputLetGo, unpacks: _Unpacks):
         self.params = [p for p in m.parameters() if p.requires_grad]
-        self.tracker, self.unpacks, self.released, self.surplus = tracker, unpacks, 0, 0
+        self.tracker, self.unpacks, self.surplus = tracker, unpacks, 0
         self.moments: List[Tuple[int, int]] = []
 
     def __enter__(self):
@@ -188,8 +230,7 @@ class _held_when_fresh:
                     alive = copy_made + t.held
                     if self.unpacks.input_saves:
                         t.peak_with_held = max(t.peak_with_held, alive)
-                    else:
-                        self.released = max(self.released, alive)
+                    t.phase_peak(alive)
             return copied_if_fresh
 
         self.handles = [p.register_post_accumulate_grad_hook(accumulated) for p in self.params] + [p.register_hook(arriving(p)) for p in self.params]
@@ -213,8 +254,7 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
     def pack(t):
         packed.append(t)
         peak_at_pack[0] = tracker.peak
-        unpacked.input_saves += StorageWeakRef(t.untyped_storage()).cdata in in_keys
-        return t
+        return unpacked.hold(t) if StorageWeakRef(t.untyped_storage()).cdata in in_keys else t
 
     checkpointed = policy != "keep"
     if checkpointed:
@@ -222,7 +262,7 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
         with tracker:
             out = run_region(list(m), inp, policy)
     else:
-        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: unpacked.unpack(t, tracker, in_keys)):
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: unpacked.unpack(t, tracker)):
             out = m(inp)
     tracker._sweep()  # storages freed as the forward returned (its locals) are not alive after it
     # a chain's last unit may return any structure (a traced model's own output): count all its tensors
