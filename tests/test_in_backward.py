@@ -159,6 +159,20 @@ def test_a_whole_model_saved_while_stepped_in_backward_loads_as_a_plain_model(tm
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), loaded.parameters()))
 
 
+def test_the_stand_in_itself_is_refused_by_pickle_and_copy_saying_what_to_save(tmp_path):
+    """Pickled as a torch optimizer (its state dict's fields) it wrote a file that failed to load: a stand-in
+    with no optimizer and no hooks."""
+    model = nn.Linear(4, 3)
+    stand_in = optimizer_in_backward(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    _linear_steps(model, stand_in)
+    for save in (lambda: torch.save(stand_in, tmp_path / "stand_in.pt"), lambda: copy.deepcopy(stand_in)):
+        with pytest.raises(TypeError, match=r"save stand_in.state_dict\(\)"):
+            save()
+    standard = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    standard.load_state_dict(stand_in.state_dict())  # what to save instead: the standard optimizer's format
+    assert torch.equal(standard.state[model.weight]["momentum_buffer"], stand_in.state[model.weight]["momentum_buffer"])
+
+
 def test_a_trunk_planned_for_another_gradient_mode_is_refused_and_left_alone():
     trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], num_splits=2)
     with pytest.raises(ValueError, match=r"gradients='allocated'.*gradients=\"in_backward\""):

@@ -326,3 +326,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"InBackwardOptimizer({self.optimizer.__class__.__name__}, {len(self._groups)} parameters)"
+
+    def __reduce_ex__(self, protocol):
+        # Optimizer's pickling (its state dict's fields) would make a stand-in with no optimizer and no hooks
+        raise TypeError("an optimizer stepped in backward is not pickled or copied whole (its hooks live on the parameters): save "
+                        "stand_in.state_dict(), the standard optimizer's format, and load it into a new one with load_state_dict()")
