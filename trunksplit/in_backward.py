@@ -175,7 +175,7 @@ def _take_over(stand_in: "InBackwardOptimizer") -> List[torch.Tensor]:
         warnings.warn(f"optimizer_in_backward: these parameters were stepped in backward by {e!r}; its hooks are removed and the new "
                       "optimizer updates them", UserWarning, stacklevel=3)
     for p in params:
-        setattr(p, IN_BACKWARD_ATTR, InBackwardMark(stand_in, stand_in.update_temporaries))
+        setattr(p, IN_BACKWARD_ATTR, InBackwardMark(stand_in))
     return params
 
 

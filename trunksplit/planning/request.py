@@ -34,10 +34,14 @@ class InBackwardMark:
     (``torch.save(model)``) it becomes None: hooks are not pickled, and a loaded model is not
     stepped in backward."""
 
-    __slots__ = ("stand_in", "update_temporaries")
+    __slots__ = ("stand_in",)
 
-    def __init__(self, stand_in, update_temporaries: float):
-        self.stand_in, self.update_temporaries = stand_in, update_temporaries
+    def __init__(self, stand_in):
+        self.stand_in = stand_in
+
+    @property
+    def update_temporaries(self) -> float:
+        return self.stand_in.update_temporaries
 
     def __reduce__(self):
         return type(None), ()
