@@ -55,7 +55,6 @@ a selective region runs again cost nothing (they fuse into its backward's kernel
 docs/benchmarks.md#torchcompile).
 """
 import itertools
-import operator
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..recompute.policies import POLICIES
@@ -63,6 +62,7 @@ from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
 from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
+from .unit_terms import backward_terms, gradients_after, input_relief
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -109,23 +109,15 @@ class PeakModel:
         self._seconds_prefix, self._light_prefix = _prefix(c.forward_seconds or (0.0,) * self.n), _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
-        self._grads_after = _gradients_after(c) if gradients == "allocated" else [0] * self.n
+        self._grads_after = gradients_after(c) if gradients == "allocated" else [0] * self.n
         self.compiled, self.reentrant = compiled, reentrant
         # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``); beside a recompute ending at
         # unit i, its output's gradient and what non-reentrant backward made of it first (UnitCosts.rerun_gradient)
         self._rerun_output_held = [c.output[b - 1] if reentrant and 0 < b < self.n else 0 for b in range(self.n + 1)]
         self._rerun_gradient = list(c.output if reentrant or not c.rerun_gradient else map(max, c.output, c.rerun_gradient))
-        # a unit's backward beyond what its forward left. Its own gradients stay as its backward makes
-        # them where the step allocates them ("allocated": a stage of a traced ViT holds all of its
-        # own at once), or where a compiled graph returns them together (see ``compiled``)
-        excess = c.backward_fresh if (gradients == "allocated" or compiled) and c.backward_fresh and not c.gathered else c.backward_excess
-        if gradients == "allocated" and not compiled and not c.gathered and c.fresh_while_input_held:  # the input beside this part only
-            excess = c.fresh_while_input_held
-        self._released = c.released_fresh if gradients == "allocated" and c.released_fresh and not c.gathered else (0,) * self.n
-        # stepped in backward: the update of each parameter as its gradient is whole (the largest, at worst)
+        # a unit's backward beyond what its forward left, while it holds what it saved and after (unit_terms.backward_terms)
         self.update_temporaries = update_temporaries
-        self._update = _update_excess(c, excess, update_temporaries, compiled) if gradients == "in_backward" else [0] * self.n
-        self._backward_excess = [e + u for e, u in zip(excess, self._update)]
+        self._backward_excess, self._released, self._update = backward_terms(c, gradients, compiled, update_temporaries)
         self._param_prefix = _prefix(c.param_bytes)
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
@@ -160,8 +152,9 @@ class PeakModel:
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
         c, g = self.costs, self._gathered
-        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first = state
+        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held = state
         source = c.input_from[i]
+        saver = (c.saves_input[i] and source < a) if last else self._packs[i]  # holds the segment's input (see unit_terms.input_relief)
         peak = max(c.forward_peak[i] + g[i], 2 * g[i])  # FSDP2: see sharded_peak.fsdp_in_backward
         live = kept + (0 if counted or source < a else c.output[source])  # its input is alive, kept or not
         here = live + peak
@@ -171,12 +164,18 @@ class PeakModel:
             ran, tail, rerun = max(ran, tail), here, max(ran, tail, live + max(self._rerun_peak[i] + g[i], 2 * g[i]))
         elif not last:  # runs in the recompute only if a later unit saves
             tail = max(tail, here)
-        backward = max(backward, kept + fsdp_at_reduce(self, a, i, last))  # FSDP2: after its backward, before what it keeps is counted
+        reduced = kept + fsdp_at_reduce(self, a, i, last)  # FSDP2: after its backward, before what it keeps is counted
         took = c.output[source] if c.saves_input[i] and source >= a and not counted else 0  # held by this unit alone
         kept, counted = kept + took, counted or took > 0
         kept += c.saved[i] + (0 if last else g[i])
         grads_after = self._grads_after[i] if grads_after is None else grads_after
-        backward = max(backward, kept + self._backward_excess[i] + grads_after + fsdp_in_backward(self, a, i, last), kept - took + self._released[i] + grads_after)
+        running = kept + self._backward_excess[i] + grads_after + fsdp_in_backward(self, a, i, last)
+        after_saves = max(reduced, kept - took + self._released[i] + grads_after)  # once its saves are let go
+        # the segment's input is held through this unit's backward if this unit or one before it holds it,
+        # and once its saves are let go, if one before it does (see unit_terms.input_relief)
+        backward, unheld = (max(backward, running), unheld) if input_held or saver else (backward, max(unheld, running))
+        backward, unheld = (max(backward, after_saves), unheld) if input_held else (backward, max(unheld, after_saves))
+        input_held = input_held or bool(saver)
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -189,7 +188,7 @@ class PeakModel:
             pending = add_costs(pending, self._unit_costs[i])
             if c.saved[i] or c.keeps_output[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
-        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending, ran, tail, rerun, first))  # _Scan(...) without a call: the inner loop
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held))  # _Scan(...) without a call: the inner loop
 
     def _region_step(self, region: Region, last: bool) -> "_RegionStep":
         """What a region ``(r, s, policy)`` adds to a scan, looked up once per (region, last)."""
@@ -209,7 +208,7 @@ class PeakModel:
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
         step = self._region_step(region, last)
         g = step.region
-        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first = state
+        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held = state
         here = kept + (0 if counted or step.source < a else self.costs.output[step.source]) + g.forward + step.largest
         forward = max(forward, here)
         first = max(first, (self.costs.output[step.source] if step.source >= a else 0) + g.forward + step.largest)
@@ -217,13 +216,16 @@ class PeakModel:
             ran, tail, rerun = max(ran, tail), here, max(ran, tail, here)
         if step.source >= a and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[step.source], True
-        # the region's backward recomputes it holding its weights: in a recomputed segment, held already
-        backward = max(backward, kept + g.backward - (0 if last else step.gathered))
+        # the region's backward recomputes it holding its weights: in a recomputed segment, held already;
+        # it saves its input, the segment's too where that is its input (see unit_terms.input_relief)
+        region_backward = kept + g.backward - (0 if last else step.gathered)
+        input_held = input_held or not last or step.source < a
+        backward, unheld = (max(backward, region_backward), unheld) if input_held else (backward, max(unheld, region_backward))
         kept += g.held + (0 if last else step.gathered)
         counted = counted if g.output_counted is None else g.output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
             cost, pending = add_costs(cost, pending), g.body
-        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending, ran, tail, rerun, first))
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending, ran, tail, rerun, first, unheld, input_held))
 
     def _region(self, region: Region) -> "RegionCosts":
         """What a region adds to a scan (:func:`_region_costs`), worked out once."""
@@ -249,8 +251,9 @@ class PeakModel:
         recompute = self._grads_after[s - 1] + self._rerun_gradient[s - 1] + state.rerun
         return max(recompute, state.backward)
 
-    def _local(self, state: "_Scan", b: int) -> int:
-        """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries.
+    def _local(self, state: "_Scan", b: int, relief: int = 0) -> int:
+        """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries, its input among
+        them (``relief``: its bytes where they go before the segment's backward ends, see :meth:`input_relief`).
 
         The last segment's forward keeps what it saves. A checkpointed segment's first forward
         keeps nothing (its peak: a unit's forward peak beside its input); the recompute, in
@@ -258,15 +261,16 @@ class PeakModel:
         waiting, and stops at the last tensor the segment saves (non-reentrant: see ``_step``)."""
         held = self._features_held[b]
         if b == self.n:
-            return held + max(state.forward, state.backward)
+            return held + max(state.forward, state.backward, state.unheld - relief)
         recompute = self._grads_after[b - 1] + self._rerun_gradient[b - 1] + state.rerun
-        return held + max(recompute, state.first, state.backward + self._rerun_output_held[b])
+        return held + max(recompute, state.first, state.backward + self._rerun_output_held[b], state.unheld - relief)
 
     def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
         """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each
         unit boundary b a segment [a, b) could end at (``last``: only b = n)."""
         starting = {r: (r, s, p) for r, s, p in regions if r >= a}
-        state, i, stop = _EMPTY if last else self._checkpointed_start, a, stop or self.n
+        relief = input_relief(self, a, last)
+        state, i, stop = (_EMPTY if last else self._checkpointed_start)._replace(input_held=not relief), a, stop or self.n
         while i < stop:
             region = starting.get(i)
             if region is not None and region[1] <= stop:
@@ -274,7 +278,7 @@ class PeakModel:
             else:
                 state, i = self._step(state, a, i, last), i + 1
             if (i == self.n) if last else (i < self.n):  # the last segment ends at n; others before it
-                yield i, self._local(state, i), state.cost
+                yield i, self._local(state, i, relief), state.cost
 
     def _segment(self, a: int, b: int, regions: Iterable[Region]) -> Tuple[int, "Cost"]:
         inside = [g for g in regions if a <= g[0] and g[1] <= b]
@@ -343,26 +347,6 @@ def _region_costs(model: "PeakModel", region: Region) -> "RegionCosts":
     return RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
 
 
-def _gradients_after(c: UnitCosts) -> List[int]:
-    """For each unit, the gradients the step has allocated while it runs its backward: those of the
-    units after it, as their backward made them (a slice keeps its whole storage: ``fresh_gradient_surplus``)."""
-    grads = c.param_bytes if c.gathered or not c.fresh_gradient_surplus else tuple(map(operator.add, c.param_bytes, c.fresh_gradient_surplus))
-    return list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0]
-
-
-def _update_excess(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: bool) -> List[int]:
-    """What each unit's backward holds beyond ``excess`` when an optimizer stepped in backward
-    updates its parameters, each update making ``temporaries`` tensors of its parameter's size:
-    from the moments measured at each update where there are (``UnitCosts.update_moments``), else
-    (a compiled unit, whose graph returns its gradients together; a rank's shards; costs scaled to
-    another batch) the update of its largest parameter on top of its peak."""
-    if c.update_moments and not compiled and not c.gathered:
-        # measured where the gradient was added into a kept one and freed: stepped in backward, it lives on through the update
-        return [max(0, max((int(alive + (1 + temporaries) * nbytes) for alive, nbytes in moments), default=0) - e)
-                for moments, e in zip(c.update_moments, excess)]
-    return [int(temporaries * b) for b in c.largest_param] if c.largest_param else [0] * len(c)
-
-
 class _Scan(NamedTuple):
     """A segment scanned up to some unit, for one choice of policies: what the peak
     model needs to extend it by one more unit."""
@@ -377,6 +361,8 @@ class _Scan(NamedTuple):
     tail: int  # the forward peak of the units from the last that saves on: they run whole only if a later one saves
     rerun: int  # the recompute's forward peak: ``ran``, or the last unit that saves up to its last save (``rerun_peak``)
     first: int  # a checkpointed segment's first forward, which keeps nothing: its largest unit's peak, with its input
+    unheld: int  # as ``backward``, over the moments the segment's input is let go (see unit_terms.input_relief)
+    input_held: bool  # a unit so far holds the segment's input through its backward
 
 
 class _RegionStep(NamedTuple):
@@ -388,4 +374,4 @@ class _RegionStep(NamedTuple):
     largest: int  # FSDP2: the largest of them
 
 
-_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING, 0, 0, 0, 0)  # a segment's input is its boundary, counted in the prefix
+_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING, 0, 0, 0, 0, 0, True)  # a segment's input is its boundary, counted in the prefix

@@ -52,11 +52,13 @@ class UnitCosts:
       gradients, plus the unit's gradients as they appear, in the order backward makes them (the
       allocator's figure also holds a CPU convolution's weight-gradient scratch beside each).
       ``fresh_while_input_held`` and ``released_fresh``: the same peak split where the unit's backward
-      lets its input go (the node of its last save of it has run), before and after; the peak model adds
-      the input beside the second only where something else holds it. A block whose branches' input
+      has let go of all it saved, its input included (the node of its last save has run), before and
+      after; the peak model adds the input beside the second only where something else holds it (a
+      checkpoint holds its input until the last save of its segment goes). A block whose branches' input
       gradients are summed after the last convolution let the input go (FastViT's, Inception's) peaks
       at that sum, with the input gone; so does a weight gradient copied into its weight's layout
-      (``unit_measure._held_when_fresh``).
+      (``unit_measure._held_when_fresh``). ``excess_while_input_held`` and ``released_excess``: the same
+      split of ``backward_excess``.
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
       last unit that uses it): what its gradients take once backward allocates them.
@@ -88,7 +90,8 @@ class UnitCosts:
       belong to a span that can run so.
     - ``update_moments``: for each parameter of the unit, at the moment its backward has made its
       gradient whole (when an optimizer stepped in backward updates it): (bytes alive beyond what the
-      forward left, its new gradient already added into the kept one; the parameter's bytes). Stepped
+      forward left, its new gradient already added into the kept one; the parameter's bytes; whether the
+      unit has let go of all it saved by then, see ``released_fresh``). Stepped
       in backward, that gradient lives on through an update that makes ``k`` tensors of the
       parameter's size: the first plus ``1 + k`` times the second (``gradients="in_backward"``). A
       gradient laid out otherwise than its parameter adds the moment it is copied (see ``backward_fresh``), with 0.
@@ -113,6 +116,8 @@ class UnitCosts:
     backward_fresh: Tuple[int, ...] = ()
     fresh_while_input_held: Tuple[int, ...] = ()
     released_fresh: Tuple[int, ...] = ()
+    excess_while_input_held: Tuple[int, ...] = ()
+    released_excess: Tuple[int, ...] = ()
     fresh_gradient_surplus: Tuple[int, ...] = ()
     recompute_bytes: Tuple[int, ...] = ()
     light_flops: Tuple[int, ...] = ()
@@ -125,7 +130,7 @@ class UnitCosts:
     eligible: Tuple[bool, ...] = ()  # costs under a region policy: the units that can run under it
     gathered: Tuple[int, ...] = ()  # FSDP2: each unit's whole parameters, all-gathered to run it
     largest_param: Tuple[int, ...] = ()
-    update_moments: Tuple[Tuple[Tuple[int, int], ...], ...] = ()
+    update_moments: Tuple[Tuple[Tuple[int, int, bool], ...], ...] = ()
     rerun_peak: Tuple[int, ...] = ()  # either empty: forward_peak
     rerun_gradient: Tuple[int, ...] = ()  # empty: output
     first_peak: Tuple[int, ...] = ()
@@ -140,7 +145,7 @@ class UnitCosts:
 
 
 _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess",
-             "backward_fresh", "fresh_while_input_held", "released_fresh", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
+             "backward_fresh", "fresh_while_input_held", "released_fresh", "excess_while_input_held", "released_excess", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,

@@ -12,6 +12,8 @@ from typing import List, NamedTuple, Sequence
 
 import numpy as np
 
+from .unit_terms import input_relief
+
 
 class Yields(NamedTuple):
     """What the scans gave: one row per (template, boundary), as :meth:`PeakModel._scan` yields them."""
@@ -73,6 +75,8 @@ class _Scans(NamedTuple):
     tail: np.ndarray
     rerun: np.ndarray
     first: np.ndarray
+    unheld: np.ndarray
+    input_held: np.ndarray
 
 
 def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: bool) -> Yields:
@@ -88,7 +92,8 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     rerun_gradient = np.asarray(model._rerun_gradient, dtype=np.int64)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
-    state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints())
+    relief = input_relief(model, a, last)
+    state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints(), ints(), np.full(rows, not relief))
     if not last:  # a checkpointed segment pays its checkpoint's own cost once (PeakModel._checkpointed_start)
         state.cost[2][:] = model._checkpointed_start.cost.seconds
     position = np.full(rows, a, dtype=np.int64)
@@ -111,7 +116,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
             forward, backward = state.forward[ends], state.backward[ends]
             recompute = grads_after[b - 1] + rerun_gradient[b - 1] + state.rerun[ends]
             checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), backward + rerun_output_held[b])
-            local = held_after[b] + np.where(b == n, np.maximum(forward, backward), checkpointed)
+            local = held_after[b] + np.maximum(np.where(b == n, np.maximum(forward, backward), checkpointed), state.unheld[ends] - relief)
             found.append((ends, b, local, *(c[ends] for c in state.cost)))
     if not found:
         empty = np.zeros(0, dtype=np.int64)
@@ -131,7 +136,9 @@ def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _S
         state.ran[rows], state.tail[rows], state.rerun[rows] = ran, here, np.maximum(ran, here)
     takes = (source >= a) & ~counted  # the region keeps its input
     kept = kept + np.where(takes, output[np.maximum(source, 0)], 0)
-    state.backward[rows] = np.maximum(state.backward[rows], kept + table.backward[k])
+    held = state.input_held[rows] | (not last) | (source < a)  # it saves its input: the segment's too where that is its input
+    _route(state, rows, held, kept + table.backward[k])
+    state.input_held[rows] = held
     state.kept[rows] = kept + table.held[k]
     state.counted[rows] = np.where(table.counted[k] < 0, counted | takes, table.counted[k] == 1)
     for f in range(3):
@@ -139,6 +146,12 @@ def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _S
             state.cost[f][rows] = state.cost[f][rows] + state.pending[f][rows]
             state.pending[f][rows] = table.body[f][k]
         state.cost[f][rows] = state.cost[f][rows] + table.again[f][k]
+
+
+def _route(state: _Scans, rows: np.ndarray, held: np.ndarray, term: np.ndarray) -> None:
+    """A backward term of the scans at ``rows`` into ``backward`` where the segment's input is ``held``, else ``unheld``."""
+    state.backward[rows] = np.where(held, np.maximum(state.backward[rows], term), state.backward[rows])
+    state.unheld[rows] = np.where(held, state.unheld[rows], np.maximum(state.unheld[rows], term))
 
 
 def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Scans) -> None:
@@ -156,15 +169,18 @@ def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Sca
     elif not last:
         state.tail[rows] = np.maximum(state.tail[rows], here)
     reduce, in_backward = model._fsdp_terms(a, i, last)
-    backward = np.maximum(state.backward[rows], kept + reduce)
+    reduced = kept + reduce
     source = c.input_from[i]
     took = np.where(counted, 0, c.output[source]) if c.saves_input[i] and source >= a else 0  # held by this unit alone
     if c.saves_input[i] and source >= a:
         kept = kept + took
         counted = np.ones_like(counted)
     kept = kept + (c.saved[i] + (0 if last else g[i]))
-    state.backward[rows] = np.maximum(np.maximum(backward, kept + (model._backward_excess[i] + model._grads_after[i] + in_backward)),
-                                      kept - took + (model._released[i] + model._grads_after[i]))
+    saver = bool(c.saves_input[i] and source < a) if last else model._packs[i]
+    held = state.input_held[rows]
+    _route(state, rows, held | saver, kept + (model._backward_excess[i] + model._grads_after[i] + in_backward))
+    _route(state, rows, held, np.maximum(reduced, kept - took + (model._released[i] + model._grads_after[i])))
+    state.input_held[rows] = held | saver
     state.kept[rows] = kept
     state.counted[rows] = np.full(len(rows), bool(c.keeps_output[i])) if model._allocates[i] else counted
     if last:

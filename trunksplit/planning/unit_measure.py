@@ -35,63 +35,77 @@ def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gra
 
 
 # the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
-BACKWARD_FIGURES = ("backward_excess", "backward_fresh", "fresh_while_input_held", "released_fresh", "update_moments", "rerun_gradient", "fresh_gradient_surplus")
+PHASES = ("fresh_while_input_held", "released_fresh", "excess_while_input_held", "released_excess")  # see _UntilSavesLetGo
+BACKWARD_FIGURES = ("backward_excess", "backward_fresh", *PHASES, "update_moments", "rerun_gradient", "fresh_gradient_surplus")
 
 
 class _Unpacks:
     """What backward has unpacked of a unit's saved tensors: the tracker's bytes at the first unpack
-    (where a recompute of the unit would start), and how many saves of its input autograd still
-    holds (none: its backward has let its input go). Each save of the input is packed in a holder
-    whose end (its node's release, after the node ran) says when."""
+    (where a recompute of the unit would start), and how many of its saves autograd still holds
+    (none: its backward has let go of everything it saved, its input included). Each save is packed
+    in a holder whose end (its node's release, after the node ran) says when."""
 
     def __init__(self):
         self.first: Optional[int] = None
-        self.input_saves = 0
+        self.saves = 0
 
-    def hold(self, t: torch.Tensor) -> "_InputSave":
-        """A save of the unit's input, packed: counted until autograd lets it go."""
-        self.input_saves += 1
-        holder = _InputSave(t)
+    def hold(self, t: torch.Tensor) -> "_Save":
+        """A save of the unit, packed: counted until autograd lets it go."""
+        self.saves += 1
+        holder = _Save(t)
         weakref.finalize(holder, self._let_go)
         return holder
 
     def _let_go(self) -> None:
-        self.input_saves -= 1
+        self.saves -= 1
 
-    def unpack(self, packed, tracker: _TensorAccounting) -> torch.Tensor:
+    def unpack(self, packed: "_Save", tracker: _TensorAccounting) -> torch.Tensor:
         """The unpack hook of the unit."""
         self.first = tracker.current_bytes() if self.first is None else self.first
-        return packed.t if isinstance(packed, _InputSave) else packed
+        return packed.t
 
 
-class _InputSave:
+class _Save:
     __slots__ = ("t", "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         self.t = t
 
 
-class _UntilInputLetGo(_TensorAccounting):
-    """The tracker, its peak of ``current + held`` also split where the unit's backward lets its
-    input go (``unpacks.input_saves`` falls to 0): ``held_peak`` before, ``released_peak`` after.
-    Where the unit alone held its input, the input is alive beside the first only (see
-    ``UnitCosts.fresh_while_input_held``): a block whose branches' input gradients are summed after
-    the last convolution let it go (FastViT's, Inception's) was predicted with it."""
+class _UntilSavesLetGo(_TensorAccounting):
+    """The tracker, its backward's peaks also split where the unit has let go of every tensor it saved
+    (``unpacks.saves`` falls to 0), before and after: of ``current + held`` (``"fresh"``, its gradients
+    fresh) and of ``current`` (``"excess"``, into gradients kept): :data:`PHASES`. Its input is alive
+    beside the first only, where the unit alone held it (see ``UnitCosts.fresh_while_input_held``): a
+    block whose branches' input gradients are summed after the last convolution let it go (FastViT's,
+    Inception's) was predicted with it. Every save, not the input's alone: a checkpoint keeps its input
+    until its segment's last save goes (torch's ``_CheckpointFrame`` is held by the hooks of each), so the
+    same moment serves a segment's first unit."""
 
     def __init__(self, unpacks: _Unpacks):
         super().__init__()
-        self.unpacks, self.held_peak, self.released_peak = unpacks, 0, 0
+        self.unpacks = unpacks
+        self.start_backward()
+
+    def start_backward(self) -> None:
+        """Start every peak at what is alive now, where a backward starts."""
+        self.peak = self.peak_with_held = self.current
+        self._held, self._released = {"fresh": self.current, "excess": self.current}, {"fresh": 0, "excess": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self.phase_peak(self.current + self.held)
+        self.phase_peak(self.current, "excess")
         return out
 
-    def phase_peak(self, alive: int) -> None:
-        if self.unpacks.input_saves:
-            self.held_peak = max(self.held_peak, alive)
-        else:
-            self.released_peak = max(self.released_peak, alive)
+    def phase_peak(self, alive: int, figure: str = "fresh") -> None:
+        phase = self._held if self.unpacks.saves else self._released
+        phase[figure] = max(phase[figure], alive)
+
+    def phases(self, start: int) -> Dict[str, int]:
+        """The backward's peaks beyond ``start`` (what the forward left), as :data:`PHASES` names them."""
+        return dict(fresh_while_input_held=self._held["fresh"] - start, released_fresh=max(0, self._released["fresh"] - start),
+                    excess_while_input_held=self._held["excess"] - start, released_excess=max(0, self._released["excess"] - start))
 
 
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
@@ -129,34 +143,32 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
     device = next(tensors_in(h)).device
     forward_meter, backward_meter = (allocator_meter(device) if allocator else contextlib.nullcontext() for _ in range(2))
     unpacked, given = _Unpacks(), []  # what backward unpacks; the input's gradient layout
-    tracker, inp = _UntilInputLetGo(unpacked), unit_input(h, input_needs_grad)
+    tracker, inp = _UntilSavesLetGo(unpacked), unit_input(h, input_needs_grad)
     if isinstance(inp, torch.Tensor) and inp.requires_grad:
         inp.register_hook(lambda g: given.append(gradient_layout(g)))
     with forward_meter:
         out, kept = _forward_keeping(m, inp, tracker, policy, unpacked)
-    forward_peak, backward_excess, backward_fresh, held, released, moments, surplus = tracker.peak, 0, 0, 0, 0, (), 0
+    forward_peak, backward_excess, backward_fresh, moments, surplus, phases = tracker.peak, 0, 0, (), 0, dict.fromkeys(PHASES, 0)
     loss = unit_loss(out, layout)
     del out  # as in a chain, the output lives on only where its backward saved it, until that backward runs
     tracker._sweep()
     after_forward = tracker.current
     if loss is not None:
         seed = torch.ones_like(loss)  # made outside the window: only the real gradient is counted
-        tracker.peak = tracker.peak_with_held = tracker.held_peak = tracker.current
-        tracker.released_peak = 0
+        tracker.start_backward()
         with backward_meter, tracker, _held_when_fresh(m, tracker, unpacked) as accumulations:
             loss.backward(seed)
-        backward_excess = tracker.peak - after_forward
-        backward_fresh, held = tracker.peak_with_held - after_forward, tracker.held_peak - after_forward
-        moments = tuple((alive - after_forward, nbytes) for alive, nbytes in accumulations.moments)
-        released = max(0, tracker.released_peak - after_forward)
-        surplus = accumulations.surplus
+        backward_excess, backward_fresh = tracker.peak - after_forward, tracker.peak_with_held - after_forward
+        moments = tuple((alive - after_forward, nbytes, released) for alive, nbytes, released in accumulations.moments)
+        phases, surplus = tracker.phases(after_forward), accumulations.surplus
     kept["rerun_gradient"] = unpacked.first - after_forward if unpacked.first is not None else 0
-    if allocator:  # the allocator's fresh backward holds the input: released_fresh is in backward_fresh
+    if allocator:  # the allocator's peaks, not split: each holds the input
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
-        kept["rerun_peak"], released = forward_peak, 0
-        backward_fresh = held = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
-    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, fresh_while_input_held=held,
-                released_fresh=released, update_moments=moments, fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None)
+        kept["rerun_peak"] = forward_peak
+        backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
+        phases = dict(fresh_while_input_held=backward_fresh, released_fresh=0, excess_while_input_held=backward_excess, released_excess=0)
+    return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments,
+                fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None, **phases)
 
 
 def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[GradientLayout]) -> int:
@@ -195,14 +207,15 @@ class _held_when_fresh:
     their fused qkv bias's gradient), the whole storage stays, counted once; ``surplus``: what the
     unit's fresh gradients so hold beyond their parameters' bytes (``UnitCosts.fresh_gradient_surplus``).
 
-    Also records, at each accumulation, the bytes alive and the parameter's (``moments``): where
-    an optimizer stepped in backward would update it (``UnitCosts.update_moments``); and where a fresh
-    gradient would be copied, the bytes alive then and 0 (no update runs beside the copy)."""
+    Also records, at each accumulation, the bytes alive, the parameter's, and whether the unit has let go
+    of all it saved by then (``moments``): where an optimizer stepped in backward would update it
+    (``UnitCosts.update_moments``); and where a fresh gradient would be copied, the bytes alive then and 0
+    (no update runs beside the copy)."""
 
-    def __init__(self, m: nn.Module, tracker: _UntilInputLetGo, unpacks: _Unpacks):
+    def __init__(self, m: nn.Module, tracker: _UntilSavesLetGo, unpacks: _Unpacks):
         self.params = [p for p in m.parameters() if p.requires_grad]
         self.tracker, self.unpacks, self.surplus = tracker, unpacks, 0
-        self.moments: List[Tuple[int, int]] = []
+        self.moments: List[Tuple[int, int, bool]] = []
 
     def __enter__(self):
         seen, storages, fresh = set(), {}, {}  # fresh: id(p) -> the bytes its fresh gradient holds that none before it held
@@ -210,7 +223,7 @@ class _held_when_fresh:
 
         def accumulated(p):
             nbytes = p.numel() * p.element_size()
-            self.moments.append((t.current_bytes(), nbytes))
+            self.moments.append((t.current_bytes(), nbytes, not self.unpacks.saves))
             if id(p) not in seen:
                 seen.add(id(p))
                 t.held += fresh.get(id(p), nbytes)
@@ -226,9 +239,9 @@ class _held_when_fresh:
                     storages[ref.cdata] = ref
                 else:
                     copy_made = t.current_bytes() + p.numel() * p.element_size()
-                    self.moments.append((copy_made, 0))  # stepped in backward, the gradient is fresh too: a fixed moment
+                    self.moments.append((copy_made, 0, not self.unpacks.saves))  # stepped in backward, the gradient is fresh too: a fixed moment
                     alive = copy_made + t.held
-                    if self.unpacks.input_saves:
+                    if self.unpacks.saves:
                         t.peak_with_held = max(t.peak_with_held, alive)
                     t.phase_peak(alive)
             return copied_if_fresh
@@ -254,7 +267,7 @@ def _forward_keeping(m: nn.Module, inp: torch.Tensor, tracker: _TensorAccounting
     def pack(t):
         packed.append(t)
         peak_at_pack[0] = tracker.peak
-        return unpacked.hold(t) if StorageWeakRef(t.untyped_storage()).cdata in in_keys else t
+        return unpacked.hold(t)
 
     checkpointed = policy != "keep"
     if checkpointed:
