@@ -117,7 +117,8 @@ class PeakModel:
         self._rerun_gradient = list(c.output if reentrant or not c.rerun_gradient else map(max, c.output, c.rerun_gradient))
         # a unit's backward beyond what its forward left, while it holds what it saved and after (unit_terms.backward_terms)
         self.update_temporaries = update_temporaries
-        self._backward_excess, self._released, self._update = backward_terms(c, gradients, compiled, update_temporaries)
+        terms = backward_terms(c, gradients, compiled, update_temporaries, reentrant)
+        self._backward_excess, self._released, self._update, self._running_last, self._released_last = terms
         self._param_prefix = _prefix(c.param_bytes)
         # a unit that allocates a new activation (rather than passing its input's storage on)
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
@@ -152,7 +153,7 @@ class PeakModel:
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
         c, g = self.costs, self._gathered
-        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held = state
+        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held, ending = state
         source = c.input_from[i]
         saver = (c.saves_input[i] and source < a) if last else self._packs[i]  # holds the segment's input (see unit_terms.input_relief)
         peak = max(c.forward_peak[i] + g[i], 2 * g[i])  # FSDP2: see sharded_peak.fsdp_in_backward
@@ -169,13 +170,15 @@ class PeakModel:
         kept, counted = kept + took, counted or took > 0
         kept += c.saved[i] + (0 if last else g[i])
         grads_after = self._grads_after[i] if grads_after is None else grads_after
-        running = kept + self._backward_excess[i] + grads_after + fsdp_in_backward(self, a, i, last)
-        after_saves = max(reduced, kept - took + self._released[i] + grads_after)  # once its saves are let go
+        sharded = fsdp_in_backward(self, a, i, last)
         # the segment's input is held through this unit's backward if this unit or one before it holds it,
-        # and once its saves are let go, if one before it does (see unit_terms.input_relief)
-        backward, unheld = (max(backward, running), unheld) if input_held or saver else (backward, max(unheld, running))
-        backward, unheld = (max(backward, after_saves), unheld) if input_held else (backward, max(unheld, after_saves))
-        input_held = input_held or bool(saver)
+        # and once its saves are let go, if one before it does (see unit_terms.input_relief); where the unit
+        # ends a checkpointed segment, what runs beside the recompute (``ending``, see _local)
+        held_now = input_held or bool(saver)
+        parts = (backward, unheld)
+        ending = _routed(_routed(parts, input_held, max(reduced, kept - took + self._released_last[i] + grads_after)), held_now, kept + self._running_last[i] + grads_after + sharded)
+        backward, unheld = _routed(_routed(parts, input_held, max(reduced, kept - took + self._released[i] + grads_after)), held_now, kept + self._backward_excess[i] + grads_after + sharded)
+        input_held = held_now
         if self._allocates[i]:
             counted = c.keeps_output[i]
         if not last:
@@ -188,7 +191,7 @@ class PeakModel:
             pending = add_costs(pending, self._unit_costs[i])
             if c.saved[i] or c.keeps_output[i]:
                 cost, pending = add_costs(cost, pending), NOTHING
-        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held))  # _Scan(...) without a call: the inner loop
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held, ending))  # _Scan(...) without a call: the inner loop
 
     def _region_step(self, region: Region, last: bool) -> "_RegionStep":
         """What a region ``(r, s, policy)`` adds to a scan, looked up once per (region, last)."""
@@ -208,7 +211,7 @@ class PeakModel:
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
         step = self._region_step(region, last)
         g = step.region
-        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held = state
+        kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held, ending = state
         here = kept + (0 if counted or step.source < a else self.costs.output[step.source]) + g.forward + step.largest
         forward = max(forward, here)
         first = max(first, (self.costs.output[step.source] if step.source >= a else 0) + g.forward + step.largest)
@@ -225,7 +228,7 @@ class PeakModel:
         counted = counted if g.output_counted is None else g.output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
             cost, pending = add_costs(cost, pending), g.body
-        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending, ran, tail, rerun, first, unheld, input_held))
+        return tuple.__new__(_Scan, (kept, forward, backward, counted, add_costs(cost, g.again), pending, ran, tail, rerun, first, unheld, input_held, (backward, unheld)))
 
     def _region(self, region: Region) -> "RegionCosts":
         """What a region adds to a scan (:func:`_region_costs`), worked out once."""
@@ -253,7 +256,7 @@ class PeakModel:
 
     def _local(self, state: "_Scan", b: int, relief: int = 0) -> int:
         """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries, its input among
-        them (``relief``: its bytes where they go before the segment's backward ends, see :meth:`input_relief`).
+        them (``relief``: its bytes where they go before the segment's backward ends, see :func:`trunksplit.planning.unit_terms.input_relief`).
 
         The last segment's forward keeps what it saves. A checkpointed segment's first forward
         keeps nothing (its peak: a unit's forward peak beside its input); the recompute, in
@@ -263,7 +266,10 @@ class PeakModel:
         if b == self.n:
             return held + max(state.forward, state.backward, state.unheld - relief)
         recompute = self._grads_after[b - 1] + self._rerun_gradient[b - 1] + state.rerun
-        return held + max(recompute, state.first, state.backward + self._rerun_output_held[b], state.unheld - relief)
+        # its last unit's backward up to its first unpack runs before the recompute, beside none of it
+        before = self._grads_after[b - 1] + max(self._backward_excess[b - 1], self._released[b - 1])
+        backward, unheld = state.ending
+        return held + max(recompute, state.first, backward + self._rerun_output_held[b], unheld - relief, before)
 
     def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
         """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each
@@ -347,6 +353,12 @@ def _region_costs(model: "PeakModel", region: Region) -> "RegionCosts":
     return RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
 
 
+def _routed(parts: Tuple[int, int], held: bool, term: int) -> Tuple[int, int]:
+    """``(backward, unheld)`` with a backward term where the segment's input is ``held``, or not."""
+    backward, unheld = parts
+    return (max(backward, term), unheld) if held else (backward, max(unheld, term))
+
+
 class _Scan(NamedTuple):
     """A segment scanned up to some unit, for one choice of policies: what the peak
     model needs to extend it by one more unit."""
@@ -363,6 +375,7 @@ class _Scan(NamedTuple):
     first: int  # a checkpointed segment's first forward, which keeps nothing: its largest unit's peak, with its input
     unheld: int  # as ``backward``, over the moments the segment's input is let go (see unit_terms.input_relief)
     input_held: bool  # a unit so far holds the segment's input through its backward
+    ending: Tuple[int, int]  # ``backward`` and ``unheld`` where the segment, checkpointed, ends here (see PeakModel._local)
 
 
 class _RegionStep(NamedTuple):
@@ -374,4 +387,4 @@ class _RegionStep(NamedTuple):
     largest: int  # FSDP2: the largest of them
 
 
-_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING, 0, 0, 0, 0, 0, True)  # a segment's input is its boundary, counted in the prefix
+_EMPTY = _Scan(0, 0, 0, True, NOTHING, NOTHING, 0, 0, 0, 0, 0, True, (0, 0))  # a segment's input is its boundary, counted in the prefix

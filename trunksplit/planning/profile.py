@@ -57,7 +57,9 @@ class UnitCosts:
       checkpoint holds its input until the last save of its segment goes). A block whose branches' input
       gradients are summed after the last convolution let the input go (FastViT's, Inception's) peaks
       at that sum, with the input gone; so does a weight gradient copied into its weight's layout
-      (``unit_measure._held_when_fresh``). ``excess_while_input_held`` and ``released_excess``: the same
+      (``unit_measure._held_when_fresh``). ``fresh_from_unpack``: the first part from the unit's first
+      unpack on, where a checkpoint whose segment it ends recomputes (the ops before run beside no
+      recompute). ``excess_while_input_held``, ``excess_from_unpack`` and ``released_excess``: the same
       split of ``backward_excess``.
     - ``flops``: forward FLOPs (a multiply-add counts 2).
     - ``param_bytes``: the unit's trainable parameters (each counted once, at the
@@ -115,8 +117,10 @@ class UnitCosts:
     param_bytes: Tuple[int, ...]
     backward_fresh: Tuple[int, ...] = ()
     fresh_while_input_held: Tuple[int, ...] = ()
+    fresh_from_unpack: Tuple[int, ...] = ()
     released_fresh: Tuple[int, ...] = ()
     excess_while_input_held: Tuple[int, ...] = ()
+    excess_from_unpack: Tuple[int, ...] = ()
     released_excess: Tuple[int, ...] = ()
     fresh_gradient_surplus: Tuple[int, ...] = ()
     recompute_bytes: Tuple[int, ...] = ()
@@ -145,7 +149,7 @@ class UnitCosts:
 
 
 _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess",
-             "backward_fresh", "fresh_while_input_held", "released_fresh", "excess_while_input_held", "released_excess", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
+             "backward_fresh", "fresh_while_input_held", "fresh_from_unpack", "released_fresh", "excess_while_input_held", "excess_from_unpack", "released_excess", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,

@@ -77,6 +77,8 @@ class _Scans(NamedTuple):
     first: np.ndarray
     unheld: np.ndarray
     input_held: np.ndarray
+    ending_backward: np.ndarray  # ``peak._Scan.ending``
+    ending_unheld: np.ndarray
 
 
 def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: bool) -> Yields:
@@ -90,10 +92,11 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
     rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
     rerun_gradient = np.asarray(model._rerun_gradient, dtype=np.int64)
+    before_recompute = np.maximum(np.asarray(model._backward_excess, dtype=np.int64), np.asarray(model._released, dtype=np.int64))
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
     relief = input_relief(model, a, last)
-    state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints(), ints(), np.full(rows, not relief))
+    state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints(), ints(), np.full(rows, not relief), ints(), ints())
     if not last:  # a checkpointed segment pays its checkpoint's own cost once (PeakModel._checkpointed_start)
         state.cost[2][:] = model._checkpointed_start.cost.seconds
     position = np.full(rows, a, dtype=np.int64)
@@ -115,8 +118,10 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
             b = position[ends]
             forward, backward = state.forward[ends], state.backward[ends]
             recompute = grads_after[b - 1] + rerun_gradient[b - 1] + state.rerun[ends]
-            checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), backward + rerun_output_held[b])
-            local = held_after[b] + np.maximum(np.where(b == n, np.maximum(forward, backward), checkpointed), state.unheld[ends] - relief)
+            before = grads_after[b - 1] + before_recompute[b - 1]
+            checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), np.maximum(state.ending_backward[ends] + rerun_output_held[b], before))
+            checkpointed = np.maximum(checkpointed, state.ending_unheld[ends] - relief)
+            local = held_after[b] + np.where(b == n, np.maximum(np.maximum(forward, backward), state.unheld[ends] - relief), checkpointed)
             found.append((ends, b, local, *(c[ends] for c in state.cost)))
     if not found:
         empty = np.zeros(0, dtype=np.int64)
@@ -137,7 +142,8 @@ def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _S
     takes = (source >= a) & ~counted  # the region keeps its input
     kept = kept + np.where(takes, output[np.maximum(source, 0)], 0)
     held = state.input_held[rows] | (not last) | (source < a)  # it saves its input: the segment's too where that is its input
-    _route(state, rows, held, kept + table.backward[k])
+    state.backward[rows], state.unheld[rows] = _routed(state.backward[rows], state.unheld[rows], held, kept + table.backward[k])
+    state.ending_backward[rows], state.ending_unheld[rows] = state.backward[rows], state.unheld[rows]
     state.input_held[rows] = held
     state.kept[rows] = kept + table.held[k]
     state.counted[rows] = np.where(table.counted[k] < 0, counted | takes, table.counted[k] == 1)
@@ -148,10 +154,9 @@ def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _S
         state.cost[f][rows] = state.cost[f][rows] + table.again[f][k]
 
 
-def _route(state: _Scans, rows: np.ndarray, held: np.ndarray, term: np.ndarray) -> None:
-    """A backward term of the scans at ``rows`` into ``backward`` where the segment's input is ``held``, else ``unheld``."""
-    state.backward[rows] = np.where(held, np.maximum(state.backward[rows], term), state.backward[rows])
-    state.unheld[rows] = np.where(held, state.unheld[rows], np.maximum(state.unheld[rows], term))
+def _routed(backward: np.ndarray, unheld: np.ndarray, held, term) -> tuple:
+    """``peak._routed`` on arrays: a backward term into ``backward`` where the segment's input is ``held``, else ``unheld``."""
+    return np.where(held, np.maximum(backward, term), backward), np.where(held, unheld, np.maximum(unheld, term))
 
 
 def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Scans) -> None:
@@ -177,9 +182,12 @@ def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Sca
         counted = np.ones_like(counted)
     kept = kept + (c.saved[i] + (0 if last else g[i]))
     saver = bool(c.saves_input[i] and source < a) if last else model._packs[i]
-    held = state.input_held[rows]
-    _route(state, rows, held | saver, kept + (model._backward_excess[i] + model._grads_after[i] + in_backward))
-    _route(state, rows, held, np.maximum(reduced, kept - took + (model._released[i] + model._grads_after[i])))
+    held, grads = state.input_held[rows], model._grads_after[i]
+    parts = state.backward[rows], state.unheld[rows]
+    state.ending_backward[rows], state.ending_unheld[rows] = _routed(*_routed(*parts, held, np.maximum(reduced, kept - took + (model._released_last[i] + grads))),
+                                                                     held | saver, kept + (model._running_last[i] + grads + in_backward))
+    state.backward[rows], state.unheld[rows] = _routed(*_routed(*parts, held, np.maximum(reduced, kept - took + (model._released[i] + grads))),
+                                                       held | saver, kept + (model._backward_excess[i] + grads + in_backward))
     state.input_held[rows] = held | saver
     state.kept[rows] = kept
     state.counted[rows] = np.full(len(rows), bool(c.keeps_output[i])) if model._allocates[i] else counted

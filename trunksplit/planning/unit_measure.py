@@ -2,6 +2,7 @@
 tensor-accounting tracker (:mod:`trunksplit.planning.memory`), the figures of
 :class:`trunksplit.planning.profile.UnitCosts` for it. :func:`trunksplit.planning.profile.profile_units` walks the chain."""
 import contextlib
+import itertools
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +36,7 @@ def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gra
 
 
 # the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
-PHASES = ("fresh_while_input_held", "released_fresh", "excess_while_input_held", "released_excess")  # see _UntilSavesLetGo
+PHASES = ("fresh_while_input_held", "fresh_from_unpack", "released_fresh", "excess_while_input_held", "excess_from_unpack", "released_excess")  # see _UntilSavesLetGo
 BACKWARD_FIGURES = ("backward_excess", "backward_fresh", *PHASES, "update_moments", "rerun_gradient", "fresh_gradient_surplus")
 
 
@@ -74,13 +75,15 @@ class _Save:
 
 class _UntilSavesLetGo(_TensorAccounting):
     """The tracker, its backward's peaks also split where the unit has let go of every tensor it saved
-    (``unpacks.saves`` falls to 0), before and after: of ``current + held`` (``"fresh"``, its gradients
-    fresh) and of ``current`` (``"excess"``, into gradients kept): :data:`PHASES`. Its input is alive
-    beside the first only, where the unit alone held it (see ``UnitCosts.fresh_while_input_held``): a
-    block whose branches' input gradients are summed after the last convolution let it go (FastViT's,
-    Inception's) was predicted with it. Every save, not the input's alone: a checkpoint keeps its input
-    until its segment's last save goes (torch's ``_CheckpointFrame`` is held by the hooks of each), so the
-    same moment serves a segment's first unit."""
+    (``unpacks.saves`` falls to 0), before (``"held"``) and after (``"released"``), and the first part from
+    the first unpack on (``"from_unpack"``): of ``current + held`` (``"fresh"``, its gradients fresh) and of
+    ``current`` (``"excess"``, into gradients kept): :data:`PHASES`. Its input is alive beside the first
+    only, where the unit alone held it (see ``UnitCosts.fresh_while_input_held``): a block whose branches'
+    input gradients are summed after the last convolution let it go (FastViT's, Inception's) was predicted
+    with it. Every save, not the input's alone: a checkpoint keeps its input until its segment's last save
+    goes (torch's ``_CheckpointFrame`` is held by the hooks of each), so the same moment serves a segment's
+    first unit. A checkpoint recomputes its segment at the first unpack: the ops before it run beside
+    no recompute (ShuffleNet's channel shuffle copies the gradient)."""
 
     def __init__(self, unpacks: _Unpacks):
         super().__init__()
@@ -90,7 +93,7 @@ class _UntilSavesLetGo(_TensorAccounting):
     def start_backward(self) -> None:
         """Start every peak at what is alive now, where a backward starts."""
         self.peak = self.peak_with_held = self.current
-        self._held, self._released = {"fresh": self.current, "excess": self.current}, {"fresh": 0, "excess": 0}
+        self._peaks = {(figure, phase): self.current if phase == "held" else 0 for figure in ("fresh", "excess") for phase in ("held", "from_unpack", "released")}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -99,13 +102,14 @@ class _UntilSavesLetGo(_TensorAccounting):
         return out
 
     def phase_peak(self, alive: int, figure: str = "fresh") -> None:
-        phase = self._held if self.unpacks.saves else self._released
-        phase[figure] = max(phase[figure], alive)
+        phases = ("held", "from_unpack") if self.unpacks.first is not None else ("held",)
+        for phase in phases if self.unpacks.saves else ("released",):
+            self._peaks[figure, phase] = max(self._peaks[figure, phase], alive)
 
     def phases(self, start: int) -> Dict[str, int]:
         """The backward's peaks beyond ``start`` (what the forward left), as :data:`PHASES` names them."""
-        return dict(fresh_while_input_held=self._held["fresh"] - start, released_fresh=max(0, self._released["fresh"] - start),
-                    excess_while_input_held=self._held["excess"] - start, released_excess=max(0, self._released["excess"] - start))
+        beyond = {key: peak - start if key[1] == "held" else max(0, peak - start) for key, peak in self._peaks.items()}
+        return {name: beyond[figure, phase] for name, (figure, phase) in zip(PHASES, itertools.product(("fresh", "excess"), ("held", "from_unpack", "released")))}
 
 
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
@@ -166,7 +170,7 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
         kept["rerun_peak"] = forward_peak
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
-        phases = dict(fresh_while_input_held=backward_fresh, released_fresh=0, excess_while_input_held=backward_excess, released_excess=0)
+        phases = dict(zip(PHASES, (backward_fresh, backward_fresh, 0, backward_excess, backward_excess, 0)))
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments,
                 fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None, **phases)
 

@@ -3,7 +3,7 @@ measured figures: the gradients held after it, the updates of an optimizer stepp
 when a segment's input goes."""
 import itertools
 import operator
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Sequence
 
 from .profile import UnitCosts
 
@@ -15,24 +15,41 @@ def gradients_after(c: UnitCosts) -> List[int]:
     return list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0]
 
 
-def backward_terms(c: UnitCosts, gradients: str, compiled: bool, temporaries: float) -> Tuple[List[int], List[int], List[int]]:
-    """Each unit's backward beyond what its forward left, as a gradient mode makes it: while the unit holds
-    what it saved (its input among them), and once it has let go of all (0 where not measured apart: a
-    compiled unit, a rank's shards, the allocator's figures); and the part of the first that the updates
-    of an optimizer stepped in backward add, each making ``temporaries`` tensors of its parameter's size
-    (:func:`_updates`). Its own gradients stay as its backward makes them where the step allocates them
+class BackwardTerms(NamedTuple):
+    """Each unit's backward beyond what its forward left, as the peak model reads it (:func:`backward_terms`)."""
+
+    running: List[int]  # while it holds what it saved (its input among them), updates stepped in backward included
+    released: List[int]  # once it has let go of all it saved
+    update: List[int]  # the part of ``running`` that updates stepped in backward add
+    # where it ends a checkpointed segment, beside the recompute: from its first unpack on, and its released
+    # part (none where it saves nothing: its backward runs before the recompute, beside none)
+    running_last: List[int]
+    released_last: List[int]
+
+
+def backward_terms(c: UnitCosts, gradients: str, compiled: bool, temporaries: float, reentrant: bool) -> BackwardTerms:
+    """Each unit's backward beyond what its forward left, as a gradient mode makes it (:class:`BackwardTerms`).
+    Split where a unit lets go of what it saved and at its first unpack, but for a compiled unit, a rank's
+    shards and the allocator's figures (one peak each); a reentrant checkpoint recomputes before any of its
+    segment's backward. Its own gradients stay as its backward makes them where the step allocates them
     (``"allocated"``: a stage of a traced ViT holds all of its own at once), or where a compiled graph
-    returns them together (``PeakModel``'s ``compiled``)."""
+    returns them together (``PeakModel``'s ``compiled``); stepped in backward (``"in_backward"``), each
+    update makes ``temporaries`` tensors of its parameter's size (:func:`_updates`)."""
     fresh = (gradients == "allocated" or compiled) and c.backward_fresh and not c.gathered
-    excess, released = (c.backward_fresh if fresh else c.backward_excess), (0,) * len(c)
-    held_apart, released_apart = (c.fresh_while_input_held, c.released_fresh) if fresh else (c.excess_while_input_held, c.released_excess)
-    if not compiled and not c.gathered and held_apart:  # the input beside the first part only
-        excess, released = held_apart, released_apart
+    excess, n = (c.backward_fresh if fresh else c.backward_excess), len(c)
+    released, from_unpack = (0,) * n, excess
+    parts = (c.fresh_while_input_held, c.fresh_from_unpack, c.released_fresh) if fresh else (c.excess_while_input_held, c.excess_from_unpack, c.released_excess)
+    if not compiled and not c.gathered and parts[0]:  # the input beside the first part only
+        excess, from_unpack, released = parts
+        from_unpack = excess if reentrant or not from_unpack else from_unpack
+    saves = [reentrant or bool(c.saves_input[i] or c.saved[i] or c.keeps_output[i]) for i in range(n)]
+    released_last = [r if s else 0 for r, s in zip(released, saves)]
+    from_unpack = [f if s else 0 for f, s in zip(from_unpack, saves)]
     if gradients != "in_backward":
-        return list(excess), list(released), [0] * len(c)
+        return BackwardTerms(list(excess), list(released), [0] * n, from_unpack, released_last)
     update = _updates(c, excess, temporaries, compiled, after_saves=False)
-    after = _updates(c, released, temporaries, compiled, after_saves=True)
-    return [e + u for e, u in zip(excess, update)], [r + u for r, u in zip(released, after)], update
+    add = lambda figures, after_saves: [f + u for f, u in zip(figures, _updates(c, figures, temporaries, compiled, after_saves))]  # noqa: E731
+    return BackwardTerms([e + u for e, u in zip(excess, update)], add(released, True), update, add(from_unpack, False), add(released_last, True))
 
 
 def _updates(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: bool, after_saves: bool) -> List[int]:
