@@ -174,10 +174,10 @@ class PeakModel:
         # the segment's input is held through this unit's backward if this unit or one before it holds it,
         # and once its saves are let go, if one before it does (see unit_terms.input_relief); where the unit
         # ends a checkpointed segment, what runs beside the recompute (``ending``, see _local)
-        held_now = input_held or bool(saver)
-        parts = (backward, unheld)
-        ending = _routed(_routed(parts, input_held, max(reduced, kept - took + self._released_last[i] + grads_after)), held_now, kept + self._running_last[i] + grads_after + sharded)
-        backward, unheld = _routed(_routed(parts, input_held, max(reduced, kept - took + self._released[i] + grads_after)), held_now, kept + self._backward_excess[i] + grads_after + sharded)
+        held_now, parts = input_held or bool(saver), (backward, unheld)
+        after_saves, running = kept - took + grads_after, kept + grads_after + sharded  # beside its own parts
+        ending = _routed(_routed(parts, input_held, max(reduced, after_saves + self._released_last[i])), held_now, running + self._running_last[i])
+        backward, unheld = _routed(_routed(parts, input_held, max(reduced, after_saves + self._released[i])), held_now, running + self._backward_excess[i])
         input_held = held_now
         if self._allocates[i]:
             counted = c.keeps_output[i]
