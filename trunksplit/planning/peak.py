@@ -246,13 +246,18 @@ class PeakModel:
             state = self._step(state, r, i, last=False, grads_after=within)
         return state
 
-    def _region_backward(self, state: "_Scan", s: int) -> int:
+    def _region_backward(self, state: "_Scan", s: int, compiled: bool = False) -> int:
         """Peak of a region's backward beyond what is kept before it, from its scan alone
         (``state``, ending before unit ``s``): its recompute holds everything it saves (the
         kept expensive outputs among them), with its output's gradient waiting, then
-        backward walks back through it."""
+        backward walks back through it. As a segment's, its last unit's backward up to its first
+        unpack runs before the recompute (see ``_local``); a ``compiled`` region is one graph,
+        which recomputes before any of its backward."""
         recompute = self._grads_after[s - 1] + self._rerun_gradient[s - 1] + state.rerun
-        return max(recompute, state.backward)
+        if compiled:
+            return max(recompute, state.backward)
+        before = self._grads_after[s - 1] + max(self._backward_excess[s - 1], self._released[s - 1])
+        return max(recompute, state.ending[0], before)
 
     def _local(self, state: "_Scan", b: int, relief: int = 0) -> int:
         """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries, its input among
@@ -347,7 +352,7 @@ def _region_costs(model: "PeakModel", region: Region) -> "RegionCosts":
         gathered = model._gathered_prefix[s] - model._gathered_prefix[r]
         backward = c.saved[r] + c.backward_excess[r] + max(model._update[r:s]) + model._grads_after[r] + gathered + fsdp_in_backward(model, r, r, False)
     else:
-        backward = model._region_backward(alone, s)
+        backward = model._region_backward(alone, s, compiled)
     # a checkpointed segment's recompute runs it as its first forward ran (hooks included), where timed so
     body = Cost(flops, cheap, sum(c.nested_forward_seconds[r:s]) if any(c.nested_forward_seconds) else model._seconds_prefix[s] - model._seconds_prefix[r])
     return RegionCosts(held, region_forward, backward, c.keeps_output[s - 1] if allocates else None, again, body)
