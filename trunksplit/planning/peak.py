@@ -62,7 +62,7 @@ from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
 from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
-from .unit_terms import backward_terms, gradients_after, input_relief
+from .unit_terms import backward_terms, gradients_after, input_relief, packs
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -124,7 +124,7 @@ class PeakModel:
         self._allocates = [i + 1 < self.n and c.input_from[i + 1] == i for i in range(self.n)]
         # a non-reentrant recompute stops at the last tensor its segment saves (torch's early stop): what
         # runs to where (see _step); a reentrant one runs its segment whole
-        self._packs = [reentrant or bool(c.saves_input[i] or c.saved[i] or c.keeps_output[i]) for i in range(self.n)]
+        self._packs = packs(c, reentrant)
         self._rerun_peak, self._first_peak = c.forward_peak if reentrant else c.rerun_peak or c.forward_peak, c.first_peak or c.forward_peak
         self._regions: Dict[Region, tuple] = {}  # see _region
         self._region_steps: Dict[Tuple[Region, bool], _RegionStep] = {}  # see _step_region
@@ -223,7 +223,7 @@ class PeakModel:
         # it saves its input, the segment's too where that is its input (see unit_terms.input_relief)
         region_backward = kept + g.backward - (0 if last else step.gathered)
         input_held = input_held or not last or step.source < a
-        backward, unheld = (max(backward, region_backward), unheld) if input_held else (backward, max(unheld, region_backward))
+        backward, unheld = _routed((backward, unheld), input_held, region_backward)
         kept += g.held + (0 if last else step.gathered)
         counted = counted if g.output_counted is None else g.output_counted
         if not last:  # the region keeps its input: the segment's recompute runs it only if a later unit needs it
@@ -256,8 +256,12 @@ class PeakModel:
         recompute = self._grads_after[s - 1] + self._rerun_gradient[s - 1] + state.rerun
         if compiled:
             return max(recompute, state.backward)
-        before = self._grads_after[s - 1] + max(self._backward_excess[s - 1], self._released[s - 1])
-        return max(recompute, state.ending[0], before)
+        return max(recompute, state.ending[0], self.before_recompute(s - 1))
+
+    def before_recompute(self, i: int) -> int:
+        """What unit ``i``'s backward holds where it ends a checkpoint, up to its first unpack (where the checkpoint
+        recomputes), beside none of the recompute: its whole backward, at most, with the gradients after it."""
+        return self._grads_after[i] + max(self._backward_excess[i], self._released[i])
 
     def _local(self, state: "_Scan", b: int, relief: int = 0) -> int:
         """Peak of a segment ending before ``b`` beyond the prefix of kept boundaries, its input among
@@ -271,10 +275,8 @@ class PeakModel:
         if b == self.n:
             return held + max(state.forward, state.backward, state.unheld - relief)
         recompute = self._grads_after[b - 1] + self._rerun_gradient[b - 1] + state.rerun
-        # its last unit's backward up to its first unpack runs before the recompute, beside none of it
-        before = self._grads_after[b - 1] + max(self._backward_excess[b - 1], self._released[b - 1])
         backward, unheld = state.ending
-        return held + max(recompute, state.first, backward + self._rerun_output_held[b], unheld - relief, before)
+        return held + max(recompute, state.first, backward + self._rerun_output_held[b], unheld - relief, self.before_recompute(b - 1))
 
     def _scan(self, a: int, regions: Iterable[Region], last: bool, stop: Optional[int] = None):
         """Scan from unit ``a`` under ``regions``, yielding (b, local peak, recompute) at each

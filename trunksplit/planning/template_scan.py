@@ -92,7 +92,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     grads_after = np.asarray(model._grads_after, dtype=np.int64)
     rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
     rerun_gradient = np.asarray(model._rerun_gradient, dtype=np.int64)
-    before_recompute = np.maximum(np.asarray(model._backward_excess, dtype=np.int64), np.asarray(model._released, dtype=np.int64))
+    before_recompute = np.asarray([model.before_recompute(i) for i in range(n)], dtype=np.int64)
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
     relief = input_relief(model, a, last)
@@ -118,8 +118,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
             b = position[ends]
             forward, backward = state.forward[ends], state.backward[ends]
             recompute = grads_after[b - 1] + rerun_gradient[b - 1] + state.rerun[ends]
-            before = grads_after[b - 1] + before_recompute[b - 1]
-            checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), np.maximum(state.ending_backward[ends] + rerun_output_held[b], before))
+            checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), np.maximum(state.ending_backward[ends] + rerun_output_held[b], before_recompute[b - 1]))
             checkpointed = np.maximum(checkpointed, state.ending_unheld[ends] - relief)
             local = held_after[b] + np.where(b == n, np.maximum(np.maximum(forward, backward), state.unheld[ends] - relief), checkpointed)
             found.append((ends, b, local, *(c[ends] for c in state.cost)))

@@ -2,7 +2,6 @@
 tensor-accounting tracker (:mod:`trunksplit.planning.memory`), the figures of
 :class:`trunksplit.planning.profile.UnitCosts` for it. :func:`trunksplit.planning.profile.profile_units` walks the chain."""
 import contextlib
-import itertools
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -36,7 +35,10 @@ def measure_under(members: Sequence[nn.Module], h: torch.Tensor, input_needs_gra
 
 
 # the figures a unit's backward makes: what the layout of the gradient arriving at its output may change
-PHASES = ("fresh_while_input_held", "fresh_from_unpack", "released_fresh", "excess_while_input_held", "excess_from_unpack", "released_excess")  # see _UntilSavesLetGo
+# see _UntilSavesLetGo: the UnitCosts field of each (figure, phase)
+_PHASE_FIELDS = {("fresh", "held"): "fresh_while_input_held", ("fresh", "from_unpack"): "fresh_from_unpack", ("fresh", "released"): "released_fresh",
+                 ("excess", "held"): "excess_while_input_held", ("excess", "from_unpack"): "excess_from_unpack", ("excess", "released"): "released_excess"}
+PHASES = tuple(_PHASE_FIELDS.values())
 BACKWARD_FIGURES = ("backward_excess", "backward_fresh", *PHASES, "update_moments", "rerun_gradient", "fresh_gradient_surplus")
 
 
@@ -93,7 +95,7 @@ class _UntilSavesLetGo(_TensorAccounting):
     def start_backward(self) -> None:
         """Start every peak at what is alive now, where a backward starts."""
         self.peak = self.peak_with_held = self.current
-        self._peaks = {(figure, phase): self.current if phase == "held" else 0 for figure in ("fresh", "excess") for phase in ("held", "from_unpack", "released")}
+        self._peaks = {(figure, phase): self.current if phase == "held" else 0 for figure, phase in _PHASE_FIELDS}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -108,8 +110,7 @@ class _UntilSavesLetGo(_TensorAccounting):
 
     def phases(self, start: int) -> Dict[str, int]:
         """The backward's peaks beyond ``start`` (what the forward left), as :data:`PHASES` names them."""
-        beyond = {key: peak - start if key[1] == "held" else max(0, peak - start) for key, peak in self._peaks.items()}
-        return {name: beyond[figure, phase] for name, (figure, phase) in zip(PHASES, itertools.product(("fresh", "excess"), ("held", "from_unpack", "released")))}
+        return {name: self._peaks[key] - start if key[1] == "held" else max(0, self._peaks[key] - start) for key, name in _PHASE_FIELDS.items()}
 
 
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
@@ -170,7 +171,7 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
         forward_peak, backward_excess = forward_meter.peak_bytes, backward_meter.peak_bytes if loss is not None else 0
         kept["rerun_peak"] = forward_peak
         backward_fresh = _fresh_backward_peak(m, h, input_needs_grad, policy, layout) if loss is not None else 0
-        phases = dict(zip(PHASES, (backward_fresh, backward_fresh, 0, backward_excess, backward_excess, 0)))
+        phases = {name: 0 if phase == "released" else backward_fresh if figure == "fresh" else backward_excess for (figure, phase), name in _PHASE_FIELDS.items()}
     return dict(kept, forward_peak=forward_peak, backward_excess=backward_excess, backward_fresh=backward_fresh, update_moments=moments,
                 fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None, **phases)
 

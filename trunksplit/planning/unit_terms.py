@@ -27,6 +27,12 @@ class BackwardTerms(NamedTuple):
     released_last: List[int]
 
 
+def packs(c: UnitCosts, reentrant: bool) -> List[bool]:
+    """Whether each unit saves a tensor for its backward (run in a reentrant checkpoint: as if it did, the
+    recompute runs its segment whole): where a non-reentrant recompute runs to, and where it starts."""
+    return [reentrant or bool(c.saves_input[i] or c.saved[i] or c.keeps_output[i]) for i in range(len(c))]
+
+
 def backward_terms(c: UnitCosts, gradients: str, compiled: bool, temporaries: float, reentrant: bool) -> BackwardTerms:
     """Each unit's backward beyond what its forward left, as a gradient mode makes it (:class:`BackwardTerms`).
     Split where a unit lets go of what it saved and at its first unpack, but for a compiled unit, a rank's
@@ -42,7 +48,7 @@ def backward_terms(c: UnitCosts, gradients: str, compiled: bool, temporaries: fl
     if not compiled and not c.gathered and parts[0]:  # the input beside the first part only
         excess, from_unpack, released = parts
         from_unpack = excess if reentrant or not from_unpack else from_unpack
-    saves = [reentrant or bool(c.saves_input[i] or c.saved[i] or c.keeps_output[i]) for i in range(n)]
+    saves = packs(c, reentrant)
     released_last = [r if s else 0 for r, s in zip(released, saves)]
     from_unpack = [f if s else 0 for f, s in zip(from_unpack, saves)]
     if gradients != "in_backward":
