@@ -1,5 +1,8 @@
 """The meters: ProfiledPeak against hand-counted bytes, on one process and on gloo ranks; and
 units profiled by the allocator against the step it measures."""
+import os
+import subprocess
+import sys
 import threading
 
 import torch
@@ -26,6 +29,25 @@ def test_profiled_peak_counts_what_is_allocated_beyond_the_start():
         c = torch.empty(500)
     assert meter.peak_bytes == 3000 * FLOAT
     del before, b, c
+
+
+_PROFILE_TWICE = """
+import torch
+from trunksplit.planning.memory import ProfiledPeak
+for _ in range(2):
+    with ProfiledPeak():
+        torch.empty(10)
+print("measured")
+"""
+
+
+def test_profiled_peak_keeps_the_profilers_log_lines_off_stderr_unless_the_user_set_a_level():
+    """Planning FSDP2 ranks profiles thousands of times: kineto's start/stop lines buried the launcher's output."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", _PROFILE_TWICE], env=env, capture_output=True, text=True, check=True)
+    assert quiet.stdout == "measured\n" and "SyncActivityProfilerHandler" not in quiet.stderr, quiet.stderr
+    chatty = subprocess.run([sys.executable, "-c", _PROFILE_TWICE], env={**env, "KINETO_LOG_LEVEL": "0"}, capture_output=True, text=True, check=True)
+    assert chatty.stderr.count("profiler_start") == 2, chatty.stderr  # the user's own level is kept
 
 
 def _reduce_scatter_readings(rank, world_size, n, reps, out):

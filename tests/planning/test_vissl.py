@@ -115,6 +115,13 @@ def test_unreachable_split_count_warns_with_count_reached():
     assert [len(s) for s in out.values()] == [2, 1]
 
 
+@pytest.mark.parametrize("splits,headline", [(1, "vissl, 1 segment"), (3, "vissl, 3 segments")])
+def test_a_plan_names_its_strategy_and_segment_count_in_english(splits, headline):
+    """The launcher's last line and ``print(plan)`` read "1 segment", not "1 segments"."""
+    plan = CheckpointedTrunk(torchvision.models.resnet18(), ["flatten"], num_splits=splits).plan
+    assert plan.headline == headline and str(plan).startswith(f"SplitPlan ({headline}")
+
+
 def test_plan_prints_a_table_of_segments():
     trunk = CheckpointedTrunk(torchvision.models.resnet18(), ["flatten"], num_splits=3)
     text = str(trunk.plan)

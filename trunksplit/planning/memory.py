@@ -7,6 +7,7 @@ torch.profiler's allocation events instead, for what the tracker cannot see (com
 FSDP2's gathered weights).
 """
 import gc
+import os
 from typing import Optional, Union
 
 import torch
@@ -158,12 +159,19 @@ class ProfiledPeak:
     holder let go when its caller did; on a loaded machine gloo's thread may let go later, and the
     real peak is that much higher. Any other allocation whose address is given out again was
     freed, unseen, before that; other unseen frees can still only add to a reading, so the
-    smallest of several readings of one step is the closest to the truth."""
+    smallest of several readings of one step is the closest to the truth.
+
+    Quiet: unless ``KINETO_LOG_LEVEL`` is set, it sets it to 6 before a process first profiles, which
+    keeps the profiler's own start and stop lines off stderr for the rest of the process (yours too)."""
 
     def __init__(self):
         self.peak_bytes: Optional[int] = None
 
     def __enter__(self) -> "ProfiledPeak":
+        # kineto (the profiler's engine) prints a line to stderr at every start and stop, and an error
+        # where no GPU is found: thousands of lines while FSDP2 ranks are planned. It reads its level
+        # once, when a process first profiles; a level the user set is kept (6: errors and those lines off)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         # record_shapes: the ops' tensor arguments (their storages) tell which tensors a collective used
         self._prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=True)

@@ -48,6 +48,13 @@ class SplitPlan:
     def names(self) -> List[str]:
         return [s.name for s in self.segments]
 
+    @property
+    def headline(self) -> str:
+        """The strategy and how many segments, ``"balanced, 4 segments"``: how ``print(plan)`` and the
+        launcher's last line name a plan."""
+        count = len(self.segments)
+        return f"{self.strategy}, {count} segment{'' if count == 1 else 's'}"
+
     def state(self) -> dict:
         """The plan as plain containers (strings, numbers, tuples), which a ``weights_only``
         checkpoint holds: a resumed run trains on the plan it saved, not on one measured again."""
@@ -92,8 +99,7 @@ class SplitPlan:
             headers += ["predicted peak (MiB)", "recompute (GFLOP)"]
         if timed:
             headers.append("recompute (ms)")
-        count = len(self.segments)
-        title = f"SplitPlan ({self.strategy}, {count} segment{'' if count == 1 else 's'}"
+        title = f"SplitPlan ({self.headline}"
         if self.predicted_peak_bytes is not None:
             title += f", predicted peak {_mib(self.predicted_peak_bytes)} MiB" + (f" of {self.meter}" if self.meter else "")
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")

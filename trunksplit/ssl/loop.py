@@ -185,10 +185,10 @@ def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autoca
     plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
         by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size
-        last["plan"] = "; ".join(f"group {k + 1} ({n} x {s}px): {by_size[s].strategy}, {len(by_size[s].segments)} segments"
+        last["plan"] = "; ".join(f"group {k + 1} ({n} x {s}px): {by_size[s].headline}"
                                  for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
     else:
-        last["plan"] = f"{model.trunk.plan.strategy}, {len(model.trunk.plan.segments)} segments"
+        last["plan"] = model.trunk.plan.headline
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
     # a run with TRAIN.MEMORY_LIMIT (its batch fitted to fill it) would pass it with a plain step beside a
