@@ -1,0 +1,79 @@
+"""Every shipped config: it loads (its keys and values pass the checks a run makes), and, in the slow
+tier, it trains a step as shipped (its trunk, plan, method, head, crops and optimizer), two images a
+step, so a config that drifted from the launcher fails here before a user finds it."""
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from trunksplit.ssl.config import load_config
+from trunksplit.ssl.loop import train
+
+from distributed_harness import run_processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True))
+SHARDED = "swav_regnet_y_fsdp_seer.yaml"  # needs ranks: trained on two gloo processes below
+
+
+def _name(path):
+    return os.path.relpath(path, os.path.join(ROOT, "configs"))
+
+
+def test_the_configs_folder_holds_the_configs_the_docs_name():
+    names = [_name(p) for p in CONFIGS]
+    assert "quickstart.yaml" in names and "recipes/dino.yaml" in names and SHARDED in names, names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.TRAIN.STEPS > 0 and cfg.DATA.CROP_SIZES and cfg.MODEL.TRUNK.NAME
+
+
+def _folder(root, seed):
+    """An ImageFolder of two classes, four small noise images each: the digits config reads folders."""
+    for label in range(2):
+        os.makedirs(os.path.join(root, str(label)))
+        for i in range(4):
+            pixels = torch.randint(0, 256, (40, 40, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(100 * seed + 10 * label + i))
+            Image.fromarray(pixels.numpy()).save(os.path.join(root, str(label), f"{i}.png"))
+    return root
+
+
+def _overrides(path, out):
+    shipped = load_config(path)
+    # a budget is a fraction of the step, gradients included: at two images ConvNeXt-T's gradients alone pass 0.45
+    batch = "4" if shipped.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET else "2"
+    more = ["OUTPUT_DIR", out, "TRAIN.STEPS", "1", "TRAIN.BATCH_SIZE_PER_RANK", batch, "DATA.NUM_IMAGES", "8", "DATA.NUM_WORKERS", "0"]
+    if shipped.DATA.PATH:  # the digits: a folder of the same layout
+        train_folder, val_folder = _folder(os.path.join(out, "train"), 0), _folder(os.path.join(out, "val"), 1)
+        more += ["DATA.PATH", train_folder, "EVAL.KNN.TRAIN_PATH", train_folder, "EVAL.KNN.VAL_PATH", val_folder]
+    return more
+
+
+@pytest.mark.slow  # each config's own trunk at its own crops (ViT-B at 224px among them): about 3 minutes
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "recipes" not in p and not p.endswith(SHARDED)], ids=_name)
+def test_every_shipped_config_trains_a_step(tmp_path, path):
+    cfg = load_config(path, _overrides(path, str(tmp_path / "run")))
+    model, last = train(cfg)
+    assert last["step"] == 1 and math.isfinite(last["loss"])
+    # never above the unsplit step (at the digits' 32px crops two images' activations are next to nothing)
+    assert last["memory_vs_plain"]["checkpointed"] <= last["memory_vs_plain"]["plain"]
+
+
+def _sharded_step(rank, world_size, out):
+    cfg = load_config(os.path.join(ROOT, "configs", SHARDED), ["OUTPUT_DIR", out, "TRAIN.STEPS", "1", "DATA.NUM_WORKERS", "0"])
+    train(cfg)
+
+
+@pytest.mark.slow  # two gloo ranks: about 20 s
+def test_the_sharded_seer_config_trains_a_step_on_two_ranks(tmp_path):
+    run_processes(_sharded_step, 2, (str(tmp_path),))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and math.isfinite(rows[-1]["loss"])
+    assert (tmp_path / "sharded" / "step_1").is_dir()
