@@ -122,3 +122,11 @@ def test_unregistered_torchvision_models_are_traced_into_chains(arch):
     x = torch.randn(1, 3, 96, 96)
     with torch.no_grad():
         assert torch.equal(CheckpointedTrunk(blocks).eval()(x)[0], model(x))
+
+
+@pytest.mark.parametrize("keys,hint", [(["layer4"], "did you mean res5 for layer4?"), (["res4", "Flatten"], "did you mean flatten for Flatten?"),
+                                       (["layer1", "avgpol"], "did you mean res2 for layer1, avgpool for avgpol?")])
+def test_a_torchvision_layer_name_or_a_misspelt_key_is_refused_with_the_key_meant(keys, hint):
+    with pytest.raises(ValueError, match="unknown feature key") as e:
+        CheckpointedTrunk(torchvision.models.resnet18(), keys, num_splits=2)
+    assert hint in str(e.value) and "known keys: ['conv1', 'bn1'" in str(e.value)

@@ -6,6 +6,8 @@ residual blocks. :class:`FeatureBlocks` says which blocks are stages;
 :func:`expand_units` turns the blocks into the chain of units a plan cuts, and
 :func:`layer_splittable_before` says where a cut may fall.
 """
+import difflib
+import re
 from collections import OrderedDict
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -92,4 +94,15 @@ def _check_keys(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> None:
         raise ValueError(f"no output feature requested; known keys: {list(blocks)}")
     unknown = [k for k in keys if k not in blocks]
     if unknown:
-        raise ValueError(f"unknown feature key(s) {unknown}; known keys: {list(blocks)}")
+        hints = [h for h in (_did_you_mean(k, list(blocks)) for k in unknown) if h]
+        raise ValueError(f"unknown feature key(s) {unknown}" + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                         + f"; known keys: {list(blocks)}")
+
+
+def _did_you_mean(key: str, known: List[str]) -> Optional[str]:
+    """The known key ``key`` most likely meant: torchvision's ``layer1..4`` are vissl's ``res2..5``."""
+    layer = re.fullmatch(r"layer(\d)", key)
+    if layer and f"res{int(layer[1]) + 1}" in known:
+        return f"res{int(layer[1]) + 1} for {key}"
+    close = difflib.get_close_matches(key.lower(), known, n=1)
+    return f"{close[0]} for {key}" if close else None
