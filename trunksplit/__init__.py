@@ -13,10 +13,11 @@ Layers, each importing only those below it:
     recompute/    how a run of modules is recomputed: checkpointing, wrapper, regions, stages, compiled units
     chains/       what a trunk is: feature blocks of any model, and their names in the source model
 """
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING
+# underscored: dir(trunksplit) lists the package's names, not the ones it imports
+import importlib as _importlib
+import sys as _sys
+import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # Each public name and the module that defines it. They load on first use (PEP 562), so that
 # ``trunksplit --help`` and an argument error answer without importing torch.
@@ -46,28 +47,28 @@ __all__ = list(PUBLIC)
 def __getattr__(name: str):
     if name not in PUBLIC:
         raise AttributeError(f"module 'trunksplit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)
+    value = getattr(_importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(PUBLIC))
+    return sorted(n for n in set(globals()) | set(PUBLIC) if not n.startswith("_") or n == "__version__")
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """Importing a submodule binds it on its package: ``trunksplit.fit`` would become the module
     ``fit.py`` once anything imported it. Public names stay what ``PUBLIC`` says they are."""
 
     def __setattr__(self, name, value):
-        if not (name in PUBLIC and isinstance(value, types.ModuleType)):
+        if not (name in PUBLIC and isinstance(value, _types.ModuleType)):
             super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package
 
 
-if TYPE_CHECKING:  # what editors and type checkers read
+if _TYPE_CHECKING:  # what editors and type checkers read
     from .chains import feature_blocks, layer_splittable_before, register_trunk  # noqa: F401
     from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk  # noqa: F401
     from .fit import Fit, ScalingRow, fit, scaling  # noqa: F401

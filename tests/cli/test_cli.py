@@ -193,7 +193,8 @@ def test_the_public_names_load_on_first_use_and_stay_what_they_name():
     script = ("import sys, trunksplit\nassert 'torch' not in sys.modules\nimport trunksplit.fit, trunksplit.ssl.fit_step\n"
               "from trunksplit import fit\nimport inspect\nassert inspect.isfunction(fit) and trunksplit.fit is fit, trunksplit.fit\n"
               "missing = [n for n in trunksplit.__all__ if not hasattr(trunksplit, n)]\nassert not missing, missing\n"
-              "assert set(trunksplit.__all__) <= set(dir(trunksplit))\nprint('ok')")
+              "assert set(trunksplit.__all__) <= set(dir(trunksplit))\n"
+              "assert not {'importlib', 'sys', 'types', 'TYPE_CHECKING'} & set(dir(trunksplit)), dir(trunksplit)\nprint('ok')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "ok", done.stderr[-600:]
     with pytest.raises(AttributeError, match="no attribute 'CheckpointTrunk'"):
