@@ -59,7 +59,7 @@ def _imports():
     """(importer, imported, line, at module level) for every trunksplit import in the package."""
     for module, path in _modules():
         tree = ast.parse(path.read_text())
-        typing_only = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"]
+        typing_only = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "").lstrip("_") == "TYPE_CHECKING"]
         top = set(map(id, tree.body + [s for n in typing_only for s in n.body]))  # what editors read is imported at the top too
         is_package = path.name == "__init__.py"
         for target, line in _loaded_by_name(module, is_package, tree):
