@@ -53,6 +53,32 @@ def test_any_callable_is_a_condition_and_the_root_is_never_wrapped():
     assert not is_checkpoint_wrapped(model)
 
 
+def test_torchs_check_fn_of_the_module_alone_selects_as_by_type_does():
+    """``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``
+    takes ``check_fn(module)``: a condition written for it works here unchanged, budget or not."""
+    names = apply_activation_checkpointing(torchvision.models.resnet50(), lambda m: isinstance(m, Bottleneck))
+    assert names == _bottleneck_names(torchvision.models.resnet50())
+
+    def check_fn(submodule, depth=0):  # a default does not count as a second parameter
+        return isinstance(submodule, torchvision.models.resnet.BasicBlock) and depth == 0
+
+    model = torchvision.models.resnet18()
+    plan = apply_activation_checkpointing(model, check_fn, memory_budget=0.9, example_inputs=(torch.randn(2, 3, 64, 64),), gradients="kept")
+    wrapped = [n for n, m in model.named_modules() if is_checkpoint_wrapped(m)]
+    assert wrapped and list(plan.names) == wrapped and set(wrapped) <= set(_basic_block_names(model)), plan
+
+
+def _basic_block_names(model):
+    return [n for n, m in model.named_modules() if isinstance(m, torchvision.models.resnet.BasicBlock)]
+
+
+@pytest.mark.parametrize("condition,shown", [(by_type(Bottleneck), "by_type(Bottleneck)"), (by_name("layer9"), "by_name('layer9')"),
+                                             (every_k(2, Bottleneck), "every_k(2, Bottleneck)")])
+def test_a_condition_that_selects_nothing_is_named_as_it_was_written(condition, shown):
+    with pytest.raises(ValueError, match=re.escape(f"the condition {shown} selected no submodule")):
+        apply_activation_checkpointing(torchvision.models.resnet18(), condition)
+
+
 def test_already_wrapped_modules_and_their_insides_are_left_alone():
     model = torchvision.models.resnet18()
     assert apply_activation_checkpointing(model, by_name(r"layer1")) == ["layer1"]

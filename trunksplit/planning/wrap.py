@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..recompute.policies import RECOMPUTE
-from ..recompute.select import Condition, wrap_selected
+from ..recompute.select import Condition, as_condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
 from .budget import BudgetTooLowError, MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
@@ -77,8 +77,9 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
 
     Without a budget: every submodule ``condition(name, module)`` selects is wrapped with
     :func:`trunksplit.checkpoint_wrapper` (see :func:`trunksplit.recompute.select.wrap_selected`);
-    returns their names. ``condition`` is any ``(name, module) -> bool`` callable, or
-    :func:`by_type`, :func:`by_name`, :func:`every_k`.
+    returns their names. ``condition`` is any ``(name, module) -> bool`` callable, torch's
+    ``check_fn`` (``lambda module: isinstance(module, Block)``), or :class:`by_type`,
+    :class:`by_name`, :class:`every_k`.
 
     With ``memory_budget`` (bytes, or a fraction in (0, 1] of the unwrapped step) and
     ``example_inputs`` (a tuple of positional inputs, or a lone tensor): works on any
@@ -86,6 +87,7 @@ def apply_activation_checkpointing(model: nn.Module, condition: Optional[Conditi
     :func:`wrap_for_budget`, and its ``loss_fn`` and ``update_temporaries``); ``condition``, if given, limits the candidates.
     """
     memory_budget = MemoryBudget.parse(memory_budget)  # 0 is no budget, as everywhere
+    condition = None if condition is None else as_condition(condition)
     if memory_budget is None:
         if condition is None:
             raise TypeError("apply_activation_checkpointing needs a condition (by_type(Block), ...), or memory_budget= with example_inputs=")

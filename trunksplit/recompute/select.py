@@ -2,10 +2,12 @@
 which ``trunksplit.apply_activation_checkpointing`` calls when no memory budget is given).
 
 One API, as torchtune's RFC asked: a condition is any ``(name, module) -> bool``
-callable; :func:`by_type`, :func:`by_name` and :func:`every_k` build the common
-ones, and :func:`condition_from_config` builds them from a YAML mapping.
+callable, or torch's ``check_fn`` shape, ``(module) -> bool``; :class:`by_type`, :class:`by_name`
+and :class:`every_k` build the common ones, and :func:`condition_from_config` builds them from a
+YAML mapping.
 """
 import importlib
+import inspect
 import re
 import warnings
 from typing import Callable, List, Mapping, Type
@@ -18,21 +20,37 @@ from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped
 Condition = Callable[[str, nn.Module], bool]
 
 
-def by_type(*types: Type[nn.Module]) -> Condition:
-    """Select modules that are instances of any of ``types``."""
-    _check_types(types, "by_type")
-    return lambda name, module: isinstance(module, types)
+class by_type:
+    """Select modules that are instances of any of ``types``: ``by_type(Bottleneck)``."""
+
+    def __init__(self, *types: Type[nn.Module]):
+        _check_types(types, "by_type")
+        self.types = types
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return isinstance(module, self.types)
+
+    def __repr__(self) -> str:
+        return f"by_type({', '.join(t.__name__ for t in self.types)})"
 
 
-def by_name(pattern: str) -> Condition:
-    """Select modules whose full name (as in ``named_modules()``) matches ``pattern`` entirely."""
-    if not isinstance(pattern, str):
-        raise TypeError(f"by_name needs a regular expression string, got {pattern!r}")
-    try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"by_name: {pattern!r} is not a valid regular expression ({e})") from None
-    return lambda name, module: regex.fullmatch(name) is not None
+class by_name:
+    """Select modules whose full name (as in ``named_modules()``) matches ``pattern`` entirely:
+    ``by_name(r"layer[34]\\.\\d+")``."""
+
+    def __init__(self, pattern: str):
+        if not isinstance(pattern, str):
+            raise TypeError(f"by_name needs a regular expression string, got {pattern!r}")
+        try:
+            self.regex = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"by_name: {pattern!r} is not a valid regular expression ({e})") from None
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return self.regex.fullmatch(name) is not None
+
+    def __repr__(self) -> str:
+        return f"by_name({self.regex.pattern!r})"
 
 
 class every_k:
@@ -63,6 +81,30 @@ class every_k:
         return f"every_k({self.k}, {', '.join(t.__name__ for t in self.types)})"
 
 
+def as_condition(condition) -> Condition:
+    """``condition`` as a ``(name, module) -> bool`` callable: torch's ``check_fn(module)`` (one
+    parameter, as ``torch.distributed.algorithms._checkpoint`` takes it) is called with the module."""
+    if not callable(condition):
+        raise TypeError(f"condition must be a (name, module) -> bool callable, got {condition!r}")
+    try:
+        parameters = [p for p in inspect.signature(condition).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):  # a builtin without a signature: taken as (name, module)
+        return condition
+    return _ModuleOnly(condition) if len(parameters) == 1 else condition
+
+
+class _ModuleOnly:
+    def __init__(self, check_fn):
+        self.check_fn = check_fn
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return self.check_fn(module)
+
+    def __repr__(self) -> str:
+        return repr(self.check_fn)
+
+
 def _check_types(types, who):
     if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
         raise TypeError(f"{who} needs one or more nn.Module classes, got {types!r}")
@@ -84,8 +126,7 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
     names them. Raises ``ValueError`` when nothing can be wrapped, naming the
     module types present; the model is then unchanged.
     """
-    if not callable(condition):
-        raise TypeError(f"condition must be a (name, module) -> bool callable, got {condition!r}")
+    condition = as_condition(condition)
     if hasattr(condition, "reset"):
         condition.reset()
     selected, in_place, covered = [], [], []
