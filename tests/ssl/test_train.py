@@ -37,12 +37,17 @@ def _script(*args):
     return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
-def _cli(*args):
-    """tools/train.py's ``main`` in this process (``_script``'s exit status and output, without
-    a second Python importing torch for every error case)."""
+def _train_tool():
     spec = importlib.util.spec_from_file_location("train_tool", os.path.join(ROOT, "tools", "train.py"))
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def _cli(*args):
+    """tools/train.py's ``main`` in this process (``_script``'s exit status and output, without
+    a second Python importing torch for every error case)."""
+    tool = _train_tool()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = tool.main(list(args))
@@ -63,6 +68,15 @@ def test_quickstart_cli_writes_finite_metrics(tmp_path):
     # SimCLR's chance level, by hand: each of the 2 x batch views picks its partner among all the others
     chance = math.log(2 * int(SMALL[SMALL.index("TRAIN.BATCH_SIZE_PER_RANK") + 1]) - 1)
     assert f"loss {rows[-1]['loss']:.4f} ({rows[-1]['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" in result.stdout
+
+
+def test_the_side_by_side_line_says_why_it_reads_below_a_step_that_holds_a_teacher():
+    """Both copies run the student under a stand-in loss; DINO's step also holds its loss and teacher."""
+    side_by_side, cfg, mib = _train_tool()._side_by_side, load_config(QUICK), 2**20
+    vs = {"checkpointed": 100 * mib, "plain": 200 * mib}
+    plain_line = "memory, one step side by side: checkpointed 100.0 MiB, without checkpointing 200.0 MiB (0.50x)"
+    assert side_by_side(cfg, vs, 100 * mib) == plain_line  # SimCLR's: the same step
+    assert side_by_side(cfg, vs, 110 * mib) == plain_line + " (the student under a stand-in loss: the step peak above also holds the method's loss and teacher)"
 
 
 def _two_rank_run(rank, world_size, out, manual):
