@@ -88,6 +88,11 @@ def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(fitted,
     assert code == 0, err
     images = int(out.split(" images per rank fit ")[0])
     assert "group 1: 2 x 32px crops per image" in out and "group 2: 4 x 16px crops per image" in out
+    budget = int(out.split("trunk budget ")[1].split("(")[1].split(" bytes")[0])
+    for line in [line for line in out.splitlines() if line.startswith("  group ")]:
+        peak = float(line.split("predicted trunk peak ")[1].split(" MiB")[0]) * 2**20
+        above = "(above the trunk budget: the lowest this group reaches" in line
+        assert above == (peak > budget + 0.05 * 2**20) or abs(peak - budget) <= 0.05 * 2**20, (line, budget)  # a plan above the budget says why
     phases = [line.split()[1] for line in err.splitlines() if line.startswith("fit: ")]
     assert phases[:4] == ["profiling", "profiling", "measuring", "searching"] and set(phases[4:]) == {"checking"}, err
     batch, total, _ = fitted("dino")

@@ -110,7 +110,7 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, world: int = 1, progr
     if world == 1:  # one process cannot run a sharded step
         images, budget, measured = _checked(step, images, memory, say)
     plans = step.plans(images, budget)
-    lines = [_group_line(k, s, n, images, plan) for k, ((s, n), plan) in enumerate(zip(step.groups, plans.values()))]
+    lines = [_group_line(k, s, n, images, plan, budget) for k, ((s, n), plan) in enumerate(zip(step.groups, plans.values()))]
     return StepFit(images, budget, step.rank.resident, step.total(images, budget), measured, memory, lines, plans)
 
 
@@ -213,10 +213,13 @@ def fitted_batch(cfg, device: torch.device, run_step: RunStep, world: int = 1, p
     return found.images, found.trunk_budget, [(key, plan.state()) for key, plan in found.plans.items()]
 
 
-def _group_line(k: int, size: int, count: int, images: int, plan) -> str:
+def _group_line(k: int, size: int, count: int, images: int, plan, budget: int) -> str:
+    """A crop group's plan; one above the trunk budget is the group's lowest-peak plan (the budget binds another group)."""
     regions = policy_counts(plan.regions)
+    above = plan.predicted_peak_bytes > budget
     return (f"  group {k + 1}: {count} x {size}px crops per image, the trunk on {images * count}: {len(plan.segments)} segment{'s' if len(plan.segments) > 1 else ''}"
-            f"{f' ({regions})' if regions else ''}, predicted trunk peak {gib(plan.predicted_peak_bytes)}")
+            f"{f' ({regions})' if regions else ''}, predicted trunk peak {gib(plan.predicted_peak_bytes)}"
+            + (" (above the trunk budget: the lowest this group reaches; another group's peak binds the step)" if above else ""))
 
 
 def _crops(groups, images: int, device) -> List[torch.Tensor]:
