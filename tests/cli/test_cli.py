@@ -241,3 +241,67 @@ def test_plan_wraps_a_transformers_model_type_to_a_budget_as_measured(capsys):
     assert ratio <= 0.7
     assert main(["plan", "--arch", "hf:dinov9", "--budget", "0.7"]) == 2
     assert "did you mean hf:dinov2" in capsys.readouterr().err
+
+
+QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
+SMALL_RUN = ["MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1",
+             "TRAIN.BATCH_SIZE_PER_RANK", "4"]
+MULTI_CROP = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 4]",
+              "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]"]
+
+
+def _printed_plans(out):
+    """Each printed plan's segments, as (first layer, last layer, checkpointed) rows of its table."""
+    plans = []
+    for line in out.splitlines():
+        if line.startswith("SplitPlan ("):
+            plans.append([])
+        elif plans and line.startswith("| ") and not line.startswith("| segment"):
+            cells = [c.strip() for c in line.split("|")[1:-1]]
+            plans[-1].append((*cells[1].split(" .. "), cells[3] == "yes"))
+    return plans
+
+
+def test_plan_of_a_config_is_the_plan_the_launcher_trains_each_crop_group_with(tmp_path, capsys):
+    """``plan --config-file`` before a run against the run itself: the trunk's plan for each crop group."""
+    from trunksplit.ssl.config import load_config
+    from trunksplit.ssl.loop import train
+
+    overrides = [*SMALL_RUN, *MULTI_CROP, "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "3"]
+    assert main(["plan", "--config-file", QUICK, *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "group 1: 2 x 32px crops per image, the trunk on 8 per rank" in out and "group 2: 4 x 16px crops per image, the trunk on 16 per rank" in out
+    assert "input 8x3x32x32" in out and "input 16x3x16x16" in out
+    model, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), *overrides]))
+    trained = sorted(model.trunk.plans.items(), key=lambda kv: -kv[0][0][0][0][-1])  # by crop size, largest first
+    units = trained[0][1].units
+    assert _printed_plans(out) == [[(units[s.start], units[s.stop - 1], s.checkpointed) for s in plan.segments] for _, plan in trained]
+
+
+def test_plan_of_a_selective_config_lists_the_blocks_it_wraps(capsys):
+    select = ["MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "1",
+              "MODEL.ACTIVATION_CHECKPOINTING.SELECT.every_k", "2", "MODEL.ACTIVATION_CHECKPOINTING.SELECT.types", "[torchvision.models.resnet.BasicBlock]"]
+    assert main(["plan", "--config-file", QUICK, *SMALL_RUN, *select]) == 0
+    assert capsys.readouterr().out.startswith("MODEL.ACTIVATION_CHECKPOINTING.SELECT wraps 4 blocks, each its own checkpoint (no segments to plan): "
+                                              "res2.0 res3.0 res4.0 res5.0")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--arch", "resnet18"], "the config says what --arch would: set MODEL.TRUNK.NAME after it (trunksplit plan --config-file CONFIG MODEL.TRUNK.NAME VALUE)"),
+    (["--budget", "0.5"], "set MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET after it"),
+    (["--objective", "time"], "the launcher plans with objective auto"),
+])
+def test_plan_flags_a_config_sets_are_refused_with_the_key_to_set(args, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--config-file", QUICK, *args])
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--config-file", QUICK, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", "2e9"], "TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file"),
+    (["--config-file", QUICK, "TRAIN.NO_SUCH_KEY", "1"], "unknown config key: TRAIN.NO_SUCH_KEY"),
+    (["TRAIN.STEPS", "3"], "config overrides TRAIN.STEPS 3 ... need --config-file"),
+])
+def test_plan_of_a_config_that_cannot_be_planned_says_why(args, message, capsys):
+    assert main(["plan", *args]) == 2
+    assert message in capsys.readouterr().err

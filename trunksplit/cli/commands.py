@@ -17,8 +17,10 @@ from ..planning.sharding import rank_memory
 from ..planning.wrap import apply_activation_checkpointing
 from ..ssl.backbones import HF, build_backbone, build_hf_model, hf_is_chain
 from ..ssl.config import load_config
-from ..ssl.fit_step import fit_step
+from ..recompute.wrapper import is_checkpoint_wrapped
+from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
+from ..ssl.model import build_trunk
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
 from .bench_data import run_data_benchmark
@@ -26,9 +28,13 @@ from .runs import device_of
 
 
 def run_plan(args) -> int:
+    if args.config_file:
+        return _plan_config(args)
+    if args.opts:
+        print(f"error: config overrides {' '.join(args.opts[:2])} ... need --config-file", file=sys.stderr)
+        return 2
     if _wrapped_only(args.arch):
         return _plan_wrapped(args)
-    x = torch.randn(*args.input)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -37,12 +43,7 @@ def run_plan(args) -> int:
                                      objective=args.objective)
             if args.gradients == "in_backward":
                 trunk.update_temporaries = _update_temporaries(args.optimizer)
-            request = trunk.plan_request()
-            # measured once, for the plan and its figures; for one of --world-size FSDP2 ranks
-            with _progress(len(request.units), "profiling units") as step:
-                costs = peak_model(request, x, regions=args.budget is not None, world_size=args.world_size, progress=step)
-            _phase("searching the plan")
-            plan = plan_trunk(request, x, costs) if request.cost_aware else annotate(trunk.plan_for(x), costs)
+            plan, unsplit = _measured_plan(trunk, torch.randn(*args.input), args.world_size)
         except ValueError as e:
             print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
             return 2
@@ -51,12 +52,54 @@ def run_plan(args) -> int:
             return 2
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
-    unsplit = costs.peak([0])
-    print(plan)
-    print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit ({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, args.input))}")
-    optimizer = None if args.optimizer == "none" else args.optimizer
+    _print_plan(plan, unsplit, args.input)
     # the trunk, not the model: blocks after the last requested feature, and the classifier, are not trained
-    print(rank_memory(trunk, list(request.modules), args.world_size, optimizer, plan.predicted_peak_bytes, args.gradients))
+    print(rank_memory(trunk, list(trunk.plan_request().modules), args.world_size, None if args.optimizer == "none" else args.optimizer,
+                      plan.predicted_peak_bytes, args.gradients))
+    return 0
+
+
+def _measured_plan(trunk: CheckpointedTrunk, x: torch.Tensor, world_size: int):
+    """The plan ``trunk`` makes for ``x``, with the predicted peak of each segment, and the unsplit step's
+    peak: its units measured once, for one of ``world_size`` FSDP2 ranks."""
+    request = trunk.plan_request()
+    with _progress(len(request.units), "profiling units") as step:
+        costs = peak_model(request, x, regions=request.budget is not None, world_size=world_size, progress=step)
+    _phase("searching the plan")
+    plan = plan_trunk(request, x, costs) if request.cost_aware else annotate(trunk.plan_for(x), costs)
+    return plan, costs.peak([0])
+
+
+def _print_plan(plan, unsplit: int, shape) -> None:
+    print(plan)
+    print(f"predicted step peak {plan.predicted_peak_bytes / 2**20:.1f} MiB = {plan.predicted_peak_bytes / unsplit:.2f} of unsplit "
+          f"({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, shape))}")
+
+
+def _plan_config(args) -> int:
+    """``plan --config-file``: the plan the launcher's trunk makes for each crop group's call, before a run."""
+    try:
+        cfg = load_config(args.config_file, args.opts)
+        if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
+            raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file CONFIG --memory SIZE "
+                             "prints that batch and each crop group's plan")
+        trunk = build_trunk(cfg)
+        if len(cfg.MODEL.ACTIVATION_CHECKPOINTING.SELECT):
+            wrapped = [n for n, m in trunk.named_modules() if is_checkpoint_wrapped(m)]
+            print(f"MODEL.ACTIVATION_CHECKPOINTING.SELECT wraps {len(wrapped)} blocks, each its own checkpoint (no segments to plan): {' '.join(wrapped)}")
+            return 0
+        if trunk.gradients == "in_backward":
+            trunk.update_temporaries = _update_temporaries(cfg.OPTIM.NAME)
+        batch = cfg.TRAIN.BATCH_SIZE_PER_RANK
+        for k, (size, count) in enumerate(crop_groups(cfg)):
+            shape = (batch * count, 3, size, size)
+            print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank")
+            _print_plan(*_measured_plan(trunk, torch.randn(*shape), args.world_size), shape)
+        print("\neach peak is the trunk's own step; the whole SSL step (head, loss, teacher, every crop group) is what "
+              "trunksplit fit --config-file CONFIG --memory SIZE fits")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -31,24 +31,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Parse, then load the module that runs the command and run it."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "fit" and args.config_file:
+    if args.command in ("plan", "fit") and args.config_file:
         _refuse_what_the_config_says(parser, args)
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
     return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
 
 
-# fit's flags that a config file sets instead: given with --config-file, they would be ignored
+# plan's and fit's flags that a config file sets instead: given with --config-file, they would be ignored
 CONFIG_SAYS = {"arch": "MODEL.TRUNK.NAME", "input": "DATA.CROP_SIZES", "optimizer": "OPTIM.NAME",
-               "splits": "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "gradients": "TRAIN.GRADIENTS"}
+               "splits": "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "gradients": "TRAIN.GRADIENTS",
+               "strategy": "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "budget": "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET",
+               "features": "MODEL.TRUNK.OUT_FEAT_KEYS", "objective": None}  # the launcher plans with objective="auto"
 
 
 def _refuse_what_the_config_says(parser: argparse.ArgumentParser, args) -> None:
     """``fit --config-file`` with ``--arch`` (say): refused, naming the config key to set instead."""
-    defaults = parser.parse_args(["fit", "--memory", "1GiB"])
+    defaults = parser.parse_args([args.command, "--memory", "1GiB"] if args.command == "fit" else [args.command])
+    usage = f"trunksplit {args.command} --config-file CONFIG" + (" --memory SIZE" if args.command == "fit" else "")
     for dest, key in CONFIG_SAYS.items():
-        if getattr(args, dest) != getattr(defaults, dest):
-            parser.exit(2, f"trunksplit fit: error: with --config-file the config says what --{dest} would: "
-                           f"set {key} after it (trunksplit fit --config-file CONFIG --memory SIZE {key} VALUE)\n")
+        if hasattr(defaults, dest) and getattr(args, dest) != getattr(defaults, dest):
+            fix = f"set {key} after it ({usage} {key} VALUE)" if key else "the launcher plans with objective auto (time on a GPU, flops on a CPU)"
+            parser.exit(2, f"trunksplit {args.command}: error: with --config-file the config says what --{dest} would: {fix}\n")
 
 
 class _ParserWithDefaults(argparse.ArgumentParser):
@@ -73,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
     p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
+    p.add_argument("--config-file", default=None, help="the plan the launcher trains this config with, one per crop group, before a run; "
+                   "its other flags but --world-size are then the config's to say (given too, refused)")
+    p.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"], help="torchvision model names, one table row group each")
     b.add_argument("--batch", type=_positive, default=4, help="images per step")
