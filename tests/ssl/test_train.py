@@ -65,6 +65,13 @@ def test_quickstart_cli_writes_finite_metrics(tmp_path):
     assert load_config(str(out / "config.yaml")).TRAIN.STEPS == 3  # the resolved config, loadable
     assert "without checkpointing" in result.stdout and "images/s" in result.stdout
     assert (out / "checkpoint.pt").exists()
+    # the plan is said before the first step: profiling announced, then the plan and its predicted peak,
+    # the trunk's part of the step the run then measures
+    lines = result.stdout.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("trunk plan: balanced, 4 segments, predicted trunk peak "))
+    assert lines[said - 1].startswith("planning the trunk") and lines[said + 1].startswith("step 1/3"), lines[:said + 2]
+    predicted = float(lines[said].split("predicted trunk peak ")[1].split(" MiB")[0]) * 2**20
+    assert 0.8 * rows[0]["peak_memory_bytes"] <= predicted <= rows[0]["peak_memory_bytes"], (predicted, rows[0]["peak_memory_bytes"])
     # SimCLR's chance level, by hand: each of the 2 x batch views picks its partner among all the others
     chance = math.log(2 * int(SMALL[SMALL.index("TRAIN.BATCH_SIZE_PER_RANK") + 1]) - 1)
     assert f"loss {rows[-1]['loss']:.4f} ({rows[-1]['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" in result.stdout

@@ -182,13 +182,7 @@ def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autoca
     memory with and without checkpointing to the last row (each copy stepped in backward as the model
     is, if it is); ``log`` keeps them in summary.json."""
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
-    plans = model.trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
-    if len(plans) > 1:
-        by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size
-        last["plan"] = "; ".join(f"group {k + 1} ({n} x {s}px): {by_size[s].headline}"
-                                 for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
-    else:
-        last["plan"] = model.trunk.plan.headline
+    last["plan"] = _plans_said(cfg, model.trunk)
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
     # a run with TRAIN.MEMORY_LIMIT (its batch fitted to fill it) would pass it with a plain step beside a
@@ -210,20 +204,37 @@ def _stepping_copies(cfg, optimizer) -> Callable:
     return stepping
 
 
+def _plans_said(cfg, trunk, peaks: bool = False) -> str:
+    """The trunk's plan, ``balanced, 4 segments``, or each crop group's; with ``peaks``, each one's predicted step peak."""
+    def said(plan: SplitPlan) -> str:
+        return plan.headline + (f", predicted trunk peak {plan.predicted_peak_bytes / 2**20:.1f} MiB" if peaks and plan.predicted_peak_bytes else "")
+
+    plans = trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
+    if len(plans) > 1:
+        by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size
+        return "; ".join(f"group {k + 1} ({n} x {s}px): {said(by_size[s])}" for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
+    return said(trunk.plan)
+
+
 def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast) -> float:
     """Set-up that the first step would otherwise time and measure, in seconds: the cost-aware
     plan's profiling and, where gradients are kept between steps, allocating them (zeros:
-    backward adds into them exactly)."""
+    backward adds into them exactly). Rank 0 says the plan it trains with."""
     kept = cfg.TRAIN.GRADIENTS == "kept"
     setup_start = time.perf_counter()
     if start < cfg.TRAIN.STEPS:
+        if rank == 0 and model.trunk.cost_aware and not model.trunk.plans:
+            print("planning the trunk: its units profiled once at each crop size ...", flush=True)
         model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
     optimizer.zero_grad(set_to_none=not kept)
     if kept:
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-    return time.perf_counter() - setup_start
+    seconds = time.perf_counter() - setup_start
+    if rank == 0 and start < cfg.TRAIN.STEPS:
+        print(f"trunk plan: {_plans_said(cfg, model.trunk, peaks=True)} (set up in {seconds:.1f} s)", flush=True)
+    return seconds
 
 
 def _next_step_views(batches, device, skipped: dict):
