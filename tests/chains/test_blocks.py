@@ -64,6 +64,13 @@ def test_a_data_parallel_wrapper_is_refused_naming_the_model_inside_it():
         feature_blocks(nn.DataParallel(torchvision.models.resnet18()))  # traced, it failed on a Proxy iterated, naming nothing
 
 
+def test_a_compiled_model_is_refused_naming_the_model_before_compiling():
+    model = torchvision.models.resnet18()
+    with pytest.raises(TypeError, match=r"a torch.compile'd model: give the model before compiling \(model._orig_mod\).*\.compile\(\)"):
+        CheckpointedTrunk(torch.compile(model), ["flatten"], num_splits=2)  # fx failed on it, naming a missing forward
+    assert list(feature_blocks(torch.compile(model)._orig_mod)) == list(feature_blocks(model))  # what the message says works
+
+
 def test_register_trunk_refuses_non_modules():
     with pytest.raises(TypeError):
         register_trunk(int, lambda m: m)

@@ -67,6 +67,10 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         raise TypeError(f"{type(model).__name__} wraps the model: give the model it holds (.module); to train the trunk "
                         f"data-parallel, build it first and wrap the trunk: {type(model).__name__}(CheckpointedTrunk(model, ...))")
+    # private: torch.compile's wrapper (OptimizedModule) holds the model as _orig_mod, with no public accessor
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise TypeError("a torch.compile'd model: give the model before compiling (model._orig_mod), then compile the trunk: "
+                        "CheckpointedTrunk(model, ...).compile() compiles each unit and keeps the plan, or torch.compile(trunk)")
     try:
         return traced_blocks(model)
     except TypeError as e:
