@@ -1,5 +1,6 @@
 """fit: the largest batch whose whole training step fits, checked by a real step with a real optimizer."""
 import copy
+import importlib
 import math
 
 import pytest
@@ -123,6 +124,28 @@ def test_a_huge_memory_is_planned_without_allocating_the_batch():
     assert found.predicted_peak_bytes >= found.plan.predicted_peak_bytes
     key = next(iter(found.trunk.plans))
     assert key[0] == (((found.batch_size, 3, 32, 32), torch.float32),)  # the trunk will use this plan at that batch
+
+
+def test_the_hosts_available_memory_is_read_as_the_kernel_reports_it():
+    import os
+
+    from trunksplit.planning.memory import host_bytes_available
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # an independent bound: all the RAM there is
+    assert 0 < host_bytes_available() <= physical
+
+
+def test_a_checked_fit_larger_than_the_host_can_give_on_cpu_is_refused_before_profiling(monkeypatch, capsys):
+    """The checking step fills ``memory`` on the host: past what it has, the kernel kills the process, saying nothing."""
+    fit_module = importlib.import_module("trunksplit.fit")  # the module: trunksplit.fit is the function
+
+    monkeypatch.setattr(fit_module, "host_bytes_available", lambda: 200 * 2**20)
+    monkeypatch.setattr(fit_module, "ScaledChain", None)  # profiling would call it: refused before
+    model = torchvision.models.resnet18()
+    with pytest.raises(ValueError, match=r"memory 300.0 MiB .* is more than this machine has available \(200.0 MiB .*predict only \(verify=False"):
+        fit(model, (3, 32, 32), "300MiB")
+    assert main(["fit", "--arch", "resnet18", "--input", "3x32x32", "--memory", "300MiB"]) == 2
+    assert "trunksplit fit --no-verify" in capsys.readouterr().err
 
 
 def test_fit_command_can_predict_without_the_checking_step(capsys):

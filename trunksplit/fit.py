@@ -32,7 +32,7 @@ from .chains import feature_blocks
 from .in_backward import optimizer_in_backward, update_temporaries
 from .lars import LARS
 from .planning.budget import format_bytes, parse_memory_size
-from .planning.memory import PeakMemory
+from .planning.memory import PeakMemory, host_bytes_available
 from .planning.scaled import ScaledChain
 from .planning.sharding import RankMemory, gib, rank_memory
 from .planning.plan import SplitPlan
@@ -106,9 +106,10 @@ def fit(
         raise ValueError(f"input_shape is one image's (C, H, W), got {tuple(input_shape)}")
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
-    blocks = feature_blocks(model)
+    if verify and world_size == 1:
+        check_host_room(memory, device, "memory", "predict only (verify=False; trunksplit fit --no-verify)")
 
-    trunk = trunk_maker(blocks, out_feat_keys, num_splits, gradients, use_reentrant, optimizer, device)
+    trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, optimizer, device)
     chain = ScaledChain(trunk(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
@@ -186,6 +187,15 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
             peak, recompute = chain.least_recompute(max(batch, 1), kind, memory - rank.resident)
             rows.append(ScalingRow(n, kind, batch, recompute, replace(rank, step_peak=peak)))
     return rows
+
+
+def check_host_room(memory: int, device: torch.device, what: str, instead: str) -> None:
+    """A step run on the CPU at ``memory`` allocates it on the host: refused up front (``ValueError``) where the
+    host has less available, which the kernel answers by killing the process mid-step, saying nothing."""
+    available = host_bytes_available() if torch.device(device).type == "cpu" else None
+    if available is not None and memory > available:
+        raise ValueError(f"{what} {format_bytes(memory)} is more than this machine has available ({format_bytes(available)}): a step that "
+                         f"fills it on the CPU would run the machine out of memory. Fit on the device it is for, or {instead}")
 
 
 def trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[str], device) -> Callable[..., CheckpointedTrunk]:

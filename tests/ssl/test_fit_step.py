@@ -2,6 +2,7 @@
 a DINO teacher, gradients and optimizer state), and ``trunksplit fit --config-file`` answers the same.
 The reference is the training run's own meter: resident bytes counted from the model and the logged
 step peak."""
+import importlib
 import os
 
 import pytest
@@ -70,6 +71,17 @@ def test_a_limit_too_small_for_one_image_is_refused_before_anything_is_written(t
     out = tmp_path / "run"
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, *DINO, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(100 * 2**20))])
     with pytest.raises(ValueError, match=r"TRAIN.MEMORY_LIMIT 100.0 MiB .* too small for one image per rank: the smallest that fits is"):
+        train(cfg)
+    assert not out.exists()
+
+
+def test_a_limit_larger_than_the_host_can_give_on_cpu_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    fit_module = importlib.import_module("trunksplit.fit")  # the module: trunksplit.fit is the function
+
+    monkeypatch.setattr(fit_module, "host_bytes_available", lambda: 200 * 2**20)
+    out = tmp_path / "run"
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, *DINO, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(LIMIT))])
+    with pytest.raises(ValueError, match=r"TRAIN.MEMORY_LIMIT 300.0 MiB .* is more than this machine has available .*set TRAIN.BATCH_SIZE_PER_RANK yourself"):
         train(cfg)
     assert not out.exists()
 

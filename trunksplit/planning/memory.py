@@ -190,6 +190,18 @@ class ProfiledPeak:
         self.peak_bytes = peak
 
 
+def host_bytes_available() -> Optional[int]:
+    """Bytes this machine can still give without swapping (Linux's ``MemAvailable``); None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def meter_name(device: Union[str, torch.device], allocator: bool) -> str:
     """What a figure measured on ``device`` counts, as a plan says it: tensor storages (the tracker of
     :class:`PeakMemory` on CPU), the caching allocator (CUDA), or torch.profiler's allocation events."""

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..fit import NAMED_OPTIMIZERS, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
+from ..fit import NAMED_OPTIMIZERS, check_host_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
 from ..in_backward import optimizer_in_backward
 from ..planning.budget import format_bytes
 from ..planning.memory import PeakMemory
@@ -99,6 +99,8 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, world: int = 1, progr
     phase. A limit too small for one image is a ``ValueError`` naming the smallest that fits."""
     say = progress or (lambda line: None)
     memory = int(cfg.TRAIN.MEMORY_LIMIT)
+    if world == 1:  # its batch is checked by real steps, and trained at that size
+        check_host_room(memory, device, "TRAIN.MEMORY_LIMIT", "set TRAIN.BATCH_SIZE_PER_RANK yourself")
     torch.manual_seed(cfg.SEED)
     step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, world, run_step, say)
     if step.total(1) > memory:
