@@ -146,3 +146,11 @@ def test_every_module_path_and_public_name_the_docs_mention_exists():
                 missing.append(f"{page.name}: {dotted}")
     assert checked > 30, checked  # the patterns find what the pages name
     assert missing == [], "the docs name what does not exist:\n" + "\n".join(missing)
+
+
+def test_the_architecture_page_names_every_module_of_the_package():
+    """A newcomer finds any concern from docs/architecture.md: a module added without a line there fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    modules = [p.relative_to(ROOT / "trunksplit") for p in (ROOT / "trunksplit").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    unnamed = [str(m) for m in modules if f"`{m.name}`" not in text and f"`{m}`" not in text]
+    assert unnamed == [], f"docs/architecture.md does not name: {unnamed}"
