@@ -94,6 +94,23 @@ def _two_rank_run(rank, world_size, out, manual):
     torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
 
 
+def _ddp_gradients(rank, world_size, out):
+    from trunksplit.ssl.model import build_model
+
+    cfg = load_config(QUICK, ["OUTPUT_DIR", out, *SMALL])
+    wrapped = strategy.strategy_for(cfg, rank, world_size, torch.device("cpu")).wrap(cfg, build_model(cfg))
+    sum(o.pow(2).mean() for o in wrapped([torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)])).backward()
+    grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
+    storages = {g.untyped_storage().data_ptr() for g in grads}
+    assert len(grads) > 20 and len(storages) <= len(grads) // 10, (len(grads), len(storages))
+
+
+def test_native_ddp_keeps_one_copy_of_the_gradients_in_its_buckets(tmp_path):
+    """``gradient_as_bucket_view``: each gradient a view into DDP's all-reduce buckets (a handful of
+    storages), where a gradient per parameter beside its bucket copy held them twice."""
+    run_processes(_ddp_gradients, 2, (str(tmp_path),))
+
+
 @pytest.mark.parametrize("manual", [False, True], ids=["native_ddp", "manual_ddp"])
 def test_two_processes_end_with_identical_weights_equal_to_the_saved_ones(tmp_path, manual):
     run_processes(_two_rank_run, 2, (str(tmp_path), manual))

@@ -96,8 +96,9 @@ class DDP(Strategy):
                 "reentrant checkpointing under native DDP with several trunk forwards per step fails "
                 "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
             )
-        # stepped in backward, DDP's buckets hold the gradients (its hook updates from them): no second copy
-        return DistributedDataParallel(super().wrap(cfg, model), gradient_as_bucket_view=cfg.OPTIM.IN_BACKWARD)
+        # the gradients are views into DDP's buckets: one copy of them, not two (stepped in backward too,
+        # where its hook updates from them); DDP still makes new buckets once, at the second step's start
+        return DistributedDataParallel(super().wrap(cfg, model), gradient_as_bucket_view=True)
 
     def accumulating(self, wrapped):
         return wrapped.no_sync()
