@@ -45,7 +45,7 @@ CONFIG_SAYS = {"arch": "MODEL.TRUNK.NAME", "input": "DATA.CROP_SIZES", "optimize
 
 
 def _refuse_what_the_config_says(parser: argparse.ArgumentParser, args) -> None:
-    """``fit --config-file`` with ``--arch`` (say): refused, naming the config key to set instead."""
+    """``plan`` or ``fit`` with ``--config-file`` and ``--arch`` (say): refused, naming the config key to set instead."""
     defaults = parser.parse_args([args.command, "--memory", "1GiB"] if args.command == "fit" else [args.command])
     usage = f"trunksplit {args.command} --config-file CONFIG" + (" --memory SIZE" if args.command == "fit" else "")
     for dest, key in CONFIG_SAYS.items():
