@@ -11,13 +11,6 @@ from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
 
 
-def _beyond(cfg) -> str:
-    """What the step's peak is counted beyond: the gradients are part of it unless they are kept between steps."""
-    if cfg.OPTIM.IN_BACKWARD:
-        return "parameters (the optimizer stepped in backward: each gradient freed at its update)"
-    return "parameters and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else "parameters (gradients included)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-file", default="", help="YAML file that overrides the defaults in trunksplit/ssl/config.py")
@@ -39,7 +32,7 @@ def main(argv=None) -> int:
         learned = f" ({last['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" if chance else ""
         print(
             f"done: step {last['step']}, loss {last['loss']:.4f}{learned}, {last['images_per_sec']:.1f} images/s, "
-            f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {_beyond(cfg)} "
+            f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {last['peak_beyond']} "
             f"(trunk plan: {last['plan']})"
         )
         side_by_side = _side_by_side(cfg, last["memory_vs_plain"], last["peak_memory_bytes"])

@@ -278,6 +278,27 @@ def test_plan_of_a_config_is_the_plan_the_launcher_trains_each_crop_group_with(t
     assert _printed_plans(out) == [[(units[s.start], units[s.stop - 1], s.checkpointed) for s in plan.segments] for _, plan in trained]
 
 
+def test_plan_and_fit_of_a_config_with_world_size_follow_its_distributed_strategy(capsys):
+    """--world-size N with a config: one of N ranks as its DISTRIBUTED.STRATEGY runs them. A DDP rank
+    plans the whole trunk, as one process does (before, it was planned as an FSDP2 shard), and its fit
+    counts DDP's gradient buckets, resident beside the model: one copy of every trained gradient."""
+    from trunksplit.ssl.config import load_config
+    from trunksplit.ssl.model import build_model
+
+    budget = [*SMALL_RUN, "DATA.CROP_SIZES", "[32]", "TRAIN.GRADIENTS", "kept", "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.8"]
+    printed = {}
+    for name, extra in {"one": ["--world-size", "1"], "ddp": ["--world-size", "4"], "fsdp": ["--world-size", "4", "DISTRIBUTED.STRATEGY", "fsdp"]}.items():
+        assert main(["plan", "--config-file", QUICK, *extra, *budget]) == 0
+        printed[name] = capsys.readouterr().out
+    assert printed["ddp"] == printed["one"] and printed["fsdp"] != printed["one"]
+    resident = {}
+    for world in ("1", "2"):
+        assert main(["fit", "--config-file", QUICK, "--memory", "170MiB", "--world-size", world, *SMALL_RUN, "DATA.CROP_SIZES", "[32]"]) == 0
+        resident[world] = float(capsys.readouterr().out.split("resident ")[1].split(" MiB")[0])
+    trained = sum(p.numel() * p.element_size() for p in build_model(load_config(QUICK, SMALL_RUN)).parameters() if p.requires_grad)
+    assert abs(resident["2"] - resident["1"] - trained / 2**20) <= 0.1, (resident, trained / 2**20)
+
+
 def test_plan_of_a_selective_config_lists_the_blocks_it_wraps(capsys):
     select = ["MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "1",
               "MODEL.ACTIVATION_CHECKPOINTING.SELECT.every_k", "2", "MODEL.ACTIVATION_CHECKPOINTING.SELECT.types", "[torchvision.models.resnet.BasicBlock]"]

@@ -21,6 +21,7 @@ from ..recompute.wrapper import is_checkpoint_wrapped
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
 from ..ssl.model import build_trunk
+from ..ssl.strategy import rank_layout
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
 from .bench_data import run_data_benchmark
@@ -94,7 +95,7 @@ def _plan_config(args) -> int:
         for k, (size, count) in enumerate(crop_groups(cfg)):
             shape = (batch * count, 3, size, size)
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank")
-            _print_plan(*_measured_plan(trunk, torch.randn(*shape), args.world_size), shape)
+            _print_plan(*_measured_plan(trunk, torch.randn(*shape), rank_layout(cfg, args.world_size).world), shape)
         print("\neach peak is the trunk's own step; the whole SSL step (head, loss, teacher, every crop group) is what "
               "trunksplit fit --config-file CONFIG --memory SIZE fits")
     except ValueError as e:
@@ -192,7 +193,7 @@ def _fit_config(args) -> int:
     state), as ``TRAIN.BATCH_SIZE_PER_RANK 0`` fits it; one line per phase on stderr."""
     try:
         cfg = load_config(args.config_file, [*args.opts, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(args.memory))])
-        found = fit_step(cfg, torch.device(device_of(args.device)), step_for_fit(cfg, contextlib.nullcontext()), args.world_size,
+        found = fit_step(cfg, torch.device(device_of(args.device)), step_for_fit(cfg, contextlib.nullcontext()), rank_layout(cfg, args.world_size),
                          lambda line: print(f"fit: {line}", file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

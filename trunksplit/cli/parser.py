@@ -25,6 +25,10 @@ ARCH_HELP = ("a torchvision classification model name (resnet50), timm:NAME (tim
              "or hf:TYPE (hf:vit, hf:deit, hf:dinov2, hf:convnextv2, hf:resnet, ...), a transformers model type's default config")
 PLAN_ARCH_HELP = ARCH_HELP + "; another transformers type (hf:swin) is wrapped to --budget"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
+PLAN_WORLD_HELP = ("plan for one of N FSDP2 ranks (--input is one rank's batch); with --config-file, one of N ranks of its "
+                   "DISTRIBUTED.STRATEGY (a DDP rank plans its whole trunk)")
+FIT_WORLD_HELP = ("fit one of N FSDP2 ranks (predicted, not measured); with --config-file, one of N ranks of its DISTRIBUTED.STRATEGY "
+                  "(DDP: its gradient buckets counted, checked by a real step)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -73,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--features", nargs="+", default=None, help="feature blocks the trunk returns (res4 res5 ...); default: its last block (flatten for torchvision's)")
     p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
     p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
-    p.add_argument("--world-size", type=_positive, default=1, help="plan for one of N FSDP2 ranks (--input is one rank's batch)")
+    p.add_argument("--world-size", type=_positive, default=1, help=PLAN_WORLD_HELP)
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
     p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
     p.add_argument("--config-file", default=None, help="the plan the launcher trains this config with, one per crop group, before a run; "
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     f.add_argument("--device", default="auto", help=DEVICE_HELP + ": where the checking step runs")
     f.add_argument("--no-verify", action="store_true", help="predict only: skip the one measured step at the batch found")
-    f.add_argument("--world-size", type=_positive, default=1, help="fit one of N FSDP2 ranks (predicted, not measured)")
+    f.add_argument("--world-size", type=_positive, default=1, help=FIT_WORLD_HELP)
     f.add_argument("--config-file", default=None, help="fit the launcher's whole SSL step of this config (every crop group, head, loss, teacher); "
                    "--arch, --input, --optimizer, --splits and --gradients are then the config's to say (given too, refused)")
     f.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")

@@ -8,7 +8,7 @@ FSDP2's gathered weights).
 """
 import gc
 import os
-from typing import Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -111,10 +111,15 @@ class PeakMemory:
         print(mem.peak_bytes)
     """
 
-    def __init__(self, device: Optional[Union[str, torch.device]] = None):
+    def __init__(self, device: Optional[Union[str, torch.device]] = None, made_again: Optional[Callable[[], Iterable[torch.Tensor]]] = None):
+        """``made_again()``, called at the block's end: tensors whose storages, where made inside it, replaced
+        storages of their size made before it (DDP's gradient buckets, made anew as the second step starts).
+        The CPU tracker cannot see storages made before it die, so it does not count those made again;
+        exact where they were made before the block's peak. CUDA's statistics see both: unused there."""
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.peak_bytes: Optional[int] = None
         self._mode = None
+        self._made_again = made_again
 
     def __enter__(self) -> "PeakMemory":
         if self.device.type == "cuda":
@@ -132,7 +137,8 @@ class PeakMemory:
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
         else:
             self._mode.__exit__(*exc)
-            self.peak_bytes = self._mode.peak
+            again = {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in self._made_again()} if self._made_again else {}
+            self.peak_bytes = self._mode.peak - sum(n for key, n in again.items() if key in self._mode.live)
             self._mode = None
 
 

@@ -101,11 +101,12 @@ class RankMemory:
     step_peak: int  # the planner's step peak at this rank's batch: activations, gradients as the step allocates them, gathered weights
     gradients_kept: bool
     in_backward: bool = False  # the optimizer steps in backward: no step after it, no gradients all alive at once
+    buckets: int = 0  # DDP's gradient buckets where they are a copy beside the gradients (made when DDP wraps the model)
 
     @property
     def resident(self) -> int:
         """What exists before the step starts."""
-        return self.parameters + self.optimizer + self.buffers + (self.gradients if self.gradients_kept else 0)
+        return self.parameters + self.optimizer + self.buffers + self.buckets + (self.gradients if self.gradients_kept else 0)
 
     @property
     def total(self) -> int:
@@ -115,14 +116,17 @@ class RankMemory:
         grads = f"gradients {gib(self.gradients)} ({'kept' if self.gradients_kept else 'allocated by the step, within its peak'})"
         if self.in_backward:
             grads = f"gradients {gib(self.gradients)} (each freed at its update in backward)"
-        return (f"per rank at world size {self.world_size}: parameters {gib(self.parameters)}, {grads}, optimizer {gib(self.optimizer)}, "
+        buckets = f", DDP's gradient buckets {gib(self.buckets)}" if self.buckets else ""
+        return (f"per rank at world size {self.world_size}: parameters {gib(self.parameters)}, {grads}{buckets}, optimizer {gib(self.optimizer)}, "
                 f"buffers {gib(self.buffers)}, step peak {gib(self.step_peak)}; total {gib(self.total)}")
 
 
-def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, optimizer: Optional[str], step_peak: int, gradients: str) -> RankMemory:
+def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, optimizer: Optional[str], step_peak: int, gradients: str,
+                buckets: int = 0) -> RankMemory:
     """The breakdown for one rank: ``model``'s parameters and buffers (only the trunk's ``units``
     are sharded and trained; the rest of ``model`` stays whole), and ``step_peak``, the planner's
-    peak of a step at this rank's batch (which includes gradients the step allocates)."""
+    peak of a step at this rank's batch (which includes gradients the step allocates); ``buckets``:
+    bytes of DDP's gradient buckets where they are not the gradients themselves (resident from DDP's wrap on)."""
     if optimizer not in OPTIMIZER_SLOTS:
         raise ValueError(f"optimizer must be one of {list(OPTIMIZER_SLOTS)}, got {optimizer!r}")
     trained = {id(p): p for u in units for p in u.parameters() if p.requires_grad}
@@ -138,4 +142,5 @@ def rank_memory(model: nn.Module, units: Sequence[nn.Module], world_size: int, o
         step_peak=step_peak,
         gradients_kept=gradients == "kept",
         in_backward=gradients == "in_backward",
+        buckets=buckets,
     )

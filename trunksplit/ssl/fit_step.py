@@ -7,7 +7,8 @@ resolution: every group's activations alive at once in a whole-step backward, on
 time backward by crop group (:mod:`trunksplit.ssl.grouped`). So the fit adds three parts:
 
 - resident, exact: every parameter and buffer (a DINO teacher's too), and the gradients and
-  optimizer state of what trains (one rank's shards under FSDP2);
+  optimizer state of what trains (one rank's shards under FSDP2; under DDP the gradients live in
+  its buckets from the wrap on, whatever zero_grad does: :class:`RankLayout`);
 - the trunk at each resolution, profiled once at two small batches
   (:class:`trunksplit.planning.scaled.ScaledChain`): its planned peak at any batch and budget;
 - the rest of the step, measured: the launcher's own step at two small batches with a stand-in
@@ -69,6 +70,31 @@ class StepFit:
         ])
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's memory as the run's strategy lays it out (``Strategy.rank_layout``), what a fit must know.
+
+    ``world``: FSDP2 ranks that share the model's parameters, gradients and optimizer state (1: each
+    rank holds them whole). ``buckets``: DDP's gradient buckets, a flat copy of every trained gradient
+    made when DDP wraps the model and resident the whole run: ``"views"`` where the gradients are views
+    into them (``gradient_as_bucket_view``: one copy, never freed between steps, whatever zero_grad
+    does), ``"copy"`` where the gradients are tensors of their own beside them (vissl's manual path),
+    ``""`` without DDP."""
+
+    world: int = 1
+    buckets: str = ""
+
+    def gradients(self, mode: str) -> str:
+        """The gradient mode the step's memory follows: ``"allocated"`` gradients that are views into
+        DDP's buckets are allocated before the step, as kept ones are."""
+        return "kept" if self.buckets == "views" and mode == "allocated" else mode
+
+    def bucket_bytes(self, mode: str, gradient_bytes: int) -> int:
+        """Bytes of DDP's buckets resident beside what ``mode`` counts of gradients of ``gradient_bytes``:
+        none where the gradients are the buckets (unless freed at their update in backward, the buckets not)."""
+        return gradient_bytes if self.buckets == "copy" or self.buckets == "views" and mode == "in_backward" else 0
+
+
 def crop_groups(cfg) -> List[Tuple[int, int]]:
     """(crop size, crops per image) of each trunk call of a step, in step order."""
     groups: List[Tuple[int, int]] = []
@@ -92,17 +118,17 @@ class _StandInTrunk(nn.Module):
         return [x.mean(dim=(2, 3)) @ self.weight]
 
 
-def fit_step(cfg, device: torch.device, run_step: RunStep, world: int = 1, progress: Optional[Callable[[str], None]] = None) -> StepFit:
-    """The most images per rank whose whole step fits ``cfg.TRAIN.MEMORY_LIMIT`` (bytes), for one of
-    ``world`` FSDP2 ranks (1: a process that holds the whole model, as DDP's replicas do).
-    ``run_step(model, crops)`` is the launcher's forward and backward; ``progress(line)`` hears each
-    phase. A limit too small for one image is a ``ValueError`` naming the smallest that fits."""
+def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = RankLayout(), progress: Optional[Callable[[str], None]] = None) -> StepFit:
+    """The most images per rank whose whole step fits ``cfg.TRAIN.MEMORY_LIMIT`` (bytes), for one
+    rank laid out as ``layout`` says (the default: one process). ``run_step(model, crops)`` is the
+    launcher's forward and backward; ``progress(line)`` hears each phase. A limit too small for one
+    image is a ``ValueError`` naming the smallest that fits."""
     say = progress or (lambda line: None)
-    memory = int(cfg.TRAIN.MEMORY_LIMIT)
+    memory, world = int(cfg.TRAIN.MEMORY_LIMIT), layout.world
     if world == 1:  # its batch is checked by real steps, and trained at that size
         check_host_room(memory, device, "TRAIN.MEMORY_LIMIT", "set TRAIN.BATCH_SIZE_PER_RANK yourself")
     torch.manual_seed(cfg.SEED)
-    step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, world, run_step, say)
+    step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, layout, run_step, say)
     if step.total(1) > memory:
         raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} is too small for one image per rank: the smallest that fits is "
                          f"{format_bytes(step.total(1))} ({gib(step.rank.resident)} resident and the step's peak)")
@@ -120,13 +146,15 @@ class _StepPrediction:
     """The step's predicted bytes at any images per rank and trunk budget: resident, the rest of
     the step (measured with a stand-in trunk) and the trunk at each crop group (scaled profiles)."""
 
-    def __init__(self, cfg, model: SSLModel, device, world: int, run_step: RunStep, say: Callable[[str], None]):
+    def __init__(self, cfg, model: SSLModel, device, layout: RankLayout, run_step: RunStep, say: Callable[[str], None]):
         self.cfg, self.model, self.device, self.run_step = cfg, model, device, run_step
         self.groups = crop_groups(cfg)
         self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
-        self.mode = mode = gradient_mode(cfg)
-        self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode)  # the head trains (and shards) as the trunk does
+        self.mode = mode = layout.gradients(gradient_mode(cfg))  # planned and checked as the strategy holds them
+        world = layout.world
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        # the head trains (and shards) as the trunk does
+        self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode, layout.bucket_bytes(mode, trained))
         self.optimizer_peak = optimizer_step_peak(self.rank, optimizer_step_transient(model, cfg.OPTIM.NAME), trained)
         ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
         self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
@@ -208,10 +236,11 @@ def _checked(step: _StepPrediction, images: int, memory: int, say) -> Tuple[int,
     return best
 
 
-def fitted_batch(cfg, device: torch.device, run_step: RunStep, world: int = 1, progress: Optional[Callable[[str], None]] = None) -> Tuple[int, int, list]:
+def fitted_batch(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = RankLayout(),
+                 progress: Optional[Callable[[str], None]] = None) -> Tuple[int, int, list]:
     """What the launcher trains with: (images per rank, trunk budget in bytes, the trunk's plans as
     ``[(key, plan.state())]``, plain data any rank can receive) of :func:`fit_step`."""
-    found = fit_step(cfg, device, run_step, world, progress)
+    found = fit_step(cfg, device, run_step, layout, progress)
     return found.images, found.trunk_budget, [(key, plan.state()) for key, plan in found.plans.items()]
 
 

@@ -65,7 +65,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         evaluating = monitor is not None and monitor.due(step + 1, cfg.TRAIN.STEPS)
         logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1 or evaluating
         start_time = time.perf_counter()
-        with strategy.meter() if logging else contextlib.nullcontext() as mem:
+        with strategy.meter(wrapped) if logging else contextlib.nullcontext() as mem:
             loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler, lambda: strategy.accumulating(wrapped)))
         _stop_unless_finite(cfg, loss, step, world, scaler)
         _optimizer_step(cfg, model, optimizer, scaler, step, device, rule)
@@ -77,7 +77,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
     if last is not None:
-        _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy.compares_with_plain, world)
+        _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy, world)
     return model, last
 
 
@@ -150,7 +150,7 @@ def _batch_to_train(cfg, device, strategy, resume: bool):
     if saved is not None:
         return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:"), []
     say = (lambda line: print(f"fit: {line}", flush=True)) if strategy.rank == 0 else None
-    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, _autocast(cfg, device)), strategy.fit_world_size, say))
+    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, _autocast(cfg, device)), strategy.rank_layout, say))
     return with_batch(cfg, images, budget, strategy.rank, f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits"), plans
 
 
@@ -176,18 +176,19 @@ def _optimizer_step(cfg, model, optimizer, scaler, step: int, device, rule=None)
         torch.cuda.synchronize(device)
 
 
-def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, copyable: bool, world: int) -> None:
-    """Add the plan, the loss of a model that learned nothing (where the method has one) and, one step
-    side by side where the model can be copied (``copyable``) and no TRAIN.MEMORY_LIMIT is set, the
-    memory with and without checkpointing to the last row (each copy stepped in backward as the model
-    is, if it is); ``log`` keeps them in summary.json."""
+def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, strategy, world: int) -> None:
+    """Add the plan, the loss of a model that learned nothing (where the method has one), what the step
+    peak is counted beyond and, one step side by side where the model can be copied and no
+    TRAIN.MEMORY_LIMIT is set, the memory with and without checkpointing to the last row (each copy
+    stepped in backward as the model is, if it is); ``log`` keeps them in summary.json."""
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     last["plan"] = _plans_said(cfg, model.trunk)
+    last["peak_beyond"] = strategy.peak_beyond(cfg)
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
     # a run with TRAIN.MEMORY_LIMIT (its batch fitted to fill it) would pass it with a plain step beside a
     # copy of the model (on a CPU nothing stops that but the host running out): not run
-    side_by_side = copyable and not cfg.TRAIN.MEMORY_LIMIT
+    side_by_side = strategy.compares_with_plain and not cfg.TRAIN.MEMORY_LIMIT
     last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
     log.finish({key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")})
 

@@ -22,6 +22,7 @@ from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
 from ..distributed.fsdp import shard_trunk
 from ..in_backward import standard_optimizer
 from ..planning.memory import PeakMemory, ProfiledPeak
+from .fit_step import RankLayout
 from .run_dir import CHECKPOINT, load_sharded, save_atomically, save_sharded
 
 NAMES = ("ddp", "fsdp")  # DISTRIBUTED.STRATEGY
@@ -42,9 +43,9 @@ class Strategy:
         """Refuse, before anything runs, what this strategy cannot train (a ``ValueError``)."""
 
     @property
-    def fit_world_size(self) -> int:
-        """How many ranks share one model's memory when a batch is fitted (``trunksplit.fit``)."""
-        return 1
+    def rank_layout(self) -> RankLayout:
+        """One rank's memory as a fitted batch must count it (:class:`trunksplit.ssl.fit_step.RankLayout`)."""
+        return RankLayout()
 
     def agree(self, decision):
         """What every rank runs of what one decided alone (a plan, a fitted batch, eager units): rank 0's."""
@@ -55,9 +56,15 @@ class Strategy:
         model.trunk.agreement = self.agree
         return model
 
-    def meter(self) -> ContextManager:
+    def meter(self, wrapped: nn.Module) -> ContextManager:
         """The step's memory meter: the allocator's on CUDA, the tensor tracker on CPU."""
         return PeakMemory(self.device)
+
+    def peak_beyond(self, cfg) -> str:
+        """What the metered step peak is counted beyond: gradients are in it unless resident before the step."""
+        if cfg.OPTIM.IN_BACKWARD:
+            return "parameters (the optimizer stepped in backward: each gradient freed at its update)"
+        return "parameters and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else "parameters (gradients included)"
 
     def forward_backward(self, wrapped: nn.Module, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``step()`` (forward, loss, backward), its gradients reduced across ranks."""
@@ -97,11 +104,23 @@ class DDP(Strategy):
                 "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
             )
         # the gradients are views into DDP's buckets: one copy of them, not two (stepped in backward too,
-        # where its hook updates from them); DDP still makes new buckets once, at the second step's start
+        # where its hook updates from them)
         return DistributedDataParallel(super().wrap(cfg, model), gradient_as_bucket_view=True)
+
+    @property
+    def rank_layout(self):
+        return RankLayout(buckets="views")
 
     def accumulating(self, wrapped):
         return wrapped.no_sync()
+
+    def peak_beyond(self, cfg):
+        return "parameters and DDP's gradient buckets (the gradients are views into them)"
+
+    def meter(self, wrapped):
+        # DDP makes its buckets anew as the second step starts (in the order the first backward readied the
+        # gradients), freeing the old ones first: the gradients are views into the new ones, not the step's
+        return PeakMemory(self.device, made_again=lambda: [p.grad for p in wrapped.parameters() if p.grad is not None])
 
     def finish(self, wrapped, model):
         manual_sync_params(wrapped)
@@ -113,6 +132,16 @@ class ManualDDP(DDP):
 
     def wrap(self, cfg, model):
         return DistributedDataParallel(Strategy.wrap(self, cfg, model))
+
+    @property
+    def rank_layout(self):
+        return RankLayout(buckets="copy")  # DDP makes its buckets; the gradients are the parameters' own
+
+    def meter(self, wrapped):
+        return PeakMemory(self.device)  # the gradients are the parameters' own, made by the step
+
+    def peak_beyond(self, cfg):
+        return "parameters and DDP's buckets" + (", and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else " (gradients included)")
 
     def forward_backward(self, wrapped, step):
         with wrapped.no_sync():
@@ -144,8 +173,8 @@ class FSDP(Strategy):
             raise ValueError("OPTIM.CLIP_GRAD clips each parameter by its own norm, and under FSDP a rank holds a shard of it: set it 0")
 
     @property
-    def fit_world_size(self):
-        return self.world
+    def rank_layout(self):
+        return RankLayout(world=self.world)
 
     def wrap(self, cfg, model):
         shard_trunk(model.trunk)
@@ -165,7 +194,7 @@ class FSDP(Strategy):
         finally:
             wrapped.set_requires_gradient_sync(True)
 
-    def meter(self):
+    def meter(self, wrapped):
         # the profiler's allocation events on CPU: the tracker cannot see the weights FSDP gathers
         return ProfiledPeak() if self.device.type == "cpu" else PeakMemory(self.device)
 
@@ -186,13 +215,23 @@ class FSDP(Strategy):
 
 def strategy_for(cfg, rank: int, world: int, device: torch.device) -> Strategy:
     """The one strategy object of a run: FSDP2, vissl's manual DDP, DDP, or one process."""
+    if cfg.DISTRIBUTED.STRATEGY == "fsdp" and (world < 2 or not dist.is_initialized()):
+        raise ValueError("DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun --nproc_per_node=N (N >= 2)")
+    return _strategy_class(cfg, world)(rank, world, device)
+
+
+def rank_layout(cfg, world: int) -> RankLayout:
+    """One of ``world`` ranks of the config's strategy, as a fit counts its memory, before any process starts
+    (``trunksplit fit --config-file --world-size``)."""
+    return _strategy_class(cfg, world)(0, world, torch.device("cpu")).rank_layout
+
+
+def _strategy_class(cfg, world: int) -> type:
     if cfg.DISTRIBUTED.STRATEGY == "fsdp":
-        if world < 2 or not dist.is_initialized():
-            raise ValueError("DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun --nproc_per_node=N (N >= 2)")
-        return FSDP(rank, world, device)
+        return FSDP
     if world == 1:
-        return Strategy(rank, world, device)
-    return (ManualDDP if cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION else DDP)(rank, world, device)
+        return Strategy
+    return ManualDDP if cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION else DDP
 
 
 def check_strategy(cfg) -> None:
