@@ -21,7 +21,7 @@ from ..recompute.wrapper import is_checkpoint_wrapped
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
 from ..ssl.model import build_trunk
-from ..ssl.strategy import rank_layout
+from ..ssl.strategy import as_trained
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
 from .bench_data import run_data_benchmark
@@ -80,7 +80,7 @@ def _print_plan(plan, unsplit: int, shape) -> None:
 def _plan_config(args) -> int:
     """``plan --config-file``: the plan the launcher's trunk makes for each crop group's call, before a run."""
     try:
-        cfg = load_config(args.config_file, args.opts)
+        cfg, layout = as_trained(load_config(args.config_file, args.opts), args.world_size)
         if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
             raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file CONFIG --memory SIZE "
                              "prints that batch and each crop group's plan")
@@ -95,7 +95,7 @@ def _plan_config(args) -> int:
         for k, (size, count) in enumerate(crop_groups(cfg)):
             shape = (batch * count, 3, size, size)
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank")
-            _print_plan(*_measured_plan(trunk, torch.randn(*shape), rank_layout(cfg, args.world_size).world), shape)
+            _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world), shape)
         print("\neach peak is the trunk's own step; the whole SSL step (head, loss, teacher, every crop group) is what "
               "trunksplit fit --config-file CONFIG --memory SIZE fits")
     except ValueError as e:
@@ -192,8 +192,9 @@ def _fit_config(args) -> int:
     """``fit --config-file``: the launcher's whole step (every crop group, head, loss, teacher, optimizer
     state), as ``TRAIN.BATCH_SIZE_PER_RANK 0`` fits it; one line per phase on stderr."""
     try:
-        cfg = load_config(args.config_file, [*args.opts, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(args.memory))])
-        found = fit_step(cfg, torch.device(device_of(args.device)), step_for_fit(cfg, contextlib.nullcontext()), rank_layout(cfg, args.world_size),
+        cfg, layout = as_trained(load_config(args.config_file, [*args.opts, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(args.memory))]),
+                                 args.world_size)
+        found = fit_step(cfg, torch.device(device_of(args.device)), step_for_fit(cfg, contextlib.nullcontext()), layout,
                          lambda line: print(f"fit: {line}", file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

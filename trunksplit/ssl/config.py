@@ -80,6 +80,7 @@ _C.TRAIN.AUTOCAST = ""  # "" | bf16 | fp16
 _C.TRAIN.DEVICE = ""  # "": cuda when available, else cpu
 # allocated: optimizer.zero_grad() sets gradients to None (torch's default), so each step allocates
 # them in backward; kept: zero_grad(set_to_none=False). Memory budgets are planned for this mode.
+# Native DDP trains kept (its buckets hold the gradients anyway: ssl/strategy.py, DDP.configured).
 _C.TRAIN.GRADIENTS = "allocated"
 # DINO and SwAV with several crop resolutions: each resolution's forward, loss share and backward before
 # the next one's forward (one group's activations alive at a time; the same gradients): trunksplit/ssl/grouped.py

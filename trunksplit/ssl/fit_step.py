@@ -77,22 +77,18 @@ class RankLayout:
     ``world``: FSDP2 ranks that share the model's parameters, gradients and optimizer state (1: each
     rank holds them whole). ``buckets``: DDP's gradient buckets, a flat copy of every trained gradient
     made when DDP wraps the model and resident the whole run: ``"views"`` where the gradients are views
-    into them (``gradient_as_bucket_view``: one copy, never freed between steps, whatever zero_grad
-    does), ``"copy"`` where the gradients are tensors of their own beside them (vissl's manual path),
+    into them (``gradient_as_bucket_view``, kept between steps: DDP's ``Strategy.configured``),
+    ``"copy"`` where the gradients are tensors of their own beside them (vissl's manual path),
     ``""`` without DDP."""
 
     world: int = 1
     buckets: str = ""
 
-    def gradients(self, mode: str) -> str:
-        """The gradient mode the step's memory follows: ``"allocated"`` gradients that are views into
-        DDP's buckets are allocated before the step, as kept ones are."""
-        return "kept" if self.buckets == "views" and mode == "allocated" else mode
-
     def bucket_bytes(self, mode: str, gradient_bytes: int) -> int:
-        """Bytes of DDP's buckets resident beside what ``mode`` counts of gradients of ``gradient_bytes``:
-        none where the gradients are the buckets (unless freed at their update in backward, the buckets not)."""
-        return gradient_bytes if self.buckets == "copy" or self.buckets == "views" and mode == "in_backward" else 0
+        """Bytes of DDP's buckets resident beside the gradients that gradient mode ``mode`` counts
+        (``gradient_bytes`` in all): none where the gradients are kept views into them."""
+        views = self.buckets == "views" and mode == "kept"
+        return gradient_bytes if self.buckets and not views else 0
 
 
 def crop_groups(cfg) -> List[Tuple[int, int]]:
@@ -150,12 +146,15 @@ class _StepPrediction:
         self.cfg, self.model, self.device, self.run_step = cfg, model, device, run_step
         self.groups = crop_groups(cfg)
         self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
-        self.mode = mode = layout.gradients(gradient_mode(cfg))  # planned and checked as the strategy holds them
+        self.mode = mode = gradient_mode(cfg)
         world = layout.world
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         # the head trains (and shards) as the trunk does
         self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode, layout.bucket_bytes(mode, trained))
-        self.optimizer_peak = optimizer_step_peak(self.rank, optimizer_step_transient(model, cfg.OPTIM.NAME), trained)
+        # outside the step's own peak: the optimizer's step, and the second step's start, where DDP copies kept
+        # gradients into new buckets (a moment with both)
+        self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, cfg.OPTIM.NAME), trained),
+                                  trained if layout.buckets == "views" and mode == "kept" else 0)
         ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
         self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
                                 mode, ac.USE_REENTRANT, cfg.OPTIM.NAME, device)

@@ -26,7 +26,7 @@ from .grouped import by_crop_group, grouped_step
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard
 from .model import SSLModel, same_size_runs, student_copy, with_batch
-from .optim import apply_gradient_rule, build_optimizer, gradient_rule, set_schedules, with_scaled_lr
+from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, set_schedules, with_scaled_lr
 from .parallel import setup_distributed
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
@@ -37,7 +37,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     _check_before_start(cfg, resume)
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
-    cfg, fitted_plans = _batch_to_train(cfg, device, strategy, resume) if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0 else (cfg, [])
+    cfg, fitted_plans = _batch_to_train(strategy.configured(cfg), device, strategy, resume)
     _check_images_a_step(cfg, world)
     cfg = with_scaled_lr(cfg, world, rank)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
@@ -145,7 +145,10 @@ def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast) -> dict:
 def _batch_to_train(cfg, device, strategy, resume: bool):
     """``TRAIN.BATCH_SIZE_PER_RANK 0``: the config with the batch and trunk budget the resumed run
     trained with (its checkpoint holds its plans), or, on a new run, with those the whole-step fit
-    finds (:mod:`trunksplit.ssl.fit_step`), agreed across ranks, and the fit's trunk plans."""
+    finds (:mod:`trunksplit.ssl.fit_step`), agreed across ranks, and the fit's trunk plans. Another
+    batch: the config as it is, no plans."""
+    if cfg.TRAIN.BATCH_SIZE_PER_RANK != 0:
+        return cfg, []
     saved = saved_batch(cfg) if resume else None
     if saved is not None:
         return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:"), []
@@ -229,9 +232,7 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
         model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
     optimizer.zero_grad(set_to_none=not kept)
     if kept:
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+        keep_gradients(model)
     seconds = time.perf_counter() - setup_start
     if rank == 0 and start < cfg.TRAIN.STEPS:
         print(f"trunk plan: {_plans_said(cfg, model.trunk, peaks=True)} (set up in {seconds:.1f} s)", flush=True)

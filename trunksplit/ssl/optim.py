@@ -100,6 +100,14 @@ def gradient_mode(cfg) -> str:
     return "in_backward" if cfg.OPTIM.IN_BACKWARD else cfg.TRAIN.GRADIENTS
 
 
+def keep_gradients(model: nn.Module) -> None:
+    """``TRAIN.GRADIENTS kept``: every trained parameter's gradient allocated now (zeros: backward adds
+    into them exactly), where it is not yet."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def _without_lars(groups: Iterable[dict]) -> List[dict]:
     return [{k: v for k, v in g.items() if k != "lars"} for g in groups]
 

@@ -23,6 +23,7 @@ from ..distributed.fsdp import shard_trunk
 from ..in_backward import standard_optimizer
 from ..planning.memory import PeakMemory, ProfiledPeak
 from .fit_step import RankLayout
+from .optim import keep_gradients
 from .run_dir import CHECKPOINT, load_sharded, save_atomically, save_sharded
 
 NAMES = ("ddp", "fsdp")  # DISTRIBUTED.STRATEGY
@@ -41,6 +42,10 @@ class Strategy:
     @staticmethod
     def check(cfg) -> None:
         """Refuse, before anything runs, what this strategy cannot train (a ``ValueError``)."""
+
+    def configured(self, cfg):
+        """The config as this strategy trains it (rank 0 says what it changed)."""
+        return cfg
 
     @property
     def rank_layout(self) -> RankLayout:
@@ -103,9 +108,23 @@ class DDP(Strategy):
                 "reentrant checkpointing under native DDP with several trunk forwards per step fails "
                 "('marked ready twice'): set DISTRIBUTED.MANUAL_GRADIENT_REDUCTION True or USE_REENTRANT False"
             )
+        if cfg.TRAIN.GRADIENTS == "kept":  # made before DDP (configured), which makes them views into its buckets at once (after,
+            keep_gradients(model)  # the first step would hold them beside the buckets until its synced backward)
         # the gradients are views into DDP's buckets: one copy of them, not two (stepped in backward too,
         # where its hook updates from them)
         return DistributedDataParallel(super().wrap(cfg, model), gradient_as_bucket_view=True)
+
+    def configured(self, cfg):
+        if cfg.TRAIN.GRADIENTS != "allocated" or cfg.OPTIM.IN_BACKWARD:
+            return cfg
+        kept = cfg.clone()
+        kept.defrost()
+        kept.TRAIN.GRADIENTS = "kept"
+        kept.freeze()
+        if self.rank == 0:
+            print("TRAIN.GRADIENTS kept under DDP: the gradients are views into DDP's buckets, which hold them between steps "
+                  "anyway; freed, a step backward by crop group would make them again beside the buckets", flush=True)
+        return kept
 
     @property
     def rank_layout(self):
@@ -220,10 +239,11 @@ def strategy_for(cfg, rank: int, world: int, device: torch.device) -> Strategy:
     return _strategy_class(cfg, world)(rank, world, device)
 
 
-def rank_layout(cfg, world: int) -> RankLayout:
-    """One of ``world`` ranks of the config's strategy, as a fit counts its memory, before any process starts
-    (``trunksplit fit --config-file --world-size``)."""
-    return _strategy_class(cfg, world)(0, world, torch.device("cpu")).rank_layout
+def as_trained(cfg, world: int) -> Tuple[object, RankLayout]:
+    """The config as one of ``world`` ranks of its strategy trains it, and that rank's memory layout, before
+    any process starts (``trunksplit plan --config-file`` and ``fit --config-file`` with ``--world-size``)."""
+    strategy = _strategy_class(cfg, world)(0, world, torch.device("cpu"))
+    return strategy.configured(cfg), strategy.rank_layout
 
 
 def _strategy_class(cfg, world: int) -> type:
