@@ -99,6 +99,11 @@ def fit(
     whole parameters the rank gathers to run each unit (see :mod:`trunksplit.planning.sharding`). That is a
     prediction only: one process cannot run the sharded step to check it. ``progress(unit name)``
     is called as each unit is profiled (twice per unit: at two batches).
+
+    Sharp edge, DDP: its buckets hold a copy of every gradient from the wrap on. With
+    ``DistributedDataParallel(..., gradient_as_bucket_view=True)`` and the gradients zeroed, not
+    freed, fit with ``gradients="kept"`` (the gradients are the buckets); otherwise leave one
+    gradient copy of ``memory`` out (the launcher counts both: ``TRAIN.BATCH_SIZE_PER_RANK 0``).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
