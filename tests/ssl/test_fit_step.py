@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
@@ -14,6 +15,8 @@ from trunksplit.ssl.fit_step import crop_groups
 from trunksplit.ssl.loop import train
 
 from distributed_harness import run_processes
+
+fit_step_module = importlib.import_module("trunksplit.ssl.fit_step")  # the module: its _rest_of_step replaced on one rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -23,6 +26,7 @@ DINO = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "512", "DATA.CROP_SIZES"
 SWAV = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 4]",
         "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.LR", "0.01"]
 METHODS = {"dino": DINO, "swav": SWAV, "simclr": ["DATA.CROP_SIZES", "[32]"]}
+METHODS["simclr stepped in backward"] = [*METHODS["simclr"], "OPTIM.IN_BACKWARD", "True"]
 LIMIT = 300 * 2**20
 
 
@@ -119,7 +123,7 @@ def test_fit_overrides_without_a_config_file_are_refused(capsys):
     assert "need --config-file" in capsys.readouterr().err
 
 
-DDP_LIMITS = {"simclr": 200 * 2**20, "dino": LIMIT}
+DDP_LIMITS = {"simclr": 200 * 2**20, "simclr stepped in backward": 200 * 2**20, "dino": LIMIT}
 
 
 def _ddp_fitted_run(rank, world_size, out, method):
@@ -143,7 +147,7 @@ def _ddp_fitted_run(rank, world_size, out, method):
             json.dump([batch, resident + peak], f)
 
 
-@pytest.mark.parametrize("method", ["simclr", "dino"])
+@pytest.mark.parametrize("method", ["simclr", "dino", "simclr stepped in backward"])
 def test_a_ddp_ranks_fitted_batch_counts_ddps_gradient_buckets(tmp_path, method):
     """Under DDP every rank holds DDP's buckets from the wrap on, the gradients views into them, kept
     (freed, a step backward by crop group, DINO's, made them again beside the buckets under no_sync):
@@ -152,3 +156,24 @@ def test_a_ddp_ranks_fitted_batch_counts_ddps_gradient_buckets(tmp_path, method)
     batch, total = json.loads((tmp_path / "fitted.json").read_text())
     limit = DDP_LIMITS[method]
     assert batch >= 2 and 0.85 * limit <= total <= limit, (batch, total / limit)
+
+
+def _ranks_measuring_apart(rank, world_size, out):
+    """Two DDP ranks fit the batch; rank 1 measures the rest of the step 4 MiB higher (as two GPUs'
+    allocators may), so its fit checks other batches than rank 0's."""
+    if rank == 1:
+        measured = fit_step_module._rest_of_step
+        fit_step_module._rest_of_step = lambda *args: (lambda rest: lambda images: rest(images) + 4 * 2**20)(measured(*args))
+    overrides = ["OUTPUT_DIR", out, *SMALL, *METHODS["simclr"], "TRAIN.STEPS", "2", "TRAIN.BATCH_SIZE_PER_RANK", "0",
+                 "TRAIN.MEMORY_LIMIT", str(float(200 * 2**20))]
+    model, _ = train(load_config(QUICK, overrides))
+    torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_ranks_whose_fits_measure_apart_train_rank_0s_batch_together(tmp_path):
+    """Each rank fits alone (its checking steps gather no other rank's embeddings), then takes rank 0's
+    answer: before, the checks' all_gathers met other batches and the run failed ("Connection reset")."""
+    run_processes(_ranks_measuring_apart, 2, (str(tmp_path),), timeout=180)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    assert load_config(str(tmp_path / "config.yaml")).TRAIN.BATCH_SIZE_PER_RANK >= 2

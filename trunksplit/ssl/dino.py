@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .losses import dino_loss
+from .losses import dino_loss, step_ranks
 from .model import SSLModel, build_model, student_copy
 
 
@@ -65,9 +65,10 @@ def update_center(center: torch.Tensor, teacher_out, momentum: float) -> None:
     """``center <- momentum * center + (1 - momentum) * mean of the teacher's outputs`` over every crop of every rank."""
     total = torch.cat(teacher_out).float().sum(dim=0, keepdim=True)
     count = sum(t.shape[0] for t in teacher_out)
-    if dist.is_available() and dist.is_initialized():
+    _, world, live = step_ranks()
+    if live:  # alone_as_one_of: this rank's mean
         dist.all_reduce(total)
-        count *= dist.get_world_size()
+        count *= world
     center.mul_(momentum).add_(total / count, alpha=1 - momentum)
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..fit import NAMED_OPTIMIZERS, check_host_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
-from ..in_backward import optimizer_in_backward
+from ..in_backward import optimizer_in_backward, updates_of_this_rank_alone
 from ..planning.budget import format_bytes
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan, policy_counts
@@ -41,6 +41,7 @@ from ..planning.sharding import gib, rank_memory, shard_bytes
 from ..trunk import plan_key
 from .dino import build_ssl_model
 from .grouped import by_crop_group
+from .losses import alone_as_one_of
 from .model import SSLModel
 from .optim import gradient_mode
 
@@ -75,13 +76,15 @@ class RankLayout:
     """One rank's memory as the run's strategy lays it out (``Strategy.rank_layout``), what a fit must know.
 
     ``world``: FSDP2 ranks that share the model's parameters, gradients and optimizer state (1: each
-    rank holds them whole). ``buckets``: DDP's gradient buckets, a flat copy of every trained gradient
+    rank holds them whole). ``ranks``: every rank of the run, whose embeddings a loss gathers (SimCLR's,
+    SwAV's): one rank's step is measured alone as one of them (:func:`alone_as_one_of`). ``buckets``: DDP's gradient buckets, a flat copy of every trained gradient
     made when DDP wraps the model and resident the whole run: ``"views"`` where the gradients are views
     into them (``gradient_as_bucket_view``, kept between steps: DDP's ``Strategy.configured``),
     ``"copy"`` where the gradients are tensors of their own beside them (vissl's manual path),
     ``""`` without DDP."""
 
     world: int = 1
+    ranks: int = 1
     buckets: str = ""
 
     def bucket_bytes(self, mode: str, gradient_bytes: int) -> int:
@@ -143,7 +146,7 @@ class _StepPrediction:
     the step (measured with a stand-in trunk) and the trunk at each crop group (scaled profiles)."""
 
     def __init__(self, cfg, model: SSLModel, device, layout: RankLayout, run_step: RunStep, say: Callable[[str], None]):
-        self.cfg, self.model, self.device, self.run_step = cfg, model, device, run_step
+        self.cfg, self.model, self.device, self.run_step, self.ranks = cfg, model, device, run_step, layout.ranks
         self.groups = crop_groups(cfg)
         self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
         self.mode = mode = gradient_mode(cfg)
@@ -164,7 +167,7 @@ class _StepPrediction:
             self.chains[size] = ScaledChain(self.make(), (3, size, size), device, world)
         self.trunk_grads = sum(shard_bytes(p, world) for p in model.trunk.parameters() if p.requires_grad) if mode == "allocated" else 0
         say("measuring the head, the loss and the teacher with a stand-in trunk, two small batches")
-        self.rest = _rest_of_step(model, run_step, self.groups, device, mode == "kept")
+        self.rest = _rest_of_step(model, run_step, self.groups, device, mode == "kept", layout.ranks)
 
     def trunk_peak(self, images: int, budget: Optional[int]) -> int:
         """Grouped: each group's trunk alone, a later one finding the gradients the first one made.
@@ -203,7 +206,7 @@ class _StepPrediction:
         trunk = self.make(memory_budget=budget)
         for key, plan in self.plans(images, budget).items():
             trunk.store_plan(key, plan)
-        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, self.cfg.OPTIM.NAME)
+        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, self.cfg.OPTIM.NAME, self.ranks)
         return self.rank.resident + max(peak, self.optimizer_peak)
 
 
@@ -257,7 +260,7 @@ def _crops(groups, images: int, device) -> List[torch.Tensor]:
     return [torch.randn(images, 3, s, s, generator=g).to(device) for s, n in groups for _ in range(n)]
 
 
-def _rest_of_step(model: SSLModel, run_step: RunStep, groups, device, kept: bool) -> Callable[[int], int]:
+def _rest_of_step(model: SSLModel, run_step: RunStep, groups, device, kept: bool, ranks: int) -> Callable[[int], int]:
     """Bytes of the step's peak outside the trunk, as a line in the images per rank: the step measured
     with stand-in trunks at two batches (the crops counted too)."""
     dim = next(m for m in model.head.modules() if isinstance(m, nn.Linear)).in_features
@@ -266,7 +269,7 @@ def _rest_of_step(model: SSLModel, run_step: RunStep, groups, device, kept: bool
     if teacher is not None:
         teacher_trunk, teacher.trunk = teacher.trunk, _StandInTrunk(dim).to(device).requires_grad_(False)
     try:
-        figures = [_peak_of(model, run_step, _crops(groups, b, device), kept) for b in (2, 4)]
+        figures = [_peak_of(model, run_step, _crops(groups, b, device), kept, ranks) for b in (2, 4)]
     finally:
         model.trunk = trunk
         if teacher is not None:
@@ -275,18 +278,20 @@ def _rest_of_step(model: SSLModel, run_step: RunStep, groups, device, kept: bool
     return lambda images: math.ceil(figures[0] + slope * (images - 2))
 
 
-def _peak_of(model: SSLModel, run_step: RunStep, crops, kept: bool) -> int:
-    """The step's peak beyond what was live before it, with the crops; the model's gradients left as the loop leaves them."""
+def _peak_of(model: SSLModel, run_step: RunStep, crops, kept: bool, ranks: int) -> int:
+    """The step's peak beyond what was live before it, with the crops, as one of ``ranks`` ranks alone (no
+    collective: ranks that measured apart would not meet); the model's gradients left as the loop leaves them."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if kept and p.requires_grad else None
-    with torch.random.fork_rng(devices=[crops[0].device] if crops[0].device.type == "cuda" else []), PeakMemory(crops[0].device) as mem:
+    with torch.random.fork_rng(devices=[crops[0].device] if crops[0].device.type == "cuda" else []), alone_as_one_of(ranks), \
+            PeakMemory(crops[0].device) as mem:
         run_step(model, crops)
     for p in model.parameters():
         p.grad = None
     return mem.peak_bytes + sum(c.numel() * c.element_size() for c in crops)
 
 
-def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, optimizer: str) -> int:
+def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, optimizer: str, ranks: int) -> int:
     """The peak of one real step of ``model`` with ``trunk`` in place of its own (stepped in backward where ``mode`` says)."""
     saved, model.trunk = model.trunk, trunk
     stepping = None
@@ -294,7 +299,8 @@ def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, 
         optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
         stepping = optimizer_in_backward([p for p in model.parameters() if p.requires_grad], optimizer_class, **kwargs)
     try:
-        return _peak_of(model, run_step, crops, mode == "kept")
+        with updates_of_this_rank_alone():  # a private model, in one process: no rank reduces its gradients
+            return _peak_of(model, run_step, crops, mode == "kept", ranks)
     finally:
         model.trunk = saved
         if stepping is not None:

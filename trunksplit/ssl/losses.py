@@ -1,4 +1,5 @@
 """SimCLR's NT-Xent, SwAV's swapped prediction (both across ranks) and DINO's distillation loss."""
+import contextlib
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -7,25 +8,63 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+_ALONE: List[int] = []  # world sizes of the open alone_as_one_of() contexts: process-wide, as CUDA runs backward on its own threads
+
+
+@contextlib.contextmanager
+def alone_as_one_of(world: int):
+    """Steps run in this context issue no collective: this process plays the first of ``world`` ranks
+    alone. A gather returns its own tensor ``world`` times (the real step's shapes and bytes), a
+    reduction leaves its tensor as it is: the values are not the real step's, its memory is. For
+    measuring one rank's step in one process (``TRAIN.BATCH_SIZE_PER_RANK 0``), where ranks whose
+    measurements differed would otherwise run different collectives, and hang."""
+    _ALONE.append(world)
+    try:
+        yield
+    finally:
+        _ALONE.pop()
+
+
+def step_ranks() -> Tuple[int, int, bool]:
+    """(this rank, the world size, whether collectives run) for the losses' gathers and reductions."""
+    if _ALONE:
+        return 0, _ALONE[-1], False
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def all_reduce_(t: torch.Tensor) -> None:
+    """``t`` summed over the ranks, in place (as it is alone)."""
+    if step_ranks()[2]:
+        dist.all_reduce(t)
+
+
 class _Gather(torch.autograd.Function):
     """all_gather whose backward sends each rank the gradient of its own part, summed over ranks."""
 
     @staticmethod
     def forward(ctx, x):
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
+        _, world, live = step_ranks()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        if live:
+            dist.all_gather(parts, x.contiguous())
+        else:  # alone_as_one_of: its own tensor in every part
+            for part in parts:
+                part.copy_(x)
         return tuple(parts)
 
     @staticmethod
     def backward(ctx, *grads):
+        rank, _, _ = step_ranks()
         grad = torch.stack(grads)
-        dist.all_reduce(grad)
-        return grad[dist.get_rank()]
+        all_reduce_(grad)
+        return grad[rank]
 
 
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """All ranks' ``x``, concatenated; gradients flow back to every rank's own part."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if step_ranks()[1] == 1:
         return x
     return torch.cat(_Gather.apply(x), dim=0)
 
@@ -41,7 +80,7 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Ten
     """SimCLR's loss: each view must pick its partner among all views of all ranks."""
     z1, z2 = F.normalize(z1.float(), dim=1), F.normalize(z2.float(), dim=1)
     b = z1.shape[0]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = step_ranks()[0]
     everyone = torch.cat([gather_with_grad(z1), gather_with_grad(z2)], dim=0)  # [2 * world * b, d]
     n = everyone.shape[0] // 2
     mine = torch.cat([z1, z2], dim=0)
@@ -56,23 +95,18 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Ten
 def sinkhorn(scores: torch.Tensor, iterations: int, epsilon: float) -> torch.Tensor:
     """SwAV's equal-partition soft assignment of a (global) batch to prototypes."""
     q = torch.exp((scores.float() - scores.float().max()) / epsilon).t()  # [K, B]
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = step_ranks()[1]
     total_b = q.shape[1] * world
     k = q.shape[0]
     total = q.sum().reshape(1)
-    _all_reduce(total)
+    all_reduce_(total)
     q /= total
     for _ in range(iterations):
         rows = q.sum(dim=1, keepdim=True)
-        _all_reduce(rows)
+        all_reduce_(rows)
         q /= rows * k
         q /= q.sum(dim=0, keepdim=True) * total_b
     return (q * total_b).t()
-
-
-def _all_reduce(t: torch.Tensor) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
 
 
 def swav_loss(scores: List[torch.Tensor], num_large: int, temperature: float, iterations: int, epsilon: float) -> torch.Tensor:

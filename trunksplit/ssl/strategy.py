@@ -128,7 +128,7 @@ class DDP(Strategy):
 
     @property
     def rank_layout(self):
-        return RankLayout(buckets="views")
+        return RankLayout(ranks=self.world, buckets="views")
 
     def accumulating(self, wrapped):
         return wrapped.no_sync()
@@ -154,7 +154,7 @@ class ManualDDP(DDP):
 
     @property
     def rank_layout(self):
-        return RankLayout(buckets="copy")  # DDP makes its buckets; the gradients are the parameters' own
+        return RankLayout(ranks=self.world, buckets="copy")  # DDP makes its buckets; the gradients are the parameters' own
 
     def meter(self, wrapped):
         return PeakMemory(self.device)  # the gradients are the parameters' own, made by the step
@@ -193,7 +193,7 @@ class FSDP(Strategy):
 
     @property
     def rank_layout(self):
-        return RankLayout(world=self.world)
+        return RankLayout(world=self.world, ranks=self.world)
 
     def wrap(self, cfg, model):
         shard_trunk(model.trunk)
