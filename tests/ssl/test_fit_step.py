@@ -27,6 +27,7 @@ SWAV = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_SIZES",
         "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.LR", "0.01"]
 METHODS = {"dino": DINO, "swav": SWAV, "simclr": ["DATA.CROP_SIZES", "[32]"]}
 METHODS["simclr stepped in backward"] = [*METHODS["simclr"], "OPTIM.IN_BACKWARD", "True"]
+METHODS["simclr, vissl's manual DDP"] = [*METHODS["simclr"], "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"]
 LIMIT = 300 * 2**20
 
 
@@ -123,7 +124,7 @@ def test_fit_overrides_without_a_config_file_are_refused(capsys):
     assert "need --config-file" in capsys.readouterr().err
 
 
-DDP_LIMITS = {"simclr": 200 * 2**20, "simclr stepped in backward": 200 * 2**20, "dino": LIMIT}
+DDP_LIMITS = {"simclr": 200 * 2**20, "simclr stepped in backward": 200 * 2**20, "simclr, vissl's manual DDP": 260 * 2**20, "dino": LIMIT}
 
 
 def _ddp_fitted_run(rank, world_size, out, method):
@@ -147,11 +148,14 @@ def _ddp_fitted_run(rank, world_size, out, method):
             json.dump([batch, resident + peak], f)
 
 
-@pytest.mark.parametrize("method", ["simclr", "dino", "simclr stepped in backward"])
+@pytest.mark.parametrize("method", ["simclr", "dino", *(pytest.param(m, marks=pytest.mark.slow) for m in ("simclr stepped in backward", "simclr, vissl's manual DDP"))])
 def test_a_ddp_ranks_fitted_batch_counts_ddps_gradient_buckets(tmp_path, method):
     """Under DDP every rank holds DDP's buckets from the wrap on, the gradients views into them, kept
     (freed, a step backward by crop group, DINO's, made them again beside the buckets under no_sync):
-    the fitted step lands in 0.85-1.00 of the limit (before, SimCLR's measured 1.06x, DINO's 1.12x)."""
+    the fitted step lands in 0.85-1.00 of the limit (before, SimCLR's measured 1.06x, DINO's 1.12x).
+    Slow: stepped in backward (the buckets beside gradients freed at their update; its checking step
+    failed: 'updated from this rank's own gradient') and vissl's manual path (the gradients its own, all
+    flattened at once by its all-reduce)."""
     run_processes(_ddp_fitted_run, 2, (str(tmp_path), method))
     batch, total = json.loads((tmp_path / "fitted.json").read_text())
     limit = DDP_LIMITS[method]

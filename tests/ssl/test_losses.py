@@ -12,12 +12,17 @@ from trunksplit.ssl.losses import alone_as_one_of, nt_xent, swav_loss
 from distributed_harness import run_processes
 
 
+# bytes: every tensor these steps hand a collective (SimCLR's: two gathers of 2 x 64 x 4 floats, their two
+# stacked gradients as many), all of which gloo's thread may hold a moment longer
+GLOO_HOLDS = 8192
+
+
 def _losses(rank, world_size):
     """Each loss's forward and backward: its peak bytes among the ranks and alone as one of them."""
     g = torch.Generator().manual_seed(rank)
 
     def simclr():
-        z1, z2 = (torch.randn(8, 32, generator=g).requires_grad_() for _ in range(2))
+        z1, z2 = (torch.randn(64, 4, generator=g).requires_grad_() for _ in range(2))  # the logits, 128 x 128 per rank, outweigh the gathers
         nt_xent(z1, z2, 0.1).backward()
 
     def swav():
@@ -33,7 +38,9 @@ def _losses(rank, world_size):
             with alone_as_one_of(world_size) if alone else contextlib.nullcontext(), PeakMemory("cpu") as mem:
                 step()
             peaks[alone] = mem.peak_bytes
-        assert peaks[True] == peaks[False] > 0, (step.__name__, peaks)
+        # among the ranks, gloo's thread may hold a collective's tensor a moment longer (SwAV's 64-byte row
+        # sums, SimCLR's gathered parts were seen so): the real step reads that much more, at random
+        assert 0 < peaks[True] <= peaks[False] <= peaks[True] + GLOO_HOLDS, (step.__name__, peaks)
     if rank == 0:  # a step the other rank never runs: alone, it waits on no one (a collective would hang here)
         with alone_as_one_of(world_size):
             simclr()

@@ -93,6 +93,17 @@ class RankLayout:
         views = self.buckets == "views" and mode == "kept"
         return gradient_bytes if self.buckets and not views else 0
 
+    def between_steps_bytes(self, mode: str, gradient_bytes: int) -> int:
+        """Bytes beyond what is resident at a moment outside the step's own peak, no activation alive:
+        DDP copying kept gradients into the buckets it makes anew as the second step starts (old and new
+        alive), or vissl's manual all-reduce, every gradient flattened into its buckets at once beside
+        the gradients (:func:`trunksplit.manual_gradient_all_reduce`)."""
+        if self.buckets == "views":
+            return gradient_bytes if mode == "kept" else 0
+        if self.buckets == "copy":
+            return gradient_bytes + (gradient_bytes if mode == "allocated" else 0)
+        return 0
+
 
 def crop_groups(cfg) -> List[Tuple[int, int]]:
     """(crop size, crops per image) of each trunk call of a step, in step order."""
@@ -154,10 +165,9 @@ class _StepPrediction:
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         # the head trains (and shards) as the trunk does
         self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode, layout.bucket_bytes(mode, trained))
-        # outside the step's own peak: the optimizer's step, and the second step's start, where DDP copies kept
-        # gradients into new buckets (a moment with both)
+        # outside the step's own peak: the optimizer's step, and DDP's moments between steps
         self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, cfg.OPTIM.NAME), trained),
-                                  trained if layout.buckets == "views" and mode == "kept" else 0)
+                                  layout.between_steps_bytes(mode, trained))
         ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
         self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
                                 mode, ac.USE_REENTRANT, cfg.OPTIM.NAME, device)

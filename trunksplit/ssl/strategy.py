@@ -152,6 +152,9 @@ class ManualDDP(DDP):
     def wrap(self, cfg, model):
         return DistributedDataParallel(Strategy.wrap(self, cfg, model))
 
+    def configured(self, cfg):
+        return cfg  # the gradients are the parameters' own, not DDP's buckets: freed, they cost nothing in forward
+
     @property
     def rank_layout(self):
         return RankLayout(ranks=self.world, buckets="copy")  # DDP makes its buckets; the gradients are the parameters' own
