@@ -7,8 +7,7 @@ resolution: every group's activations alive at once in a whole-step backward, on
 time backward by crop group (:mod:`trunksplit.ssl.grouped`). So the fit adds three parts:
 
 - resident, exact: every parameter and buffer (a DINO teacher's too), and the gradients and
-  optimizer state of what trains (one rank's shards under FSDP2; under DDP the gradients live in
-  its buckets from the wrap on, whatever zero_grad does: :class:`RankLayout`);
+  optimizer state of what trains (one rank's shards under FSDP2; DDP's buckets: :class:`RankLayout`);
 - the trunk at each resolution, profiled once at two small batches
   (:class:`trunksplit.planning.scaled.ScaledChain`): its planned peak at any batch and budget;
 - the rest of the step, measured: the launcher's own step at two small batches with a stand-in
@@ -77,11 +76,11 @@ class RankLayout:
 
     ``world``: FSDP2 ranks that share the model's parameters, gradients and optimizer state (1: each
     rank holds them whole). ``ranks``: every rank of the run, whose embeddings a loss gathers (SimCLR's,
-    SwAV's): one rank's step is measured alone as one of them (:func:`alone_as_one_of`). ``buckets``: DDP's gradient buckets, a flat copy of every trained gradient
-    made when DDP wraps the model and resident the whole run: ``"views"`` where the gradients are views
-    into them (``gradient_as_bucket_view``, kept between steps: DDP's ``Strategy.configured``),
-    ``"copy"`` where the gradients are tensors of their own beside them (vissl's manual path),
-    ``""`` without DDP."""
+    SwAV's): one rank's step is measured alone as one of them (:func:`alone_as_one_of`). ``buckets``:
+    DDP's gradient buckets, a flat copy of every trained gradient made when DDP wraps the model and
+    resident the whole run: ``"views"`` where the gradients are views into them
+    (``gradient_as_bucket_view``, kept between steps: DDP's ``Strategy.configured``), ``"copy"`` where
+    the gradients are tensors of their own beside them (vissl's manual path), ``""`` without DDP."""
 
     world: int = 1
     ranks: int = 1
