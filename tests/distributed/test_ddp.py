@@ -269,3 +269,55 @@ def test_a_compiled_trunk_trains_under_ddp_as_the_eager_one(tmp_path):
         assert torch.linalg.vector_norm(grads[True][n] - ref) <= 1e-4 * torch.linalg.vector_norm(ref) + 1e-7, n
     for n, ref in grads["False buffers"].items():
         assert torch.allclose(grads["True buffers"][n].float(), ref.float(), rtol=1e-4, atol=1e-6), n
+
+
+FIT_SHAPE = (3, 96, 96)
+FIT_MEMORY = 120 * 2**20
+
+
+def _fitted_ddp_total(rank, world_size, out, gradients):
+    """``trunksplit.fit`` as its docstring tells a DDP user, then three steps of the DDP trunk: rank 0 writes
+    everything resident during the last (the model, SGD's momentum, DDP's buckets, the gradients) plus its
+    measured peak. Kept, ``gradient_as_bucket_view``: the gradients are the buckets, fitted to the whole
+    memory; freed, DDP's defaults: fitted to the memory less one gradient copy (the buckets beside them)."""
+    import json
+    import torchvision
+
+    from trunksplit import PeakMemory, fit
+
+    torch.manual_seed(0)
+    model = torchvision.models.mobilenet_v2(width_mult=0.5)
+    trained = [p for p in CheckpointedTrunk(model).parameters() if p.requires_grad]  # what fit's trunk trains: not the classifier
+    gradient_bytes = sum(p.numel() * p.element_size() for p in trained)
+    memory = FIT_MEMORY if gradients == "kept" else FIT_MEMORY - gradient_bytes
+    found = fit(model, FIT_SHAPE, memory, optimizer="sgd", gradients=gradients)
+    trunk = found.trunk.train()
+    params = [p for p in trunk.parameters() if p.requires_grad]
+    if gradients == "kept":  # zeros before DDP, which makes them views into its buckets at once
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    ddp = DDP(trunk, gradient_as_bucket_view=gradients == "kept")  # freed: DDP's default, the gradients beside its buckets
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    x = torch.randn(found.batch_size, *FIT_SHAPE)
+    for _ in range(3):  # DDP makes its buckets anew at the second step
+        with PeakMemory() as mem:
+            sum(f.sum() for f in ddp(x)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=gradients != "kept")
+    storages = {}
+    tensors = [*model.parameters(), *model.buffers(), *(t for s in optimizer.state.values() for t in s.values())]
+    for t in [*tensors, *(p.grad for p in params if p.grad is not None)]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    buckets = 0 if gradients == "kept" else gradient_bytes  # beside freed gradients, the buckets are no tensor left to count
+    if rank == 0:
+        with open(f"{out}/total.json", "w") as f:
+            json.dump(sum(storages.values()) + buckets + mem.peak_bytes, f)
+
+
+@pytest.mark.parametrize("gradients", ["kept", "allocated"])
+def test_fit_as_its_docstring_tells_a_ddp_user_fits_the_ddp_step(tmp_path, gradients):
+    import json
+
+    run_processes(_fitted_ddp_total, 2, (str(tmp_path), gradients))
+    total = json.loads((tmp_path / "total.json").read_text())
+    assert 0.85 * FIT_MEMORY <= total <= FIT_MEMORY, total / FIT_MEMORY
