@@ -31,16 +31,22 @@ METHODS["simclr, vissl's manual DDP"] = [*METHODS["simclr"], "DISTRIBUTED.MANUAL
 LIMIT = 300 * 2**20
 
 
+def _resident(model, optimizer: str) -> int:
+    """Bytes resident between steps, counted by hand: the model's tensors and the optimizer's state
+    (SGD's momentum, AdamW's two moments and step counters) of what trains."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    slots = {"adamw": 2, "sgd": 1, "lars": 1}[optimizer]
+    return (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+            + slots * sum(p.numel() * p.element_size() for p in trainable) + (4 * len(trainable) if slots == 2 else 0))
+
+
 def _fitted_run(out, method, grouped=True):
     """Train one step with the fitted batch; (batch, everything resident during that step as the run
     measured it, the trunk budget the run saved)."""
     overrides = ["OUTPUT_DIR", str(out / f"{method}-{grouped}"), *SMALL, *METHODS[method], "TRAIN.BACKWARD_BY_CROP_GROUP", str(grouped),
                  "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(LIMIT))]
     model, last = train(load_config(QUICK, overrides))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    slots = {"adamw": 2, "sgd": 1, "lars": 1}[load_config(QUICK, overrides).OPTIM.NAME]
-    resident = (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-                + slots * sum(p.numel() * p.element_size() for p in trainable) + (4 * len(trainable) if slots == 2 else 0))
+    resident = _resident(model, load_config(QUICK, overrides).OPTIM.NAME)
     saved = load_config(str(out / f"{method}-{grouped}" / "config.yaml"))
     return saved.TRAIN.BATCH_SIZE_PER_RANK, resident + last["peak_memory_bytes"], saved.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET
 
@@ -136,13 +142,9 @@ def _ddp_fitted_run(rank, world_size, out, method):
     if rank == 0:
         with open(os.path.join(out, "metrics.jsonl")) as f:
             peak = max(json.loads(line)["peak_memory_bytes"] for line in f)  # every step's: the second makes DDP's buckets anew
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        trained = sum(p.numel() * p.element_size() for p in trainable)
-        whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        slots = {"adamw": 2, "sgd": 1}[load_config(QUICK, overrides).OPTIM.NAME]
-        # the optimizer's state (AdamW's step counters too), and DDP's buckets: a flat copy of every trained
-        # parameter's gradient, made when DDP wraps the model
-        resident = whole + slots * trained + (4 * len(trainable) if slots == 2 else 0) + trained
+        # and DDP's buckets: a flat copy of every trained parameter's gradient, made when DDP wraps the model
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        resident = _resident(model, load_config(QUICK, overrides).OPTIM.NAME) + buckets
         batch = load_config(os.path.join(out, "config.yaml")).TRAIN.BATCH_SIZE_PER_RANK
         with open(os.path.join(out, "fitted.json"), "w") as f:
             json.dump([batch, resident + peak], f)
