@@ -38,10 +38,11 @@ def setup_distributed(cfg):
 
 def keep_freed_host_memory() -> bool:
     """Tell glibc's malloc to keep the blocks a step frees for the next step, as CUDA's caching allocator
-    does, where by default it hands each block above its mmap threshold back to the system and the next
-    step page-faults it in again: on this project's CPU the plain ResNet-50 step ran 12-20% faster, and
-    the ``"time"`` objective's prices held (docs/benchmarks.md). Blocks above 32 MiB (glibc's ceiling) are
-    still returned. Linux's glibc only; where the user set any ``MALLOC_*`` variable, theirs win. True if set."""
+    does, where by default it hands blocks above its mmap threshold (128 KiB, raised as blocks are freed, so
+    how many varies run to run) back to the system and the next step page-faults them in again: the step
+    runs faster and the ``"time"`` objective's prices hold (measured: docs/benchmarks.md). Blocks above
+    32 MiB (glibc's ceiling) are still returned. Linux's glibc only; where the user set any ``MALLOC_*``
+    variable, theirs win. True if set."""
     if any(k.startswith("MALLOC_") for k in os.environ) or not sys.platform.startswith("linux"):
         return False
     try:  # glibc's mallopt, by ctypes: torch has no say over the host's allocator
