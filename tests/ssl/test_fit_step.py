@@ -2,6 +2,7 @@
 a DINO teacher, gradients and optimizer state), and ``trunksplit fit --config-file`` answers the same.
 The reference is the training run's own meter: resident bytes counted from the model and the logged
 step peak."""
+import contextlib
 import importlib
 import json
 import os
@@ -12,7 +13,7 @@ import torch
 from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.fit_step import crop_groups
-from trunksplit.ssl.loop import train
+from trunksplit.ssl.loop import step_for_fit, train
 
 from distributed_harness import run_processes
 
@@ -98,6 +99,23 @@ def test_a_limit_larger_than_the_host_can_give_on_cpu_is_refused_before_anything
     with pytest.raises(ValueError, match=r"TRAIN.MEMORY_LIMIT 300.0 MiB .* is more than this machine has available .*set TRAIN.BATCH_SIZE_PER_RANK yourself"):
         train(cfg)
     assert not out.exists()
+
+
+def test_cpu_ranks_on_one_host_are_refused_a_limit_they_cannot_all_fill_at_once(monkeypatch):
+    """torchrun's CPU ranks on one host each fit and train a step of TRAIN.MEMORY_LIMIT at the same time:
+    the host must give the limit once per rank (torchrun's ``LOCAL_WORLD_SIZE``), where each rank's
+    own check passes alone; a GPU rank's step fills its own GPU."""
+    fit_module = importlib.import_module("trunksplit.fit")
+    strategy = importlib.import_module("trunksplit.ssl.strategy")
+    monkeypatch.setattr(fit_module, "host_bytes_available", lambda: 500 * 2**20)  # room for one rank's 300 MiB, not two
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cpu = torch.device("cpu")
+    cfg = load_config(QUICK, [*SMALL, *DINO, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(LIMIT))])
+    assert strategy.DDP(0, 2, torch.device("cuda", 0)).rank_layout.host_ranks == 1
+    for ranks in (strategy.DDP(0, 2, cpu), strategy.ManualDDP(0, 2, cpu), strategy.FSDP(0, 2, cpu)):
+        with pytest.raises(ValueError, match=r"TRAIN.MEMORY_LIMIT for each of this host's 2 ranks, in all 600.0 MiB .* is more than this "
+                                             r"machine has available \(500.0 MiB .*set TRAIN.BATCH_SIZE_PER_RANK yourself"):
+            fit_step_module.fitted_batch(cfg, cpu, step_for_fit(cfg, contextlib.nullcontext()), layout=ranks.rank_layout)
 
 
 def test_crop_groups_are_the_trunk_calls_of_a_step():

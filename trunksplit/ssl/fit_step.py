@@ -80,11 +80,14 @@ class RankLayout:
     DDP's gradient buckets, a flat copy of every trained gradient made when DDP wraps the model and
     resident the whole run: ``"views"`` where the gradients are views into them
     (``gradient_as_bucket_view``, kept between steps: DDP's ``Strategy.configured``), ``"copy"`` where
-    the gradients are tensors of their own beside them (vissl's manual path), ``""`` without DDP."""
+    the gradients are tensors of their own beside them (vissl's manual path), ``""`` without DDP.
+    ``host_ranks``: ranks whose steps fill this host's memory at once (on a CPU, torchrun's
+    ``LOCAL_WORLD_SIZE``; a GPU rank's step fills its own GPU: 1)."""
 
     world: int = 1
     ranks: int = 1
     buckets: str = ""
+    host_ranks: int = 1
 
     def bucket_bytes(self, mode: str, gradient_bytes: int) -> int:
         """Bytes of DDP's buckets resident beside the gradients that gradient mode ``mode`` counts
@@ -134,8 +137,9 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
     image is a ``ValueError`` naming the smallest that fits."""
     say = progress or (lambda line: None)
     memory, world = int(cfg.TRAIN.MEMORY_LIMIT), layout.world
-    if world == 1:  # its batch is checked by real steps, and trained at that size
-        check_host_room(memory, device, "TRAIN.MEMORY_LIMIT", "set TRAIN.BATCH_SIZE_PER_RANK yourself")
+    # checked by real steps (one rank's FSDP2 step cannot be) and trained at that size: on every rank of this host at once
+    host = "TRAIN.MEMORY_LIMIT" if layout.host_ranks == 1 else f"TRAIN.MEMORY_LIMIT for each of this host's {layout.host_ranks} ranks, in all"
+    check_host_room(memory * layout.host_ranks, device, host, "set TRAIN.BATCH_SIZE_PER_RANK yourself")
     torch.manual_seed(cfg.SEED)
     step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, layout, run_step, say)
     if step.total(1) > memory:

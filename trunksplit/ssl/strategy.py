@@ -52,6 +52,11 @@ class Strategy:
         """One rank's memory as a fitted batch must count it (:class:`trunksplit.ssl.fit_step.RankLayout`)."""
         return RankLayout()
 
+    @property
+    def host_ranks(self) -> int:
+        """Ranks whose steps fill this host's memory at once: on a CPU every rank torchrun started here."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1
+
     def agree(self, decision):
         """What every rank runs of what one decided alone (a plan, a fitted batch, eager units): rank 0's."""
         return rank0_decides(decision) if self.world > 1 else decision
@@ -128,7 +133,7 @@ class DDP(Strategy):
 
     @property
     def rank_layout(self):
-        return RankLayout(ranks=self.world, buckets="views")
+        return RankLayout(ranks=self.world, buckets="views", host_ranks=self.host_ranks)
 
     def accumulating(self, wrapped):
         return wrapped.no_sync()
@@ -157,7 +162,7 @@ class ManualDDP(DDP):
 
     @property
     def rank_layout(self):
-        return RankLayout(ranks=self.world, buckets="copy")  # DDP makes its buckets; the gradients are the parameters' own
+        return RankLayout(ranks=self.world, buckets="copy", host_ranks=self.host_ranks)  # DDP makes its buckets; the gradients are the parameters' own
 
     def meter(self, wrapped):
         return PeakMemory(self.device)  # the gradients are the parameters' own, made by the step
@@ -196,7 +201,7 @@ class FSDP(Strategy):
 
     @property
     def rank_layout(self):
-        return RankLayout(world=self.world, ranks=self.world)
+        return RankLayout(world=self.world, ranks=self.world, host_ranks=self.host_ranks)
 
     def wrap(self, cfg, model):
         shard_trunk(model.trunk)
