@@ -112,6 +112,10 @@ def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_
     kept = [json.loads(line) for line in (tmp_path / "knn" / "knn.jsonl").read_text().splitlines()]
     assert [(r["step"], r["untrained"], r["knn_top1"]) for r in kept] == [(3, False, last["knn_top1"]), (0, True, rows[0]["knn_top1"])]
     assert kept[0]["val"] == os.path.abspath(folders["random_val"])
+    # the run trained without the monitor, evaluated afterwards: its report has a kNN panel for that point alone
+    assert main(["knn", str(tmp_path / "plain"), "--train", folders["random_train"], "--val", folders["random_val"]]) == 0
+    knn_ax = next(ax for ax in report_figure([read_run(str(tmp_path / "plain"))]).axes if ax.get_ylabel() == "kNN top-1")
+    assert [tuple(p) for c in knn_ax.collections for p in c.get_offsets()] == [(3, last["knn_top1"])]  # the same weights as the monitored run's
 
 
 def _two_ranks(rank, world_size, out, folders):

@@ -84,7 +84,7 @@ def report_figure(runs: List[Run]):
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    panels = [p for p in PANELS if any(p[0] in r for run in runs for r in run.steps + run.knn)]
+    panels = [p for p in PANELS if any(p[0] in r for run in runs for r in run.steps + run.knn + run.offline)]  # a kNN read afterwards too
     fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 2.1 * len(panels)), sharex=True, squeeze=False)
     for i, run in enumerate(runs):
         colour = f"C{i}"
