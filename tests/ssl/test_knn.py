@@ -116,6 +116,7 @@ def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_
     assert main(["knn", str(tmp_path / "plain"), "--train", folders["random_train"], "--val", folders["random_val"]]) == 0
     knn_ax = next(ax for ax in report_figure([read_run(str(tmp_path / "plain"))]).axes if ax.get_ylabel() == "kNN top-1")
     assert [tuple(p) for c in knn_ax.collections for p in c.get_offsets()] == [(3, last["knn_top1"])]  # the same weights as the monitored run's
+    assert all(float(t).is_integer() for t in knn_ax.get_xticks())  # steps: no tick at 2.5
 
 
 def _two_ranks(rank, world_size, out, folders):

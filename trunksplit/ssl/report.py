@@ -83,6 +83,7 @@ def report_figure(runs: List[Run]):
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     panels = [p for p in PANELS if any(p[0] in r for run in runs for r in run.steps + run.knn + run.offline)]  # a kNN read afterwards too
     fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 2.1 * len(panels)), sharex=True, squeeze=False)
@@ -104,6 +105,7 @@ def report_figure(runs: List[Run]):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="best")
     axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # no step 2.5
     fig.suptitle(", ".join(run.name for run in runs))
     fig.tight_layout()
     return fig
