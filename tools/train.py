@@ -35,22 +35,23 @@ def main(argv=None) -> int:
             f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {last['peak_beyond']} "
             f"(trunk plan: {last['plan']})"
         )
-        side_by_side = _side_by_side(cfg, last["memory_vs_plain"], last["peak_memory_bytes"])
+        side_by_side = _side_by_side(cfg, last["memory_vs_plain"], last["peak_memory_bytes"], last["step_also_holds"])
         if side_by_side:
             print(side_by_side)
         print(f"metrics: {cfg.OUTPUT_DIR}/metrics.jsonl")
     return 0
 
 
-def _side_by_side(cfg, vs, step_peak: int) -> str:
+def _side_by_side(cfg, vs, step_peak: int, also_holds: list) -> str:
     """The summary's line on one step with and without checkpointing, or why it was not run. Both
-    copies run the student under a stand-in loss: where the method's loss and teacher hold more (DINO's),
-    the line says why it reads below the step peak."""
+    copies run the student under a stand-in loss in one process: where the step holds more
+    (``also_holds``: DINO's teacher, vissl's all-reduce), the line says why it reads below the step peak."""
     if vs:
         line = (f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
                 f"without checkpointing {vs['plain'] / 2**20:.1f} MiB ({vs['checkpointed'] / vs['plain']:.2f}x)")
         if vs["checkpointed"] < 0.99 * step_peak:
-            line += " (the student under a stand-in loss: the step peak above also holds the method's loss and teacher)"
+            held = also_holds[0] if len(also_holds) == 1 else f"{', '.join(also_holds[:-1])} and {also_holds[-1]}"
+            line += f" (the student alone under a stand-in loss: the step peak above also holds {held})"
         return line
     if cfg.TRAIN.MEMORY_LIMIT:
         return "memory, one step side by side: not run (TRAIN.MEMORY_LIMIT is set, and a step without checkpointing would pass it)"

@@ -186,7 +186,7 @@ def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autoca
     stepped in backward as the model is, if it is); ``log`` keeps them in summary.json."""
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     last["plan"] = _plans_said(cfg, model.trunk)
-    last["peak_beyond"] = strategy.peak_beyond(cfg)
+    last["peak_beyond"], last["step_also_holds"] = strategy.peak_beyond(cfg), strategy.step_also_holds(cfg)
     stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
     grouped = by_crop_group(cfg, crops)
     # a run with TRAIN.MEMORY_LIMIT (its batch fitted to fill it) would pass it with a plain step beside a

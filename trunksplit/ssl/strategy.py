@@ -9,7 +9,7 @@ asks the object and never tests a strategy's name.
 import contextlib
 import os
 import warnings
-from typing import Callable, ContextManager, Optional, Tuple
+from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,11 @@ class Strategy:
         if cfg.OPTIM.IN_BACKWARD:
             return "parameters (the optimizer stepped in backward: each gradient freed at its update)"
         return "parameters and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else "parameters (gradients included)"
+
+    def step_also_holds(self, cfg) -> List[str]:
+        """What the metered step holds beyond the student under a stand-in loss in one process (what the
+        run's last line compares with and without checkpointing)."""
+        return ["the method's loss"] + (["DINO's teacher"] if cfg.METHOD.NAME == "dino" else [])
 
     def forward_backward(self, wrapped: nn.Module, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``step()`` (forward, loss, backward), its gradients reduced across ranks."""
@@ -169,6 +174,9 @@ class ManualDDP(DDP):
 
     def peak_beyond(self, cfg):
         return "parameters and DDP's buckets" + (", and kept gradients" if cfg.TRAIN.GRADIENTS == "kept" else " (gradients included)")
+
+    def step_also_holds(self, cfg):
+        return super().step_also_holds(cfg) + ["vissl's all-reduce (every gradient flattened at once)"]
 
     def forward_backward(self, wrapped, step):
         with wrapped.no_sync():
