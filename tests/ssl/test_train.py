@@ -17,6 +17,7 @@ import torch.distributed as dist
 import yaml
 from torch.multiprocessing.reductions import StorageWeakRef  # private, as trunksplit.planning.memory imports it: a storage's liveness
 
+from trunksplit.cli import main as cli_main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop
 from trunksplit import trunk as trunk_module
@@ -275,7 +276,9 @@ def _snapshot(folder):
         (["TRAIN.STEPZ", "3"], "unknown config key: TRAIN.STEPZ"),
         (["DATA.PATH", "/nonexistent/images"], "DATA.PATH '/nonexistent/images' is not a directory"),
         (["MODEL.TRUNK.NAME", "resnet9000"], "torchvision has no model 'resnet9000'"),
-        (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "the smallest feasible budget"),  # found by planning
+        # found by planning, said in the config's terms
+        (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET 0.01 cannot be met at this "
+                                                                           "run's crops: the least the trunk's step reaches is 0."),
         (["DISTRIBUTED.STRATEGY", "fsdp", *SMALL], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
         ([*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "1"], "SimCLR needs at least 2 images a step, all ranks together"),  # its loss: see below
     ],
@@ -286,6 +289,27 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not out.exists()
+
+
+def test_a_budget_the_trunk_cannot_meet_names_the_config_values_that_can(tmp_path):
+    """Refused in the config's terms, and its advice holds: the budget it names trains (a hundredth less
+    is refused too), and so does the one refused, with the gradients kept out of the step as it says.
+    ``trunksplit plan --config-file`` refuses it in the same words, before a run."""
+    # 32 images: the trunk's floor 0.90 of its step with the gradients in it (ResNet-18 at 32px is mostly gradients)
+    overrides = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "32", "TRAIN.STEPS", "1"]
+    budget = "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET"
+    with pytest.raises(ValueError, match=r"MEMORY_BUDGET 0.6 cannot be met .* Set it to \S+ or more; .* TRAIN.GRADIENTS kept") as refused:
+        train(load_config(QUICK, [*overrides, budget, "0.6"]))
+    named = float(re.search(r"Set it to (\S+) or more", str(refused.value)).group(1))
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert cli_main(["plan", "--config-file", QUICK, *overrides[2:], budget, "0.6"]) == 2
+    assert f"error: {refused.value}" in err.getvalue()
+    with pytest.raises(ValueError, match="cannot be met"):  # the least it names, to the hundredth
+        train(load_config(QUICK, [*overrides, budget, f"{named - 0.01:g}"]))
+    model, _ = train(load_config(QUICK, [*overrides, budget, str(named)]))
+    assert 0.6 < named < 1 and model.trunk.plan.strategy == "budget"
+    model, _ = train(load_config(QUICK, [*overrides, "OUTPUT_DIR", str(tmp_path / "kept"), budget, "0.6", "TRAIN.GRADIENTS", "kept"]))
+    assert model.trunk.plan.strategy == "budget"
 
 
 def test_simclrs_loss_of_one_image_is_zero_with_no_gradient_so_one_image_a_step_is_refused():

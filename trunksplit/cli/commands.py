@@ -12,6 +12,7 @@ from tqdm import tqdm
 from ..chains import expand_units, feature_blocks
 from ..fit import NAMED_OPTIMIZERS, fit
 from ..in_backward import update_temporaries
+from ..planning.budget import BudgetTooLowError
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
 from ..planning.wrap import apply_activation_checkpointing
@@ -20,7 +21,7 @@ from ..ssl.config import load_config
 from ..recompute.wrapper import is_checkpoint_wrapped
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
-from ..ssl.model import build_trunk
+from ..ssl.model import budget_refused, build_trunk
 from ..ssl.strategy import as_trained
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
@@ -95,7 +96,10 @@ def _plan_config(args) -> int:
         for k, (size, count) in enumerate(crop_groups(cfg)):
             shape = (batch * count, 3, size, size)
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank")
-            _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world), shape)
+            try:
+                _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world), shape)
+            except BudgetTooLowError as e:
+                raise ValueError(budget_refused(cfg, trunk, e)) from None
         print("\neach peak is the trunk's own step; the whole SSL step (head, loss, teacher, every crop group) is what "
               "trunksplit fit --config-file CONFIG --memory SIZE fits")
     except ValueError as e:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..in_backward import updates_of_this_rank_alone
+from ..planning.budget import BudgetTooLowError
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
 from .data import image_dataset, num_workers, step_loader, step_views
@@ -25,7 +26,7 @@ from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard
-from .model import SSLModel, same_size_runs, student_copy, with_batch
+from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, set_schedules, with_scaled_lr
 from .parallel import setup_distributed
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
@@ -229,7 +230,10 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
     if start < cfg.TRAIN.STEPS:
         if rank == 0 and model.trunk.cost_aware and not model.trunk.plans:
             print("planning the trunk: its units profiled once at each crop size ...", flush=True)
-        model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
+        try:
+            model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
+        except BudgetTooLowError as e:
+            raise ValueError(budget_refused(cfg, model.trunk, e)) from None
     optimizer.zero_grad(set_to_none=not kept)
     if kept:
         keep_gradients(model)

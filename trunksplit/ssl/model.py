@@ -1,13 +1,14 @@
 """An SSL model: a checkpointed torchvision trunk, a projection head (SimCLR's, or DINO's with its
 weight-normalised last layer), SwAV's prototypes."""
 import copy
+import math
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..planning.budget import MemoryBudget
+from ..planning.budget import BudgetTooLowError, MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
 from ..recompute.wrapper import unwrap_checkpoint
 from ..trunk import CheckpointedTrunk
@@ -96,6 +97,23 @@ class DINOHead(nn.Module):
 def projection_head(feature_dim: int, hidden_dim: int, output_dim: int) -> nn.Module:
     """SimCLR's (and SwAV's) projection head: Linear, BatchNorm, ReLU, Linear."""
     return nn.Sequential(nn.Linear(feature_dim, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, output_dim))
+
+
+def budget_refused(cfg, trunk: CheckpointedTrunk, e: BudgetTooLowError) -> str:
+    """The planner's refusal of the config's MEMORY_BUDGET for ``trunk``, in the config's terms: what to change in it
+    (the launcher and ``trunksplit plan --config-file`` say it)."""
+    ac, mib = cfg.MODEL.ACTIVATION_CHECKPOINTING, lambda n: f"{n / 2**20:.1f} MiB"
+    said = f"MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET {ac.MEMORY_BUDGET:g} cannot be met at this run's crops"
+    least = e.smallest_bytes / e.unsplit_bytes if e.smallest_bytes is not None else None
+    if least is not None:
+        said += (f": the least the trunk's step reaches is {least:.3f} of its unsplit peak ({mib(e.smallest_bytes)} of {mib(e.unsplit_bytes)})"
+                 + f" in at most {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS} segment{'s' if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS > 1 else ''} (NUM_ACTIVATION_CHECKPOINTING_SPLITS)"
+                 + (f". Set it to {math.ceil(least * 100) / 100:g} or more" if ac.MEMORY_BUDGET <= 1 else f". Set it to {e.smallest_bytes} bytes or more"))
+    gradients = sum(p.numel() * p.element_size() for p in trunk.parameters() if p.requires_grad)
+    if cfg.TRAIN.GRADIENTS == "allocated" and not cfg.OPTIM.IN_BACKWARD and (least is None or gradients >= 0.25 * e.smallest_bytes):
+        said += (f"; no checkpoint frees the trunk's gradients ({mib(gradients)}), which this step makes: keep them out of it with TRAIN.GRADIENTS "
+                 "kept, or free each at its update with OPTIM.IN_BACKWARD True")  # as the planner says it (planning/search.py)
+    return said + "; or let the run fit its batch and budget to a memory size (TRAIN.BATCH_SIZE_PER_RANK 0 and TRAIN.MEMORY_LIMIT)"
 
 
 class SSLModel(nn.Module):
