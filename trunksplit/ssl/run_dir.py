@@ -123,8 +123,10 @@ def _check_same_run(saved: dict, now: dict, path: str) -> None:
 def _plans_still_asked_for(saved: dict, now: dict, path: str) -> bool:
     """Whether the checkpoint's plans were made for this config's checkpointing; if not, say that they are made again."""
     changed = [key for key in PLANNED_FOR if _at(saved, key) != _at(now, key)]
+    # a section is named, a value said as it was and is (a strategy may have set it: DDP trains TRAIN.GRADIENTS kept)
+    said = [key if isinstance(_at(now, key), dict) else f"{key} ({_at(saved, key)} then, {_at(now, key)} now)" for key in changed]
     if changed:
-        warnings.warn(f"--resume: {', '.join(changed)} changed since {path} was saved: the trunk plans again for the new settings", UserWarning)
+        warnings.warn(f"--resume: {', '.join(said)} changed since {path} was saved: the trunk plans again for the new settings", UserWarning)
     return not changed
 
 
