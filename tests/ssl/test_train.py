@@ -168,6 +168,10 @@ def test_two_processes_end_with_identical_weights_equal_to_the_saved_ones(tmp_pa
     last, extra = run["last"], run["last"]["peak_memory_bytes"] - run["last"]["memory_vs_plain"]["checkpointed"]
     assert ("vissl's all-reduce (every gradient flattened at once)" in last["step_also_holds"]) == manual
     assert (extra >= 0.9 * run["gradient_bytes"]) == manual, (extra, run["gradient_bytes"])
+    if not manual:  # resumed on one process: said, with what changes (the batch, the scaled rate, the random streams)
+        with pytest.warns(UserWarning, match=r"saved by 2 processes and resumes on 1: each step's batch is 1/2 of what it was \(and OPTIM.LR with it"):
+            _, resumed = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path), "TRAIN.STEPS", "3", *SMALL]), resume=True)
+        assert resumed["step"] == 3 and math.isfinite(resumed["loss"])
 
 
 def _fresh_state(cfg):

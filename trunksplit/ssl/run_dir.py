@@ -208,7 +208,8 @@ def _restore_rng(states, rank: int, world: int, path: str) -> None:
     if not states:
         return  # a checkpoint of an earlier release: the generators start from SEED, as they did
     if len(states) != world:
-        warnings.warn(f"{path} was saved by {len(states)} processes and resumes on {world}: the random number generators "
+        warnings.warn(f"{path} was saved by {len(states)} processes and resumes on {world}: each step's batch is {world}/{len(states)} of what "
+                      "it was (and OPTIM.LR with it, where OPTIM.LR_BATCH_SIZE scales it), and the random number generators "
                       "start afresh, so stochastic depth and dropout draw other masks than an uninterrupted run", UserWarning)
         return
     torch.set_rng_state(states[rank]["cpu"])
