@@ -40,6 +40,22 @@ def test_plan_with_an_impossible_budget_says_so(capsys):
     assert "smallest feasible budget" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda:99"])
+def test_a_device_this_machine_lacks_is_said_before_any_work(tmp_path, capsys, device):
+    """A missing GPU once read as the model failing its input ("resnet18 cannot run an input of shape
+    3x64x64: Found no NVIDIA driver"); now each command says it of --device, before any work."""
+    import torch
+
+    said = "is not a device: cpu, cuda, cuda:N, or auto" if device == "gpu" else f"torch sees {torch.cuda.device_count()} GPU(s) on this machine"
+    for argv in (["fit", "--arch", "resnet18", "--input", "3x64x64", "--memory", "1GiB"], ["bench", "--arch", "resnet18", "--out", str(tmp_path / "bench")],
+                 ["fit", "--config-file", os.path.join(ROOT, "configs", "quickstart.yaml"), "--memory", "1GiB"],
+                 ["knn", str(tmp_path / "run"), "--train", str(tmp_path), "--val", str(tmp_path)]):
+        assert main([*argv, "--device", device]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --device {repr(device) if device == 'gpu' else device}") and said in err, (argv, err)
+    assert os.listdir(tmp_path / "bench") == []  # made by the argument check (writable?), nothing written in it
+
+
 def test_plan_rejects_an_unknown_arch(capsys):
     assert main(["plan", "--arch", "resnet9000", "--input", "2x3x64x64"]) == 2
     assert "resnet9000" in capsys.readouterr().err

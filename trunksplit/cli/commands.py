@@ -143,17 +143,18 @@ def _update_temporaries(optimizer: str) -> float:
 
 
 def run_bench(args) -> int:
-    for arch in args.arch:  # every name checked before an hour of measuring
-        try:
+    try:  # the device and every name checked before an hour of measuring
+        device = device_of(args.device)
+        for arch in args.arch:
             build_backbone(arch, args.resolution)
-        except ValueError as e:
-            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
-            return 2
+    except ValueError as e:
+        print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+        return 2
 
     try:
         table = run_benchmark(
             args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
-            repeats=args.repeats, device=device_of(args.device), out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
+            repeats=args.repeats, device=device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
             objectives=args.objective,
         )
     except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
@@ -171,7 +172,8 @@ def run_fit(args) -> int:
         print(f"error: config overrides {' '.join(args.opts[:2])} ... need --config-file", file=sys.stderr)
         return 2
     try:
-        model = build_backbone(args.arch, args.input[-1]).to(device_of(args.device))
+        device = device_of(args.device)  # before the model: a missing GPU is no fault of its input
+        model = build_backbone(args.arch, args.input[-1]).to(device)
         _phase(f"fitting: profiling, then searching the largest batch{'' if args.no_verify else ', then one real step checks it'}")
         with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
             found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,

@@ -10,8 +10,17 @@ from ..ssl.report import REPORT, draw_report, read_run, summary
 
 
 def device_of(text: str) -> str:
-    """``--device``: ``auto`` is cuda where there is one, else cpu."""
-    return ("cuda" if torch.cuda.is_available() else "cpu") if text == "auto" else text
+    """``--device``: ``auto`` is cuda where there is one, else cpu; a device this machine lacks is a
+    ``ValueError`` (said before any work, not as the model failing to run its input)."""
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r} is not a device: cpu, cuda, cuda:N, or auto") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} GPU(s) on this machine; use cpu, or auto")
+    return text
 
 
 def run_knn(args) -> int:
