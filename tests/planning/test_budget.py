@@ -58,10 +58,11 @@ def test_a_fraction_resolves_against_the_unsplit_peak_and_bytes_stand():
 def test_a_memory_size_is_a_budget_in_bytes_only():
     assert parse_memory_size("16GiB") == 16 * GiB
     assert parse_memory_size(2e9) == 2 * 10**9
-    for bad in ("0", 0, 0.5, "-1GiB", -3, "nan", "12XB"):
-        with pytest.raises(ValueError, match="memory") as refused:
+    for bad in ("0", 0, 0.5, "-1GiB", -3, "nan", "12XB", True):
+        with pytest.raises((ValueError, TypeError), match="memory") as refused:
             parse_memory_size(bad)
-        assert "(off)" not in str(refused.value)  # a memory size has no "off"
+        # a memory size has no "off", and no fraction to offer
+        assert "(off)" not in str(refused.value) and "0 for none" not in str(refused.value) and "fraction" not in str(refused.value), refused.value
 
 
 def _blocks():

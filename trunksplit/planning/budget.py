@@ -111,7 +111,7 @@ def parse_memory_size(value: Union[int, float, str], name: str = "memory size") 
     """A memory size in bytes (``16GiB``, ``500MiB``, ``2e9``, ``2147483648``), by the budget's rule,
     with fractions, 0 and negative sizes refused: a size is absolute."""
     refusal = f"{name} must be a positive size in bytes (2e9) or with a unit (16GiB, 500MiB), got {value!r}"
-    number, _ = _number_and_unit(value, name)
+    number, _ = _number_and_unit(value, name, write="bytes (2e9) or a size (16GiB, 500MiB)")
     if not number > 0:  # before the budget's rule, whose message offers 0 for "off"
         raise ValueError(refusal)
     budget = MemoryBudget.parse(value, name)
@@ -120,15 +120,16 @@ def parse_memory_size(value: Union[int, float, str], name: str = "memory size") 
     return budget.bytes
 
 
-def _number_and_unit(value, name: str):
-    """(a number, the unit written after it or ""): ints stay ints, a string's number is a float."""
+def _number_and_unit(value, name: str, write: str = WRITE):
+    """(a number, the unit written after it or ""): ints stay ints, a string's number is a float.
+    ``write``: what the refusal of an unreadable value offers."""
     if isinstance(value, bool) or not isinstance(value, (type(None), int, float, str)):
-        raise TypeError(f"{name} must be {WRITE} (or 0 for none), got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be {write}{' (or 0 for none)' if write == WRITE else ''}, got {type(value).__name__} {value!r}")
     if value is None:
         return 0, ""
     if not isinstance(value, str):
         return value, ""
     match = _SIZE.fullmatch(value)
     if not match or (match.group(2) or "B") not in _UNITS:  # the units' case matters: mb is no MB
-        raise ValueError(f"cannot read {name} from {value!r}: write {WRITE}")
+        raise ValueError(f"cannot read {name} from {value!r}: write {write}")
     return float(match.group(1)), match.group(2) or ""
