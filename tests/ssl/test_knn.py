@@ -1,9 +1,12 @@
 """The kNN monitor: DINO's weighted kNN against a hand-written one, classes any features separate,
 labels dealt at random, online equal to offline, a run's weights untouched by it, and clear errors."""
+import contextlib
+import io
 import json
 import math
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -148,15 +151,29 @@ def test_unlabelled_empty_or_mismatched_folders_are_refused_before_anything_is_w
     for name in ("cats", "dogs"):
         (tmp_path / "other" / name).mkdir(parents=True)
         Image.new("RGB", (8, 8)).save(tmp_path / "other" / name / "a.png")
-    cases = [(str(tmp_path / "flat"), "holds no labelled images"), (str(tmp_path / "one"), "1 class folder"),
-             (str(tmp_path / "empty"), "holds no labelled images"), (str(tmp_path / "missing"), "is not a directory"),
+    for name in ("cats", "dogs", "birds"):  # birds: a class folder without images
+        (tmp_path / "gap" / name).mkdir(parents=True)
+    for name in ("cats", "dogs"):
+        Image.new("RGB", (8, 8)).save(tmp_path / "gap" / name / "a.png")
+    unlabelled = "is no folder of labelled images (root/class_name/image.jpg, an image in every class folder)"
+    cases = [(str(tmp_path / "flat"), unlabelled), (str(tmp_path / "one"), "1 class folder"), (str(tmp_path / "empty"), unlabelled),
+             (str(tmp_path / "gap"), unlabelled + ": Found no valid file for the classes birds"), (str(tmp_path / "missing"), "is not a directory"),
              (str(tmp_path / "other"), "need the same class folders")]
     for path, message in cases:
         out = tmp_path / "run"
         overrides = [*SMALL, "TRAIN.STEPS", "1", "OUTPUT_DIR", str(out), "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", path]
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             train(load_config(QUICK, overrides))
         assert not out.exists()
+    # trunksplit knn says them of its own arguments
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(QUICK, SMALL).dump())
+    for path, said in ((str(tmp_path / "gap"), f"error: --val {str(tmp_path / 'gap')!r} {unlabelled}"),
+                       (str(tmp_path / "other"), "error: --train and --val need the same class folders")):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert main(["knn", str(run), "--train", folders["train"], "--val", path]) == 2
+        assert err.getvalue().startswith(said), err.getvalue()
     with pytest.raises(ValueError, match="come together"):
         load_config(QUICK, ["EVAL.KNN.TRAIN_PATH", folders["train"]])
     with pytest.raises(ValueError, match="EVAL.KNN.K must be >= 1"):

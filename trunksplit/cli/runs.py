@@ -26,8 +26,9 @@ def device_of(text: str) -> str:
 def run_knn(args) -> int:
     try:
         step, accuracies = knn_of_run(args.run_dir, args.train, args.val, args.untrained, device_of(args.device))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:  # the folders said as this command takes them
+        said = str(e).replace("EVAL.KNN.TRAIN_PATH and VAL_PATH", "--train and --val").replace("EVAL.KNN.TRAIN_PATH", "--train")
+        print(f"error: {said.replace('EVAL.KNN.VAL_PATH', '--val')}", file=sys.stderr)
         return 2
     which = "untrained (its config and seed)" if args.untrained else f"at step {step}"
     top5 = f", top-5 {accuracies['knn_top5']:.4f}" if "knn_top5" in accuracies else ""

@@ -67,8 +67,8 @@ def labelled_folder(root: str, key: str) -> torchvision.datasets.DatasetFolder:
         raise ValueError(f"{key} {root!r} is not a directory: give an ImageFolder root (a folder per class, images in each)")
     try:
         folder = torchvision.datasets.DatasetFolder(root, loader=str, extensions=IMAGE_EXTENSIONS)  # only its list is read
-    except FileNotFoundError as e:  # no class folders, or class folders without images
-        raise ValueError(f"{key} {root!r} holds no labelled images (root/class_name/image.jpg): {e}") from None
+    except FileNotFoundError as e:  # no class folders, or a class folder without images
+        raise ValueError(f"{key} {root!r} is no folder of labelled images (root/class_name/image.jpg, an image in every class folder): {e}") from None
     if len(folder.classes) < 2:
         raise ValueError(f"{key} {root!r} has {len(folder.classes)} class folder ({folder.classes}): "
                          "a kNN evaluation needs labels, a folder per class, at least two")
