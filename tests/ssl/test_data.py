@@ -66,11 +66,21 @@ def test_training_with_two_workers_skips_the_corrupt_file_names_it_and_counts_it
     assert all(r["data_seconds"] >= 0 and r["step_seconds"] > 0 for r in rows)
 
 
-def test_an_empty_folder_stays_a_clear_error(tmp_path):
+def test_an_empty_folder_stays_a_clear_error_and_an_empty_class_folder_none(tmp_path):
+    """No images, or images right under the root (ImageFolder lists none there), is refused saying
+    where they go; a class folder without images beside one with them is no fault (labels unused)."""
+    from PIL import Image
+
     (tmp_path / "empty" / "cls").mkdir(parents=True)
-    cfg = load_config(QUICK, ["DATA.PATH", str(tmp_path / "empty"), *SMALL])
-    with pytest.raises(ValueError, match="holds no images"):
-        image_dataset(cfg)
+    (tmp_path / "flat").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "flat" / "a.png")
+    for folder in ("empty", "flat"):
+        with pytest.raises(ValueError, match=r"holds no images in ImageFolder layout: put them in folders under it, root/any_name/image.jpg"):
+            image_dataset(load_config(QUICK, ["DATA.PATH", str(tmp_path / folder), *SMALL]))
+    (tmp_path / "flat" / "cats").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "flat" / "cats" / "a.png")
+    (tmp_path / "flat" / "dogs").mkdir()  # no dog yet
+    assert len(image_dataset(load_config(QUICK, ["DATA.PATH", str(tmp_path / "flat"), *SMALL]))) == 1
 
 
 def test_lossless_files_decode_to_their_exact_pixels_through_decode_image_or_pil(tmp_path):

@@ -63,10 +63,14 @@ def image_dataset(cfg) -> torch.utils.data.Dataset:
         return SyntheticImages(cfg.DATA.NUM_IMAGES, cfg.DATA.IMAGE_SIZE, cfg.SEED, cfg.DATA.SYNTHETIC)
     if not os.path.isdir(cfg.DATA.PATH):
         raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} is not a directory; give an ImageFolder root (class folders of images) or leave it empty for synthetic data")
-    try:
-        folder = torchvision.datasets.DatasetFolder(cfg.DATA.PATH, loader=functools.partial(read_image, size=cfg.DATA.IMAGE_SIZE), extensions=IMAGE_EXTENSIONS)
-    except FileNotFoundError as e:  # no class folders, or class folders without images
-        raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} holds no images in ImageFolder layout (root/class_name/image.jpg): {e}") from None
+    try:  # the labels are unused: a class folder without images is no fault
+        folder = torchvision.datasets.DatasetFolder(cfg.DATA.PATH, loader=functools.partial(read_image, size=cfg.DATA.IMAGE_SIZE),
+                                                    extensions=IMAGE_EXTENSIONS, allow_empty=True)
+    except FileNotFoundError:  # no class folders: images right under the root are not listed
+        folder = None
+    if folder is None or len(folder) == 0:
+        raise ValueError(f"DATA.PATH {cfg.DATA.PATH!r} holds no images in ImageFolder layout: put them in folders under it, "
+                         "root/any_name/image.jpg (one folder will do: the labels are unused)")
     return _ImagesOnly(folder)
 
 
