@@ -23,7 +23,7 @@ cuDNN workspaces are not modelled; leave a margin.
 import math
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -40,6 +40,14 @@ from .trunk import CheckpointedTrunk, plan_key
 
 OPTIMIZERS = ("sgd", "lars", "adamw", None)
 CHECKS = 4  # real steps fit may run to check its prediction
+
+
+# an optimizer as fit prices and steps it: its class and its arguments
+OptimizerSpec = Tuple[Callable[..., torch.optim.Optimizer], dict]
+# each name's optimizer (class, arguments) as fit and ``trunksplit plan`` count it: its state and its
+# update's temporaries matter, not the values
+NAMED_OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)), "lars": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)),
+               "adamw": (torch.optim.AdamW, dict(lr=1e-3))}
 
 
 @dataclass
@@ -114,11 +122,11 @@ def fit(
     if verify and world_size == 1:
         check_host_room(memory, device, "memory", "predict only (verify=False; trunksplit fit --no-verify)")
 
-    trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, optimizer, device)
+    trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, named_optimizer(optimizer), device)
     chain = ScaledChain(trunk(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
-    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(chain.trunk, optimizer), chain.full_grad_bytes)
+    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(chain.trunk, named_optimizer(optimizer)), chain.full_grad_bytes)
 
     def total(batch: int) -> int:
         return resident + max(chain.lowest_peak(batch), optimizer_peak)
@@ -139,7 +147,7 @@ def fit(
         predicted = max(plan.predicted_peak_bytes + margin, optimizer_peak)
         if not verify:
             break
-        step = _measured_step(fitted, _check_input(batch, input_shape, device), optimizer)
+        step = _measured_step(fitted, _check_input(batch, input_shape, device), named_optimizer(optimizer))
         measured = resident + max(step, optimizer_peak)
         if measured <= min(memory, resident + predicted) or batch == 1:
             break
@@ -176,8 +184,8 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     counted for each world size. A prediction: nothing runs sharded here."""
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
-    base = ScaledChain(trunk_maker(feature_blocks(model), None, None, gradients, False, optimizer, device)(), input_shape, device)
-    transient = optimizer_step_transient(base.trunk, optimizer)
+    base = ScaledChain(trunk_maker(feature_blocks(model), None, None, gradients, False, named_optimizer(optimizer), device)(), input_shape, device)
+    transient = optimizer_step_transient(base.trunk, named_optimizer(optimizer))
     rows = []
     for n in world_sizes:
         chain = base.sharded(n)
@@ -203,11 +211,12 @@ def check_host_room(memory: int, device: torch.device, what: str, instead: str) 
                          f"fills it on the CPU would run the machine out of memory. Fit on the device it is for, or {instead}")
 
 
-def trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[str], device) -> Callable[..., CheckpointedTrunk]:
-    """What makes fit's trunks (``maker(memory_budget=...)``); stepped in backward, planned for ``optimizer``'s updates."""
+def trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[OptimizerSpec], device) -> Callable[..., CheckpointedTrunk]:
+    """What makes fit's trunks (``maker(memory_budget=...)``); stepped in backward, planned for the updates of
+    ``optimizer`` (its class and arguments)."""
     if gradients == "in_backward" and optimizer is None:
         raise ValueError("gradients='in_backward' steps an optimizer in backward: name it (optimizer='sgd', 'lars' or 'adamw')")
-    temporaries = update_temporaries(*NAMED_OPTIMIZERS[optimizer], device) if gradients == "in_backward" else None
+    temporaries = update_temporaries(*optimizer, device) if gradients == "in_backward" else None
 
     def maker(**kw) -> CheckpointedTrunk:
         made = CheckpointedTrunk(blocks, out_feat_keys, num_splits=num_splits, gradients=gradients, use_reentrant=use_reentrant, **kw)
@@ -258,23 +267,20 @@ def _trainable(trunk: nn.Module):
     return [p for p in trunk.parameters() if p.requires_grad]
 
 
-# each name's optimizer (class, arguments) as fit and ``trunksplit plan`` count it: its state and its
-# update's temporaries matter, not the values
-NAMED_OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)), "lars": (LARS, dict(lr=0.1, momentum=0.9, weight_decay=1e-6)),
-               "adamw": (torch.optim.AdamW, dict(lr=1e-3))}
+
+def named_optimizer(name: Optional[str]) -> Optional[OptimizerSpec]:
+    """The class and arguments fit prices for an optimizer's name (None: no optimizer)."""
+    return None if name is None else NAMED_OPTIMIZERS[name]
 
 
-def _make_optimizer(name: str, params):
-    optimizer_class, kwargs = NAMED_OPTIMIZERS[name]
-    return optimizer_class(params, **kwargs)
-
-
-def optimizer_step_transient(trunk: nn.Module, name: Optional[str]) -> int:
-    """Peak of one optimizer step beyond its state and the gradients, measured on full-size stand-ins."""
-    if name is None:
+def optimizer_step_transient(trunk: nn.Module, optimizer: Optional[OptimizerSpec]) -> int:
+    """Peak of one step of ``optimizer`` (its class and arguments) beyond its state and the gradients,
+    measured on full-size stand-ins."""
+    if optimizer is None:
         return 0
     stand_ins = _stand_ins(trunk, torch.zeros_like)
-    opt = _make_optimizer(name, stand_ins)
+    optimizer_class, kwargs = optimizer
+    opt = optimizer_class(stand_ins, **kwargs)
     opt.step()  # allocates the state
     with PeakMemory(stand_ins[0].device) as mem:
         opt.step()
@@ -290,10 +296,10 @@ def _stand_ins(trunk: nn.Module, make):
     return stand_ins
 
 
-def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor, optimizer: Optional[str] = None) -> int:
+def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor, optimizer: Optional[OptimizerSpec] = None) -> int:
     """Peak of one training step of ``trunk`` on ``x``, beyond what was live before it; leaves no trace.
-    With gradients ``"in_backward"``, ``optimizer`` steps in backward (its state made by a first,
-    unmeasured step; the weights are put back after)."""
+    With gradients ``"in_backward"``, ``optimizer`` (its class and arguments) steps in backward (its state
+    made by a first, unmeasured step; the weights are put back after)."""
     params = _trainable(trunk)
     grads = [p.grad for p in params]
     buffers = [b.clone() for b in trunk.buffers()]
@@ -301,7 +307,7 @@ def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor, optimizer: Optiona
     modes = [(m, m.training) for m in trunk.modules()]  # the model's own modules: put their mode back too
     stepping = None
     if weights:
-        optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
+        optimizer_class, kwargs = optimizer
         stepping = optimizer_in_backward(params, optimizer_class, **kwargs)
     try:
         for p in params:

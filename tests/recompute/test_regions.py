@@ -88,6 +88,32 @@ def test_a_plan_with_regions_trains_exactly_like_the_plain_model(layout, gradien
 
 
 
+@pytest.mark.parametrize("policy", [SE, SH])
+def test_selective_regions_train_exactly_when_the_trunk_runs_twice_under_one_autocast(policy):
+    """Two crop sizes in one autocast (DINO's whole step; a step stepped in backward is one): the second
+    call's selective region found its weights cast by the first (autocast's cache), and torch's selective
+    checkpoint, which replays only the ops its forward ran, failed in backward ("aten._to_copy encountered
+    during backward but not found in storage", pytorch/pytorch#193338). Now the plain model's bf16 step,
+    bit for bit, and its BatchNorm statistics."""
+    plain = build("resnet18")
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, ["flatten"], memory_budget=0.9, gradients="kept")
+    crops = [X(), torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for x in crops:  # a cut after the stem; res2 and res3.0 as regions of the last segment
+            _with_plan(trunk, x, [0, 4], [(4, 6, policy), (6, 7, policy)])
+        want = [plain_features(plain, x, ["flatten"])[0] for x in crops]
+        got = [trunk(x)[0] for x in crops]
+    loss_of([w.float() for w in want]).backward()  # after the autocast, as torch's recipe has it: its casts' cache emptied
+    loss_of([g.float() for g in got]).backward()
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    want_grads = grads_by_name(plain)
+    for name, g in grads_by_name(model).items():
+        assert name.startswith("fc.") or torch.equal(want_grads[name], g), name
+    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_a_plan_saved_before_the_policies_were_types_still_runs_exactly():
     """tests/data/plan_before_policy_types.json was written by SplitPlan.state() before the policy registry
     (trunksplit/recompute/policies.py): every policy by name, nested in a checkpointed segment and not.

@@ -22,6 +22,8 @@ from ..recompute.wrapper import is_checkpoint_wrapped
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
 from ..ssl.model import budget_refused, build_trunk
+from ..ssl.optim import optimizer_of
+from ..ssl.parallel import autocast_for
 from ..ssl.strategy import as_trained
 from ..trunk import CheckpointedTrunk
 from .bench import run_benchmark
@@ -91,7 +93,7 @@ def _plan_config(args) -> int:
             print(f"MODEL.ACTIVATION_CHECKPOINTING.SELECT wraps {len(wrapped)} blocks, each its own checkpoint (no segments to plan): {' '.join(wrapped)}")
             return 0
         if trunk.gradients == "in_backward":
-            trunk.update_temporaries = _update_temporaries(cfg.OPTIM.NAME)
+            trunk.update_temporaries = update_temporaries(*optimizer_of(cfg))  # the run's optimizer, as it builds it
         batch = cfg.TRAIN.BATCH_SIZE_PER_RANK
         for k, (size, count) in enumerate(crop_groups(cfg)):
             shape = (batch * count, 3, size, size)
@@ -200,7 +202,8 @@ def _fit_config(args) -> int:
     try:
         cfg, layout = as_trained(load_config(args.config_file, [*args.opts, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(args.memory))]),
                                  args.world_size)
-        found = fit_step(cfg, torch.device(device_of(args.device)), step_for_fit(cfg, contextlib.nullcontext()), layout,
+        device = torch.device(device_of(args.device))
+        found = fit_step(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), layout,
                          lambda line: print(f"fit: {line}", file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

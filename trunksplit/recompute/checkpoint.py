@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, InstanceNorm: the norms with running stats
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import flop_registry
 
 _local = threading.local()
@@ -273,7 +273,7 @@ def _selective_contexts(guard: _BufferGuard, keep: Callable) -> Callable:
 
     def contexts():
         forward, recompute = create_selective_checkpoint_contexts(_keep_policy(keep))
-        return _both(guard.first_forward(), forward), _both(guard.recompute(), recompute)
+        return _both(guard.first_forward(), forward), _both(_both(guard.recompute(), _casts_run_as_they_come()), recompute)
 
     return contexts
 
@@ -288,6 +288,22 @@ def _keep_policy(keep: Callable) -> Callable:
         return CheckpointPolicy.MUST_SAVE if keep(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+@contextlib.contextmanager
+def _casts_run_as_they_come():
+    """Inside, torch's selective checkpoint runs autocast's casts as they come, neither kept nor replayed
+    (torch's public ``SAC_IGNORED_OPS``): a weight an earlier call under the same autocast had cast (a
+    trunk at a second crop size) is a cache hit in the forward and a cast in the recompute (a fresh
+    autocast), which torch, replaying only the forward's ops, refused (pytorch/pytorch#193338). The
+    forward keeps autocast's graph (the plain model's gradients, bit for bit); the recompute's cast has
+    the same values. Activations' casts are never kept here anyway. Only our additions are removed."""
+    added = [op for op in (torch.ops.aten._to_copy.default,) if op not in SAC_IGNORED_OPS]
+    SAC_IGNORED_OPS.update(added)
+    try:
+        yield
+    finally:
+        SAC_IGNORED_OPS.difference_update(added)
 
 
 @contextlib.contextmanager
@@ -358,8 +374,9 @@ def run_checkpointed(
             return function(*a, **kw)
 
     if keep is not None:
-        return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
-                          context_fn=_selective_contexts(guard, keep))
+        with _casts_run_as_they_come():
+            return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
+                              context_fn=_selective_contexts(guard, keep))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..fit import NAMED_OPTIMIZERS, check_host_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
+from ..fit import OptimizerSpec, check_host_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
 from ..in_backward import optimizer_in_backward, updates_of_this_rank_alone
 from ..planning.budget import format_bytes
 from ..planning.memory import PeakMemory
@@ -42,7 +42,8 @@ from .dino import build_ssl_model
 from .grouped import by_crop_group
 from .losses import alone_as_one_of
 from .model import SSLModel
-from .optim import gradient_mode
+from .optim import gradient_mode, optimizer_of
+from .parallel import autocast_for
 
 RunStep = Callable[[SSLModel, List[torch.Tensor]], object]  # the launcher's forward and backward of one step
 CHECKS = 3
@@ -169,26 +170,34 @@ class _StepPrediction:
         # the head trains (and shards) as the trunk does
         self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode, layout.bucket_bytes(mode, trained))
         # outside the step's own peak: the optimizer's step, and DDP's moments between steps
-        self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, cfg.OPTIM.NAME), trained),
+        self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, optimizer_of(cfg)), trained),
                                   layout.between_steps_bytes(mode, trained))
         ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
         self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
-                                mode, ac.USE_REENTRANT, cfg.OPTIM.NAME, device)
+                                mode, ac.USE_REENTRANT, optimizer_of(cfg), device)
         self.chains: Dict[int, ScaledChain] = {}
         for size in sorted({s for s, _ in self.groups}, reverse=True):
             say(f"profiling the trunk's units at {size}px, two small batches")
-            self.chains[size] = ScaledChain(self.make(), (3, size, size), device, world)
-        self.trunk_grads = sum(shard_bytes(p, world) for p in model.trunk.parameters() if p.requires_grad) if mode == "allocated" else 0
+            with autocast_for(cfg, device):  # as the run's trunk runs: a bf16 step holds other tensors than an fp32 one
+                self.chains[size] = ScaledChain(self.make(), (3, size, size), device, world)
+        # what a trunk call finds made by the calls whose backward ran before its own: the gradients (allocated), or,
+        # stepped in backward, their parts waiting in autograd's buffers until the last call's part arrives
+        self.trunk_grads = sum(shard_bytes(p, world) for p in model.trunk.parameters() if p.requires_grad) if mode != "kept" else 0
         say("measuring the head, the loss and the teacher with a stand-in trunk, two small batches")
         self.rest = _rest_of_step(model, run_step, self.groups, device, mode == "kept", layout.ranks)
 
     def trunk_peak(self, images: int, budget: Optional[int]) -> int:
         """Grouped: each group's trunk alone, a later one finding the gradients the first one made.
         Whole: the groups are backpropagated last first, each beside what the earlier ones' forwards
-        still hold, every one after the first finding the gradients made."""
+        still hold, every one after the first finding the gradients made. Stepped in backward (a whole
+        step), no parameter is updated before the first call's part of its gradient arrives: the later
+        calls' backward holds the parts (autograd's buffers) as allocated gradients, the first finds them."""
         sized = [(self.chains[s], images * n) for s, n in self.groups]
-        alone = [chain.planned_peak(b, budget) for chain, b in sized]
-        found = [chain.planned_peak(b, budget, "kept") + self.trunk_grads if self.trunk_grads else a for (chain, b), a in zip(sized, alone)]
+        waiting = self.mode == "in_backward" and len(sized) > 1
+        alone = [chain.planned_peak(b, budget, "allocated" if waiting else None) for chain, b in sized]
+        found = [(a if self.mode == "kept" else chain.planned_peak(b, budget, "kept") + self.trunk_grads) for (chain, b), a in zip(sized, alone)]
+        if waiting:
+            found[0] = sized[0][0].planned_peak(sized[0][1], budget) + self.trunk_grads  # the first call's backward updates as it goes
         if self.grouped:
             return max([alone[0], *found[1:]])
         held = [chain.held_after_forward(b, budget) for chain, b in sized]
@@ -212,14 +221,15 @@ class _StepPrediction:
 
     def plans(self, images: int, budget: int) -> Dict[tuple, SplitPlan]:
         """The trunk's plan for each group's input (:func:`plan_key`) at ``images`` per rank."""
-        return {plan_key([((images * n, 3, s, s), torch.get_default_dtype())], self.device): self.chains[s].plan(images * n, budget) for s, n in self.groups}
+        with autocast_for(self.cfg, self.device):  # the key the run's trunk looks its plan up by, under the run's autocast
+            return {plan_key([((images * n, 3, s, s), torch.get_default_dtype())], self.device): self.chains[s].plan(images * n, budget) for s, n in self.groups}
 
     def measured(self, images: int, budget: int) -> int:
         """Everything resident during one real step at ``images`` per rank, the trunk planned as predicted (no profiling)."""
         trunk = self.make(memory_budget=budget)
         for key, plan in self.plans(images, budget).items():
             trunk.store_plan(key, plan)
-        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, self.cfg.OPTIM.NAME, self.ranks)
+        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, optimizer_of(self.cfg), self.ranks)
         return self.rank.resident + max(peak, self.optimizer_peak)
 
 
@@ -304,12 +314,13 @@ def _peak_of(model: SSLModel, run_step: RunStep, crops, kept: bool, ranks: int) 
     return mem.peak_bytes + sum(c.numel() * c.element_size() for c in crops)
 
 
-def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, optimizer: str, ranks: int) -> int:
-    """The peak of one real step of ``model`` with ``trunk`` in place of its own (stepped in backward where ``mode`` says)."""
+def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, optimizer: OptimizerSpec, ranks: int) -> int:
+    """The peak of one real step of ``model`` with ``trunk`` in place of its own (stepped in backward by
+    ``optimizer``, its class and arguments, where ``mode`` says)."""
     saved, model.trunk = model.trunk, trunk
     stepping = None
     if mode == "in_backward":
-        optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
+        optimizer_class, kwargs = optimizer
         stepping = optimizer_in_backward([p for p in model.parameters() if p.requires_grad], optimizer_class, **kwargs)
     try:
         with updates_of_this_rank_alone():  # a private model, in one process: no rank reduces its gradients

@@ -29,9 +29,9 @@ from .model import SSLModel, same_size_runs
 
 def by_crop_group(cfg, crops) -> bool:
     """Whether this step runs group by group: DINO or SwAV, ``TRAIN.BACKWARD_BY_CROP_GROUP``, more than one
-    resolution, and no optimizer stepped in backward (``OPTIM.IN_BACKWARD``: it frees each gradient at its
-    update, in the one backward of a whole step; grouped, every gradient would wait, alive, for the last
-    group's, beside a trunk planned to hold one at a time)."""
+    resolution, and no optimizer stepped in backward (``OPTIM.IN_BACKWARD``: grouped, every gradient would
+    wait, alive, for the last group's backward; in a whole step's one backward only the trunk's wait, in
+    autograd's buffers, for the first call's part, which the whole-step fit counts)."""
     wanted = bool(cfg.TRAIN.BACKWARD_BY_CROP_GROUP) and cfg.METHOD.NAME in ("dino", "swav") and not cfg.OPTIM.IN_BACKWARD
     return wanted and len(list(same_size_runs(crops))) > 1
 

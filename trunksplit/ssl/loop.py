@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..in_backward import updates_of_this_rank_alone
+from ..in_backward import update_temporaries, updates_of_this_rank_alone
 from ..planning.budget import BudgetTooLowError
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
@@ -27,8 +27,8 @@ from .grouped import by_crop_group, grouped_step
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard
 from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
-from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, set_schedules, with_scaled_lr
-from .parallel import setup_distributed
+from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
+from .parallel import autocast_for, setup_distributed
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
 
@@ -50,7 +50,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
     resumed = resume_from(cfg, model, optimizer, scaler, rank, world, strategy.load) if resume else Resumed()
     start, skipped = resumed.step, resumed.skipped
-    autocast, kept = _autocast(cfg, device), cfg.TRAIN.GRADIENTS == "kept"
+    autocast, kept = autocast_for(cfg, device), cfg.TRAIN.GRADIENTS == "kept"
     # planned before anything is written: an infeasible MEMORY_BUDGET leaves no run directory behind
     setup_seconds = _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, device, autocast)
     log = _start_logging(cfg, resumed, rank)  # rank 0's; None on the others
@@ -118,6 +118,8 @@ def _log_untrained_knn(log: Optional[MetricsLog], accuracies: dict) -> None:
 def _build_model(cfg, device, fitted_plans: list) -> SSLModel:
     """The model to train; its trunk runs the plans a whole-step fit checked (not ones measured again)."""
     model = build_ssl_model(cfg).to(device)
+    if cfg.OPTIM.IN_BACKWARD:  # what the run's optimizer will mark: set now, the fitted plans (made for it) are kept then
+        model.trunk.update_temporaries = update_temporaries(*optimizer_of(cfg), device)
     for key, plan in fitted_plans:
         model.trunk.store_plan(key, SplitPlan.from_state(plan))
     return model
@@ -154,7 +156,7 @@ def _batch_to_train(cfg, device, strategy, resume: bool):
     if saved is not None:
         return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:"), []
     say = (lambda line: print(f"fit: {line}", flush=True)) if strategy.rank == 0 else None
-    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, _autocast(cfg, device)), strategy.rank_layout, say))
+    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), strategy.rank_layout, say))
     return with_batch(cfg, images, budget, strategy.rank, f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits"), plans
 
 
@@ -361,12 +363,3 @@ def _stop_unless_finite(cfg, loss: torch.Tensor, step: int, world: int, scaler) 
             f"step, and {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} holds the last good state. Lower OPTIM.LR, or raise "
             "METHOD.TEMPERATURE, and resume with --resume"
         )
-
-
-def _autocast(cfg, device):
-    if not cfg.TRAIN.AUTOCAST:
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if cfg.TRAIN.AUTOCAST == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
-
-

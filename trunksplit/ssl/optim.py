@@ -8,7 +8,7 @@ decay and, for LARS, no trust ratio: what vissl's ``exclude_bias_and_norm`` and 
 the weight decay follows a cosine from ``OPTIM.WEIGHT_DECAY`` to ``OPTIM.WEIGHT_DECAY_END``.
 """
 import math
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -43,16 +43,23 @@ def build_optimizer(cfg, model: nn.Module, wrapped: Optional[nn.Module] = None):
     ``OPTIM.IN_BACKWARD``, stepped in backward on ``wrapped`` (the model as the strategy wrapped it:
     DDP updates after each bucket's all-reduce, FSDP2 after each reduce-scatter)."""
     o = cfg.OPTIM
+    optimizer_class, kwargs = optimizer_of(cfg)
     groups = parameter_groups(model, o.EXCLUDE_BIAS_AND_NORM)
-    if o.NAME == "sgd":
-        optimizer_class, groups, kwargs = torch.optim.SGD, _without_lars(groups), dict(lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY)
-    elif o.NAME == "lars":
-        optimizer_class, kwargs = LARS, dict(lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY, trust_coefficient=o.LARS_TRUST_COEFFICIENT)
-    else:
-        optimizer_class, groups, kwargs = torch.optim.AdamW, _without_lars(groups), dict(lr=o.LR, betas=tuple(o.BETAS), weight_decay=o.WEIGHT_DECAY)
+    groups = groups if o.NAME == "lars" else _without_lars(groups)
     if o.IN_BACKWARD:
         return optimizer_in_backward(model if wrapped is None else wrapped, optimizer_class, param_groups=groups, **kwargs)
     return optimizer_class(groups, **kwargs)
+
+
+def optimizer_of(cfg) -> Tuple[Callable[..., torch.optim.Optimizer], dict]:
+    """``OPTIM.NAME``'s class and the arguments the run builds it with: what a fit prices (its state, what
+    one update allocates) and steps, as the run will."""
+    o = cfg.OPTIM
+    if o.NAME == "sgd":
+        return torch.optim.SGD, dict(lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY)
+    if o.NAME == "lars":
+        return LARS, dict(lr=o.LR, momentum=o.MOMENTUM, weight_decay=o.WEIGHT_DECAY, trust_coefficient=o.LARS_TRUST_COEFFICIENT)
+    return torch.optim.AdamW, dict(lr=o.LR, betas=tuple(o.BETAS), weight_decay=o.WEIGHT_DECAY)
 
 
 def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.Tensor], bool]]:

@@ -1,4 +1,5 @@
 """Processes and devices: one process, or many under ``torchrun`` (what runs on them: ``strategy.py``)."""
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -34,6 +35,13 @@ def setup_distributed(cfg):
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
     return 0, 1, device
+
+
+def autocast_for(cfg, device: torch.device):
+    """The autocast ``TRAIN.AUTOCAST`` asks for on ``device`` (a fresh context each call), or none."""
+    if not cfg.TRAIN.AUTOCAST:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.TRAIN.AUTOCAST == "bf16" else torch.float16)
 
 
 def keep_freed_host_memory() -> bool:
