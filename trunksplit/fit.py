@@ -122,11 +122,11 @@ def fit(
     if verify and world_size == 1:
         check_host_room(memory, device, "memory", "predict only (verify=False; trunksplit fit --no-verify)")
 
-    trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, named_optimizer(optimizer), device)
+    trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, priced := named_optimizer(optimizer), device)
     chain = ScaledChain(trunk(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
-    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(chain.trunk, named_optimizer(optimizer)), chain.full_grad_bytes)
+    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(chain.trunk, priced), chain.full_grad_bytes)
 
     def total(batch: int) -> int:
         return resident + max(chain.lowest_peak(batch), optimizer_peak)
@@ -147,7 +147,7 @@ def fit(
         predicted = max(plan.predicted_peak_bytes + margin, optimizer_peak)
         if not verify:
             break
-        step = _measured_step(fitted, _check_input(batch, input_shape, device), named_optimizer(optimizer))
+        step = _measured_step(fitted, _check_input(batch, input_shape, device), priced)
         measured = resident + max(step, optimizer_peak)
         if measured <= min(memory, resident + predicted) or batch == 1:
             break
@@ -265,7 +265,6 @@ def largest_fitting(fits) -> int:
 
 def _trainable(trunk: nn.Module):
     return [p for p in trunk.parameters() if p.requires_grad]
-
 
 
 def named_optimizer(name: Optional[str]) -> Optional[OptimizerSpec]:

@@ -165,16 +165,17 @@ class _StepPrediction:
         self.groups = crop_groups(cfg)
         self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
         self.mode = mode = gradient_mode(cfg)
+        self.optimizer = optimizer_of(cfg)  # the run's own: its class and the config's arguments
         world = layout.world
         trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         # the head trains (and shards) as the trunk does
         self.rank = rank_memory(model, [model], world, cfg.OPTIM.NAME, 0, mode, layout.bucket_bytes(mode, trained))
         # outside the step's own peak: the optimizer's step, and DDP's moments between steps
-        self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, optimizer_of(cfg)), trained),
+        self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, self.optimizer), trained),
                                   layout.between_steps_bytes(mode, trained))
         ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
         self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
-                                mode, ac.USE_REENTRANT, optimizer_of(cfg), device)
+                                mode, ac.USE_REENTRANT, self.optimizer, device)
         self.chains: Dict[int, ScaledChain] = {}
         for size in sorted({s for s, _ in self.groups}, reverse=True):
             say(f"profiling the trunk's units at {size}px, two small batches")
@@ -229,7 +230,7 @@ class _StepPrediction:
         trunk = self.make(memory_budget=budget)
         for key, plan in self.plans(images, budget).items():
             trunk.store_plan(key, plan)
-        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, optimizer_of(self.cfg), self.ranks)
+        peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, self.optimizer, self.ranks)
         return self.rank.resident + max(peak, self.optimizer_peak)
 
 
