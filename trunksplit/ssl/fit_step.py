@@ -196,9 +196,9 @@ class _StepPrediction:
         sized = [(self.chains[s], images * n) for s, n in self.groups]
         waiting = self.mode == "in_backward" and len(sized) > 1
         alone = [chain.planned_peak(b, budget, "allocated" if waiting else None) for chain, b in sized]
-        found = [(a if self.mode == "kept" else chain.planned_peak(b, budget, "kept") + self.trunk_grads) for (chain, b), a in zip(sized, alone)]
-        if waiting:
-            found[0] = sized[0][0].planned_peak(sized[0][1], budget) + self.trunk_grads  # the first call's backward updates as it goes
+        # waiting, the first call's backward updates as it goes (its own mode's peak) beside the parts the others left
+        found = [a if self.mode == "kept" else chain.planned_peak(b, budget, None if waiting and j == 0 else "kept") + self.trunk_grads
+                 for j, ((chain, b), a) in enumerate(zip(sized, alone))]
         if self.grouped:
             return max([alone[0], *found[1:]])
         held = [chain.held_after_forward(b, budget) for chain, b in sized]
