@@ -145,6 +145,28 @@ def updates_of_this_rank_alone():
         _ALONE[0] -= 1
 
 
+@contextlib.contextmanager
+def holding_updates(model: Union[nn.Module, Iterable[torch.Tensor]]):
+    """Backwards in this context add to the gradients of ``model``'s parameters and update none of
+    them, whichever stand-ins step them in backward (each one's :meth:`InBackwardOptimizer.accumulating`);
+    the next backward outside it updates each from the whole sum. For code that holds the model and
+    not its optimizer (a step backward by crop group, a measured step). Parameters no optimizer
+    steps in backward: nothing changes.
+
+    Example::
+
+        with holding_updates(model):
+            loss_of(model(first_half)).backward()  # gradients kept, nothing updated
+        loss_of(model(second_half)).backward()  # each parameter updated from both halves
+    """
+    marks = (in_backward_mark(p) for p in (model.parameters() if isinstance(model, nn.Module) else model))
+    stand_ins = {id(m.stand_in): m.stand_in for m in marks if m is not None}
+    with contextlib.ExitStack() as stack:
+        for stand_in in stand_ins.values():
+            stack.enter_context(stand_in.accumulating())
+        yield
+
+
 def _refuse_unreduced(p: torch.Tensor) -> None:
     """Among several ranks, a plain (unsharded) parameter's update from its own rank's gradient runs
     before any reduction: a model wrapped in DDP after ``optimizer_in_backward`` (its replicas drift

@@ -241,9 +241,8 @@ def test_the_last_layer_stays_frozen_for_its_steps_and_both_stabilisers_train_al
     three, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "three"), "TRAIN.STEPS", "3", *stabilised]))
     assert not torch.equal(three.head.last_layer, initial)
     if in_backward:  # against the standard run of the same recipe
-        # the same step shape: stepped in backward a multi-crop step runs whole (ssl/grouped.py)
-        standard, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "standard"), "TRAIN.STEPS", "3", *stabilised[:-2],
-                                                "TRAIN.BACKWARD_BY_CROP_GROUP", "False"]))
+        # both backward by crop group (the default): stepped in backward, the first group's backward holds its updates
+        standard, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "standard"), "TRAIN.STEPS", "3", *stabilised[:-2]]))
         for (name, a), (_, b) in zip(standard.state_dict().items(), three.state_dict().items()):
             assert torch.equal(a, b), name
     unclipped, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "unclipped"), "TRAIN.STEPS", "2", *frozen, *stepped]))

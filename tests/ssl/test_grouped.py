@@ -118,16 +118,29 @@ def test_an_optimizer_stepped_in_backward_waits_for_the_last_groups_gradients():
         assert torch.equal(a, b) and b.grad is None
 
 
-def test_a_run_stepped_in_backward_runs_the_whole_step():
-    """An optimizer stepped in backward frees each gradient at its update in the step's one backward:
-    a multi-crop step with it runs whole (its own saving), whatever the switch says."""
-    cfg = _config("dino", "OPTIM.IN_BACKWARD", "True")
-    assert cfg.TRAIN.BACKWARD_BY_CROP_GROUP and not by_crop_group(cfg, _crops(cfg))
+# a small trunk at larger crops: activations outweigh the gradients, which both steps hold whole at their peak
+STEPPED = ["OPTIM.IN_BACKWARD", "True", "MODEL.TRUNK.NAME", "mobilenet_v3_small", "DATA.IMAGE_SIZE", "64", "DATA.CROP_SIZES", "[64, 48]",
+           "DATA.CROP_COUNTS", "[2, 4]"]
+
+
+def test_a_run_stepped_in_backward_trains_grouped_the_whole_steps_weights_in_less_memory(tmp_path):
+    """Stepped in backward, every group but the last holds its updates (the optimizer steps each
+    parameter once, from its whole gradient): the whole step's weights bit for bit (two
+    resolutions), a lower step peak (one group's activations beside the gradients, not every
+    group's), and the side-by-side copies stepped grouped as the run is."""
+    (whole, whole_row), (grouped, grouped_row) = (_run(tmp_path, str(g), "dino", *STEPPED, "TRAIN.BACKWARD_BY_CROP_GROUP", str(g)) for g in (False, True))
+    for (name, a), (_, b) in zip(whole.state_dict().items(), grouped.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert all(p.grad is None for p in grouped.parameters())  # each freed at its update
+    assert grouped_row["peak_memory_bytes"] < 0.85 * whole_row["peak_memory_bytes"], (grouped_row["peak_memory_bytes"], whole_row["peak_memory_bytes"])
+    assert abs(grouped_row["memory_vs_plain"]["checkpointed"] / grouped_row["peak_memory_bytes"] - 1) < 0.05, grouped_row
 
 
 def _ranks(rank, world_size, out, method, strategy):
     """Train 2 steps whole, then grouped, in the same two processes; each rank saves its weights."""
+    strategy, _, stepped = strategy.partition(" ")
     how = ["DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True"] if strategy == "manual" else ["DISTRIBUTED.STRATEGY", strategy]
+    how += ["OPTIM.IN_BACKWARD", "True"] if stepped else []
     for grouped in (False, True):
         run = os.path.join(out, str(grouped))
         # vissl's split: what this test checks does not depend on the plan, and it takes no profiling
@@ -139,11 +152,13 @@ def _ranks(rank, world_size, out, method, strategy):
 
 # slow: DDP (its reductions are counted in the fast suite: test_under_ddp_a_grouped_step_reduces_its_gradients_once_as_the_whole_step_does)
 # and vissl's manual path; FSDP2, whose sharded gradients no other fast test checks grouped, stays
-@pytest.mark.parametrize("method,strategy", [pytest.param("dino", "ddp", marks=pytest.mark.slow), ("swav2", "fsdp"), pytest.param("swav2", "manual", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method,strategy", [pytest.param("dino", "ddp", marks=pytest.mark.slow), ("swav2", "fsdp"), pytest.param("swav2", "manual", marks=pytest.mark.slow),
+                                             ("dino", "ddp in_backward"), pytest.param("swav2", "fsdp in_backward", marks=pytest.mark.slow)])
 def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, strategy):
     """2 gloo processes each way (DDP: no_sync before the last group; FSDP2: no gradient sync until
-    it; vissl's manual path: one all-reduce after the step, as before): every rank ends with the
-    same weights, those of the whole-step run."""
+    it; vissl's manual path: one all-reduce after the step, as before; stepped in backward, DDP's
+    hook or FSDP2 updates after the last group's reduction): every rank ends with the same weights,
+    those of the whole-step run."""
     run_processes(_ranks, 2, (str(tmp_path), method, strategy))
     ends = {}
     for grouped in (False, True):

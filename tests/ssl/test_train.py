@@ -230,9 +230,7 @@ def test_a_run_stepped_in_backward_trains_the_standard_runs_weights_in_less_memo
     peak lower: gradients are never all alive at once."""
     runs = {}
     for how in ("standard", "in_backward"):
-        # the same step shape both ways: stepped in backward, a multi-crop step runs whole (see ssl/grouped.py)
-        overrides = ["OUTPUT_DIR", str(tmp_path / how), "TRAIN.STEPS", "3", *SMALL, *recipe, "OPTIM.IN_BACKWARD", str(how == "in_backward"),
-                     "TRAIN.BACKWARD_BY_CROP_GROUP", "False"]
+        overrides = ["OUTPUT_DIR", str(tmp_path / how), "TRAIN.STEPS", "3", *SMALL, *recipe, "OPTIM.IN_BACKWARD", str(how == "in_backward")]
         runs[how] = train(load_config(QUICK, overrides))
     (standard, standard_row), (stepped, stepped_row) = runs["standard"], runs["in_backward"]
     for (name, a), (_, b) in zip(standard.state_dict().items(), stepped.state_dict().items()):

@@ -182,7 +182,8 @@ class _StepPrediction:
             with autocast_for(cfg, device):  # as the run's trunk runs: a bf16 step holds other tensors than an fp32 one
                 self.chains[size] = ScaledChain(self.make(), (3, size, size), device, world)
         # what a trunk call finds made by the calls whose backward ran before its own: the gradients (allocated), or,
-        # stepped in backward, their parts waiting in autograd's buffers until the last call's part arrives
+        # stepped in backward, the gradients held for the last group's update (grouped) or their parts waiting in autograd's
+        # buffers until the first call's part arrives (whole)
         self.trunk_grads = sum(shard_bytes(p, world) for p in model.trunk.parameters() if p.requires_grad) if mode != "kept" else 0
         say("measuring the head, the loss and the teacher with a stand-in trunk, two small batches")
         self.rest = _rest_of_step(model, run_step, self.groups, device, mode == "kept", layout.ranks)
@@ -190,9 +191,10 @@ class _StepPrediction:
     def trunk_peak(self, images: int, budget: Optional[int]) -> int:
         """Grouped: each group's trunk alone, a later one finding the gradients the first one made.
         Whole: the groups are backpropagated last first, each beside what the earlier ones' forwards
-        still hold, every one after the first finding the gradients made. Stepped in backward (a whole
-        step), no parameter is updated before the first call's part of its gradient arrives: the later
-        calls' backward holds the parts (autograd's buffers) as allocated gradients, the first finds them."""
+        still hold, every one after the first finding the gradients made. Stepped in backward, no
+        parameter is updated before its gradient's last part: whole, the later calls' backward holds
+        the parts (autograd's buffers) as allocated gradients and the first call finds them; grouped,
+        the first group's backward keeps its gradients (allocated), the later groups find them."""
         sized = [(self.chains[s], images * n) for s, n in self.groups]
         waiting = self.mode == "in_backward" and len(sized) > 1
         alone = [chain.planned_peak(b, budget, "allocated" if waiting else None) for chain, b in sized]

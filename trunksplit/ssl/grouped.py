@@ -14,25 +14,26 @@ added as each backward ends, where the whole step's backward adds them in revers
 groups add the same two numbers (bit for bit); three or more can round differently (float).
 Gradients are reduced across ranks once, with the last group's backward: the strategy's
 ``accumulating`` context holds the earlier groups' gradients on each rank (DDP's ``no_sync``,
-FSDP2's ``set_requires_gradient_sync(False)``). With an optimizer stepped in backward the step runs
-whole (see :func:`by_crop_group`).
+FSDP2's ``set_requires_gradient_sync(False)``). An optimizer stepped in backward updates nothing
+before the last group's backward (:func:`trunksplit.in_backward.holding_updates`), then each
+parameter from its whole gradient, freeing it: the earlier groups' gradients wait, alive, as they
+do in a whole step's one backward (there, the later calls' parts wait in autograd's buffers for the
+first call's), but beside one group's activations instead of every group's.
 """
 import contextlib
 from typing import Callable, ContextManager
 
 import torch
 
+from ..in_backward import holding_updates
 from .dino import teacher_temperature, update_center
 from .losses import cross_entropy_terms, dino_targets, log_softmax_at, sinkhorn
 from .model import SSLModel, same_size_runs
 
 
 def by_crop_group(cfg, crops) -> bool:
-    """Whether this step runs group by group: DINO or SwAV, ``TRAIN.BACKWARD_BY_CROP_GROUP``, more than one
-    resolution, and no optimizer stepped in backward (``OPTIM.IN_BACKWARD``: grouped, every gradient would
-    wait, alive, for the last group's backward; in a whole step's one backward only the trunk's wait, in
-    autograd's buffers, for the first call's part, which the whole-step fit counts)."""
-    wanted = bool(cfg.TRAIN.BACKWARD_BY_CROP_GROUP) and cfg.METHOD.NAME in ("dino", "swav") and not cfg.OPTIM.IN_BACKWARD
+    """Whether this step runs group by group: DINO or SwAV, ``TRAIN.BACKWARD_BY_CROP_GROUP`` and more than one resolution."""
+    wanted = bool(cfg.TRAIN.BACKWARD_BY_CROP_GROUP) and cfg.METHOD.NAME in ("dino", "swav")
     return wanted and len(list(same_size_runs(crops))) > 1
 
 
@@ -42,7 +43,8 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
 
     ``wrapped``: what the loop calls (the model, or its DDP or FSDP2 wrapper); ``backward(part)``
     runs one group's backward (scaled, for fp16); ``accumulating()`` is the context in which every
-    group but the last runs, its gradients kept on this rank for the last one's reduction."""
+    group but the last runs, its gradients kept on this rank for the last one's reduction (and by
+    an optimizer stepped in backward for the last one's update)."""
     m, num_targets = cfg.METHOD, cfg.DATA.CROP_COUNTS[0]
     terms = num_targets * (len(crops) - 1)  # every (target crop, other crop) pair of the step
     targets, teacher_out = None, None
@@ -53,7 +55,7 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
     groups = list(same_size_runs(crops))
     total = torch.zeros(())
     for k, (start, stop) in enumerate(groups):
-        with contextlib.nullcontext() if k == len(groups) - 1 else accumulating():
+        with contextlib.nullcontext() if k == len(groups) - 1 else _held(model, accumulating):
             with autocast:
                 outputs = wrapped(crops[start:stop])
                 if targets is None:  # SwAV: the large crops' codes, from the first group (it holds them)
@@ -65,3 +67,10 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
     if teacher_out is not None:
         update_center(model.center, teacher_out, m.DINO.CENTER_MOMENTUM)
     return total
+
+
+@contextlib.contextmanager
+def _held(model: SSLModel, accumulating: Callable[[], ContextManager]):
+    """An earlier group's backward: its gradients kept on this rank (``accumulating()``) and, stepped in backward, not updated yet."""
+    with accumulating(), holding_updates(model):
+        yield

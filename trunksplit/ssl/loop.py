@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..in_backward import update_temporaries, updates_of_this_rank_alone
+from ..in_backward import holding_updates, update_temporaries, updates_of_this_rank_alone
 from ..planning.budget import BudgetTooLowError
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
@@ -307,10 +307,12 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: O
             m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
             steps = stepping(m) if stepping is not None else None
             with PeakMemory(crops[0].device) as mem, updates_of_this_rank_alone():
-                for start, stop in same_size_runs(crops) if grouped else [(0, len(crops))]:
+                runs = list(same_size_runs(crops)) if grouped else [(0, len(crops))]
+                for k, (start, stop) in enumerate(runs):
                     with autocast:  # the forward only, as in training: autocast keeps its casts of the weights until it exits
                         loss = sum(o.float().pow(2).mean() for o in m(crops[start:stop]))
-                    loss.backward()
+                    with holding_updates(m) if k < len(runs) - 1 else contextlib.nullcontext():  # as the grouped step does
+                        loss.backward()
         except torch.cuda.OutOfMemoryError:
             return None
         peaks[name] = mem.peak_bytes
