@@ -11,6 +11,8 @@ step's peak beyond the model and its gradients as the launcher measures it (the 
 CPU, the allocator on CUDA), and its time, the median of ``--repeats`` interleaved steps. The
 optimizer's step is not part of either. ``--plot`` draws each step's live tensor bytes over its
 ops (unsplit trunk, whole and grouped), so the picture shows where the memory goes.
+``--in-backward``: both steps with the recipe's optimizer stepped in backward (``OPTIM.IN_BACKWARD``;
+grouped, every group but the last holds its updates), its state made by a first step.
 """
 import argparse
 import contextlib
@@ -23,11 +25,13 @@ import warnings
 
 import torch
 
+from trunksplit import optimizer_in_backward
 from trunksplit.planning.memory import PeakMemory, _TensorAccounting  # the tracker PeakMemory runs on CPU, to draw its curve
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.dino import build_ssl_model
 from trunksplit.ssl.grouped import grouped_step
 from trunksplit.ssl.loop import whole_step_loss
+from trunksplit.ssl.optim import optimizer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {"dino": "configs/recipes/dino.yaml", "swav": "configs/recipes/swav.yaml"}
@@ -47,11 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed steps of each row; the median counts")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default="", help="where to draw the memory over one step, whole and grouped (a PNG)")
+    p.add_argument("--in-backward", action="store_true", help="step the recipe's optimizer in backward (OPTIM.IN_BACKWARD)")
     return p
 
 
 def _setup(method: str, plan: str, args):
-    cfg = load_config(os.path.join(ROOT, RECIPES[method]), ["MODEL.TRUNK.NAME", args.arch, "TRAIN.BATCH_SIZE_PER_RANK", str(args.batch), *PLANS[plan]])
+    cfg = load_config(os.path.join(ROOT, RECIPES[method]), ["MODEL.TRUNK.NAME", args.arch, "TRAIN.BATCH_SIZE_PER_RANK", str(args.batch), *PLANS[plan],
+                                                              "OPTIM.IN_BACKWARD", str(args.in_backward)])
     torch.manual_seed(0)
     model = build_ssl_model(cfg).to(args.device)
     g = torch.Generator().manual_seed(0)
@@ -72,6 +78,8 @@ def measure(method: str, plan: str, args) -> list:
     """Rows (method, plan, whole peak, grouped peak, ratio, whole s, grouped s, ratio) for one recipe and plan."""
     cfg, model, crops = _setup(method, plan, args)
     models = {g: copy.deepcopy(model) for g in (False, True)}
+    # stepped in backward: each copy's parameters updated by its own optimizer (held: they live as long as the copy)
+    stand_ins = [optimizer_in_backward(m, optimizer_of(cfg)[0], **optimizer_of(cfg)[1]) for m in models.values()] if args.in_backward else []
     peaks = {}
     for grouped, m in models.items():
         _step(cfg, m, crops, grouped)  # plans each resolution, and warms up
@@ -90,6 +98,7 @@ def measure(method: str, plan: str, args) -> list:
                 torch.cuda.synchronize()
             times[grouped].append(time.perf_counter() - start)
     t = {g: statistics.median(v) for g, v in times.items()}
+    del stand_ins
     return [method, plan, f"{peaks[False] / 2**20:.0f}", f"{peaks[True] / 2**20:.0f}", f"{peaks[True] / peaks[False]:.3f}",
             f"{t[False]:.2f}", f"{t[True]:.2f}", f"{t[True] / t[False]:.3f}"]
 
