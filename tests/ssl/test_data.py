@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.data import SyntheticImages, image_dataset, read_image, step_loader
+from trunksplit.ssl.data import SyntheticImages, batch_indices, image_dataset, read_image, step_loader
 from trunksplit.ssl.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,6 +53,24 @@ def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpeg
     assert all(torch.equal(x, y) for (a, _), (b, _) in zip(reference[4:], tail) for x, y in zip(a, b))
     other_rank = _batches(cfg, 0, rank=1, world=2)
     assert not torch.equal(other_rank[0][0][0], _batches(cfg, 0, rank=0, world=2)[0][0][0])  # ranks see other images
+
+
+@pytest.mark.parametrize("n,batch,world", [(10, 2, 2), (11, 3, 1), (12, 2, 3)])
+def test_no_step_holds_an_image_twice_and_an_epoch_draws_each_image_at_most_once(n, batch, world):
+    """Each epoch is a shuffle of the data set cut into whole steps, its remainder left out (a DataLoader's
+    drop_last): where a step ran across two epochs' shuffles it could hold an image twice (SimCLR takes the
+    copies for two images). Where steps divide the data set, an epoch draws every image; a step larger
+    than the data set is refused."""
+    per_step, per_epoch = batch * world, n // (batch * world)
+    steps = [[i for r in range(world) for i in batch_indices(n, batch, s, r, world, seed=0)] for s in range(3 * per_epoch)]
+    assert all(len(step) == len(set(step)) == per_step and all(0 <= i < n for i in step) for step in steps)
+    for e in range(3):
+        epoch = [i for step in steps[e * per_epoch:(e + 1) * per_epoch] for i in step]
+        assert len(epoch) == len(set(epoch)) == per_epoch * per_step
+        if n % per_step == 0:
+            assert sorted(epoch) == list(range(n))
+    with pytest.raises(ValueError, match=f"a step of {n + 1} images .* from a data set of {n} would hold images more than once"):
+        batch_indices(n, n + 1, 0, 0, 1, seed=0)
 
 
 def test_training_with_two_workers_skips_the_corrupt_file_names_it_and_counts_it(jpegs, tmp_path):
@@ -140,7 +158,11 @@ def test_bench_data_on_a_folder_with_a_bomb_and_gifs_measures_instead_of_crashin
     _odd_files(tmp_path)
     assert main(["bench-data", "--recipes", "simclr", "--workers", "0", "--steps", "1", "--batch", "4", "--folder", str(tmp_path), "--jpegs", "4"]) == 0
     assert "images/s, 0 workers" in capsys.readouterr().out
-
+    # a step holds each image once: a batch beyond the folder's 5 images, or beyond the JPEGs it writes, is refused in its own options
+    assert main(["bench-data", "--recipes", "simclr", "--workers", "0", "--steps", "1", "--batch", "6", "--folder", str(tmp_path)]) == 2
+    assert f"--batch 6 is more images than --folder {tmp_path} holds (5; a step holds each image once)" in capsys.readouterr().err
+    assert main(["bench-data", "--recipes", "simclr", "--workers", "0", "--steps", "1", "--batch", "6", "--jpegs", "4"]) == 2
+    assert "--batch 6 is more images than --jpegs 4 writes (a step holds each image once): give --jpegs 6 or more" in capsys.readouterr().err
 
 
 def test_stripes_are_black_and_white_gratings_the_same_every_run_and_each_its_own():

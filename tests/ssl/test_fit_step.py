@@ -22,7 +22,8 @@ fit_step_module = importlib.import_module("trunksplit.ssl.fit_step")  # the modu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1"]
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1",
+         "DATA.NUM_IMAGES", "4096"]  # more than any fitted batch: the data set bounds a step too
 DINO = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "512", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 4]",
         "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.NAME", "adamw", "OPTIM.LR", "0.0005"]
 SWAV = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 4]",
@@ -161,6 +162,20 @@ def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(fitted,
     assert phases[:4] == ["profiling", "profiling", "measuring", "searching"] and set(phases[4:]) == {"checking"}, err
     batch, total, _ = fitted("dino")
     assert batch == images and total <= LIMIT
+
+
+def test_a_fit_on_a_small_data_set_stops_at_its_share_of_a_step(tmp_path, capsys):
+    """300 MiB holds hundreds of SimCLR images per rank (the fit above trains 256 and more); 24 synthetic
+    images give a step 24: the fit stops there and says why, the run trains 24 distinct images a step (a
+    larger batch would draw some twice), and ``trunksplit fit --config-file`` answers the same."""
+    small = [*SMALL, *METHODS["simclr"], "DATA.NUM_IMAGES", "24"]
+    out = tmp_path / "run"
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), *small, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(LIMIT))]))
+    said = capsys.readouterr().out
+    assert load_config(str(out / "config.yaml")).TRAIN.BATCH_SIZE_PER_RANK == 24
+    assert "fit: the data set gives each rank 24 images a step: the batch stops there (the memory would hold more)" in said
+    assert main(["fit", "--config-file", QUICK, "--memory", "300MiB", *small]) == 0
+    assert capsys.readouterr().out.startswith("24 images per rank fit 300.0 MiB")
 
 
 def test_fit_overrides_without_a_config_file_are_refused(capsys):

@@ -283,6 +283,10 @@ def _snapshot(folder):
                                                                            "run's crops: the least the trunk's step reaches is 0."),
         (["DISTRIBUTED.STRATEGY", "fsdp", *SMALL], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
         ([*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "1"], "SimCLR needs at least 2 images a step, all ranks together"),  # its loss: see below
+        ([*SMALL, "DATA.NUM_IMAGES", "6", "TRAIN.BATCH_SIZE_PER_RANK", "8"], "TRAIN.BATCH_SIZE_PER_RANK 8 x 1 rank is 8 images a step, more than the "
+                                                                             "data set holds (DATA.NUM_IMAGES 6): a step would hold an image more than "
+                                                                             "once (SimCLR would take its copies for different images). Set "
+                                                                             "TRAIN.BATCH_SIZE_PER_RANK 6 or less"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_nothing(tmp_path, args, message):
@@ -775,7 +779,7 @@ def test_a_resumed_run_with_a_fitted_batch_trains_on_its_checkpoints_batch_and_p
     tested in tests/ssl/test_fit_step.py.)"""
     overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(170 * 2**20)), "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2"]
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
-    monkeypatch.setattr(loop, "fitted_batch", lambda cfg, device, run_step, world, say: (3, 1.0, []))
+    monkeypatch.setattr(loop, "fitted_batch", lambda cfg, device, run_step, world, say, images_at_most: (3, 1.0, []))
     _interrupt_at_step_3(cfg, monkeypatch)
     first = yaml.safe_load(torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["config"])
     assert first["TRAIN"]["BATCH_SIZE_PER_RANK"] == 3 and first["MODEL"]["ACTIVATION_CHECKPOINTING"]["MEMORY_BUDGET"] == 1.0
@@ -795,7 +799,7 @@ def test_a_run_sized_to_its_memory_limit_runs_no_step_without_checkpointing_and_
     """The fitted batch fills TRAIN.MEMORY_LIMIT: the summary's plain step beside a copy of the model would
     pass it (on a CPU, until the host runs out). Not run, and the last lines say why. (The fit answers 3
     images by a stub: the real fit is tests/ssl/test_fit_step.py's.)"""
-    monkeypatch.setattr(loop, "fitted_batch", lambda cfg, device, run_step, world, say: (3, 1.0, []))
+    monkeypatch.setattr(loop, "fitted_batch", lambda cfg, device, run_step, world, say, images_at_most: (3, 1.0, []))
 
     def plain_step(*args, **kwargs):
         raise AssertionError("a step without checkpointing ran beside a run sized to its memory limit")
@@ -813,10 +817,10 @@ def _fit_alone_then_agree(rank, world_size, out):
     """Each rank's fit answers otherwise (as allocator-profiled fits do between ranks); the launcher's
     strategy makes every rank train with rank 0's answer."""
     cfg = load_config(QUICK, [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(220 * 2**20)), "DISTRIBUTED.STRATEGY", "fsdp"])
-    loop.fitted_batch = lambda cfg, device, run_step, world, say: (3 + rank, 1000.0 * (rank + 1), [])  # this process only
+    loop.fitted_batch = lambda cfg, device, run_step, world, say, images_at_most: (3 + rank, 1000.0 * (rank + 1), [])  # this process only
     cpu = torch.device("cpu")
     s = strategy.strategy_for(cfg, rank, world_size, cpu)
-    fitted, _ = loop._batch_to_train(cfg, cpu, s, resume=False)
+    fitted, _ = loop._batch_to_train(cfg, cpu, s, resume=False, images_at_most=256)
     torch.save((fitted.TRAIN.BATCH_SIZE_PER_RANK, fitted.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET), os.path.join(out, f"{rank}.pt"))
 
 

@@ -34,8 +34,13 @@ def images_per_second(recipe: str, workers: int, steps: int, batch: int, folder:
     if not os.path.isfile(path):
         raise ValueError(f"no recipe {recipe!r}: {path} does not exist (the recipes are {', '.join(sorted(f[:-5] for f in os.listdir(RECIPES)))})")
     warmup = max(1, workers)
-    cfg = load_config(path, ["DATA.PATH", folder, "DATA.NUM_WORKERS", str(workers), "TRAIN.BATCH_SIZE_PER_RANK", str(batch), "TRAIN.STEPS", str(steps + warmup)])
-    batches = iter(step_loader(image_dataset(cfg), cfg, rank=0, world=1, start=0, pin_memory=False))
+    # synthetic images cost nothing to have: as many as a step takes (a step holds each image once)
+    cfg = load_config(path, ["DATA.PATH", folder, "DATA.NUM_WORKERS", str(workers), "TRAIN.BATCH_SIZE_PER_RANK", str(batch), "TRAIN.STEPS", str(steps + warmup),
+                             "DATA.NUM_IMAGES", str(max(batch, load_config(path).DATA.NUM_IMAGES))])
+    dataset = image_dataset(cfg)
+    if batch > len(dataset):
+        raise ValueError(f"--batch {batch} is more images than --folder {folder} holds ({len(dataset)}; a step holds each image once): give a smaller --batch")
+    batches = iter(step_loader(dataset, cfg, rank=0, world=1, start=0, pin_memory=False))
     for _ in range(warmup):  # not timed: the workers start and deliver their first steps
         next(batches)
     start = time.perf_counter()
@@ -55,6 +60,8 @@ def write_jpegs(root: str, count: int, size: int) -> str:
 
 def run_data_benchmark(recipes: Sequence[str], workers: Sequence[int], steps: int, batch: int, folder: str, jpegs: int) -> List[list]:
     """Rows of (source, recipe, images/s at each worker count); printed as a table."""
+    if not folder and batch > jpegs:
+        raise ValueError(f"--batch {batch} is more images than --jpegs {jpegs} writes (a step holds each image once): give --jpegs {batch} or more")
     with tempfile.TemporaryDirectory() as scratch:
         sources = [("synthetic", ""), ("jpeg folder", folder or write_jpegs(scratch, jpegs, 256))]
         rows = [[source, recipe, *(images_per_second(recipe, w, steps, batch, path) for w in workers)]

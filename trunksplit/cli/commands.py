@@ -18,6 +18,7 @@ from ..planning.sharding import rank_memory
 from ..planning.wrap import apply_activation_checkpointing
 from ..ssl.backbones import HF, build_backbone, build_hf_model, hf_is_chain
 from ..ssl.config import load_config
+from ..ssl.data import image_dataset
 from ..recompute.wrapper import is_checkpoint_wrapped
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
@@ -204,7 +205,7 @@ def _fit_config(args) -> int:
                                  args.world_size)
         device = torch.device(device_of(args.device))
         found = fit_step(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), layout,
-                         lambda line: print(f"fit: {line}", file=sys.stderr, flush=True))
+                         lambda line: print(f"fit: {line}", file=sys.stderr, flush=True), len(image_dataset(cfg)) // args.world_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -116,15 +116,17 @@ class _ImagesOnly(torch.utils.data.Dataset):
 
 
 def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: int) -> List[int]:
-    """This rank's images for ``step``: epoch-wise shuffles of the data set, split across ranks."""
+    """This rank's images for ``step``: epoch-wise shuffles of the data set, split across ranks. An
+    epoch is the steps its shuffle fills; its last images short of a step are left out (a
+    ``DataLoader``'s ``drop_last``), so that no step holds an image twice (SimCLR would take the
+    copies for two images). A step of more images than the data set is refused."""
     per_step = batch * world
-    start = step * per_step
-    indices = []
-    for pos in range(start + rank * batch, start + (rank + 1) * batch):
-        epoch, offset = divmod(pos, n)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
-        indices.append(int(order[offset]))
-    return indices
+    if per_step > n:
+        raise ValueError(f"a step of {per_step} images ({batch} per rank x {world}) from a data set of {n} would hold images more than once")
+    epoch, k = divmod(step, n // per_step)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    start = k * per_step + rank * batch
+    return order[start:start + batch].tolist()
 
 
 def views(images: torch.Tensor, sizes, counts, scales, distortions: Sequence[Distortion], g: torch.Generator) -> List[torch.Tensor]:

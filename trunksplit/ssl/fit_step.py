@@ -131,23 +131,29 @@ class _StandInTrunk(nn.Module):
         return [x.mean(dim=(2, 3)) @ self.weight]
 
 
-def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = RankLayout(), progress: Optional[Callable[[str], None]] = None) -> StepFit:
+def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = RankLayout(), progress: Optional[Callable[[str], None]] = None,
+             images_at_most: Optional[int] = None) -> StepFit:
     """The most images per rank whose whole step fits ``cfg.TRAIN.MEMORY_LIMIT`` (bytes), for one
-    rank laid out as ``layout`` says (the default: one process). ``run_step(model, crops)`` is the
+    rank laid out as ``layout`` says (the default: one process), and at most ``images_at_most`` (the
+    rank's share of the data set: a step holds each image once). ``run_step(model, crops)`` is the
     launcher's forward and backward; ``progress(line)`` hears each phase. A limit too small for one
     image is a ``ValueError`` naming the smallest that fits."""
     say = progress or (lambda line: None)
+    if images_at_most is not None and images_at_most < 1:
+        raise ValueError(f"the data set holds fewer images than the run has ranks ({layout.ranks}): no step gives each rank an image of its own")
     memory, world = int(cfg.TRAIN.MEMORY_LIMIT), layout.world
     # checked by real steps (one rank's FSDP2 step cannot be) and trained at that size: on every rank of this host at once
     host = "TRAIN.MEMORY_LIMIT" if layout.host_ranks == 1 else f"TRAIN.MEMORY_LIMIT for each of this host's {layout.host_ranks} ranks, in all"
     check_host_room(memory * layout.host_ranks, device, host, "set TRAIN.BATCH_SIZE_PER_RANK yourself")
     torch.manual_seed(cfg.SEED)
-    step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, layout, run_step, say)
+    step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, layout, run_step, say, images_at_most)
     if step.total(1) > memory:
         raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} is too small for one image per rank: the smallest that fits is "
                          f"{format_bytes(step.total(1))} ({gib(step.rank.resident)} resident and the step's peak)")
     say("searching the largest batch and the least recompute that fits")
-    images = largest_fitting(lambda b: step.total(b) <= memory)
+    images = largest_fitting(lambda b: step.fits(b, memory))
+    if images == images_at_most and step.total(images + 1) <= memory:
+        say(f"the data set gives each rank {images} images a step: the batch stops there (the memory would hold more)")
     budget, measured = step.budget(images, memory), None
     if world == 1:  # one process cannot run a sharded step
         images, budget, measured = _checked(step, images, memory, say)
@@ -160,8 +166,9 @@ class _StepPrediction:
     """The step's predicted bytes at any images per rank and trunk budget: resident, the rest of
     the step (measured with a stand-in trunk) and the trunk at each crop group (scaled profiles)."""
 
-    def __init__(self, cfg, model: SSLModel, device, layout: RankLayout, run_step: RunStep, say: Callable[[str], None]):
+    def __init__(self, cfg, model: SSLModel, device, layout: RankLayout, run_step: RunStep, say: Callable[[str], None], images_at_most: Optional[int]):
         self.cfg, self.model, self.device, self.run_step, self.ranks = cfg, model, device, run_step, layout.ranks
+        self.images_at_most = images_at_most
         self.groups = crop_groups(cfg)
         self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
         self.mode = mode = gradient_mode(cfg)
@@ -206,6 +213,14 @@ class _StepPrediction:
         held = [chain.held_after_forward(b, budget) for chain, b in sized]
         last = len(sized) - 1
         return max(sum(held[:j]) + (alone[j] if j == last else found[j]) for j in range(last, -1, -1))
+
+    def in_data_set(self, images: int) -> bool:
+        """Whether the data set gives each rank ``images`` distinct images a step."""
+        return self.images_at_most is None or images <= self.images_at_most
+
+    def fits(self, images: int, memory: int, margin: int = 0) -> bool:
+        """Whether a step of ``images`` per rank is predicted within ``memory`` less ``margin``, and the data set gives a rank that many."""
+        return self.in_data_set(images) and self.total(images) + margin <= memory
 
     def total(self, images: int, budget: Optional[int] = None) -> int:
         """Everything resident during the step at ``images`` per rank (``budget`` None: the lowest-peak plans)."""
@@ -252,10 +267,10 @@ def _checked(step: _StepPrediction, images: int, memory: int, say) -> Tuple[int,
         if memory * 0.95 <= measured <= memory or measured > memory and images == 1:
             break
         margin = max(0, measured - step.total(images, budget))  # what the prediction missed at the plans checked
-        following = largest_fitting(lambda b: step.total(b) + margin <= memory) if step.total(1) + margin <= memory else 1
+        following = largest_fitting(lambda b: step.fits(b, memory, margin)) if step.total(1) + margin <= memory else 1
         if following == images:
             following = images - 1 if measured > memory else images + 1
-        if following < 1 or best is not None and following <= best[0]:
+        if following < 1 or best is not None and following <= best[0] or not step.in_data_set(following):
             break
         images = following
     if best is None:
@@ -265,10 +280,10 @@ def _checked(step: _StepPrediction, images: int, memory: int, say) -> Tuple[int,
 
 
 def fitted_batch(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = RankLayout(),
-                 progress: Optional[Callable[[str], None]] = None) -> Tuple[int, int, list]:
+                 progress: Optional[Callable[[str], None]] = None, images_at_most: Optional[int] = None) -> Tuple[int, int, list]:
     """What the launcher trains with: (images per rank, trunk budget in bytes, the trunk's plans as
     ``[(key, plan.state())]``, plain data any rank can receive) of :func:`fit_step`."""
-    found = fit_step(cfg, device, run_step, layout, progress)
+    found = fit_step(cfg, device, run_step, layout, progress, images_at_most)
     return found.images, found.trunk_budget, [(key, plan.state()) for key, plan in found.plans.items()]
 
 

@@ -38,10 +38,10 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     _check_before_start(cfg, resume)
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
-    cfg, fitted_plans = _batch_to_train(strategy.configured(cfg), device, strategy, resume)
-    _check_images_a_step(cfg, world)
+    dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written; its images bound a step's
+    cfg, fitted_plans = _batch_to_train(strategy.configured(cfg), device, strategy, resume, len(dataset) // world)
+    _check_images_a_step(cfg, world, len(dataset))
     cfg = with_scaled_lr(cfg, world, rank)
-    dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written
     monitor = KnnMonitor(cfg) if cfg.EVAL.KNN.TRAIN_PATH else None  # and on bad kNN folders
     torch.manual_seed(cfg.SEED)
     model = _build_model(cfg, device, fitted_plans)
@@ -88,10 +88,16 @@ def _check_before_start(cfg, resume: bool) -> None:
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
 
 
-def _check_images_a_step(cfg, world: int) -> None:
-    """SimCLR tells each view's partner from the views of the step's other images (every rank's): a
-    step of one image has none, so its loss is 0 and its gradient too."""
+def _check_images_a_step(cfg, world: int, data_set: int) -> None:
+    """A step's images are distinct images of the data set (``data_set`` of them). SimCLR tells each
+    view's partner from the views of the step's other images (every rank's): a step of one image has
+    none, so its loss is 0 and its gradient too."""
     images = cfg.TRAIN.BATCH_SIZE_PER_RANK * world
+    if images > data_set:
+        source = f"{data_set} images in DATA.PATH" if cfg.DATA.PATH else f"DATA.NUM_IMAGES {data_set}"
+        raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank{'s' if world > 1 else ''} is {images} images a step, "
+                         f"more than the data set holds ({source}): a step would hold an image more than once (SimCLR would take its copies "
+                         f"for different images). Set TRAIN.BATCH_SIZE_PER_RANK {data_set // world} or less, or give more images")
     if cfg.METHOD.NAME == "simclr" and images < 2:
         raise ValueError(f"SimCLR needs at least 2 images a step, all ranks together (each view is told from the other images' views), got "
                          f"{images} (TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank): its loss would be 0 and nothing learned")
@@ -145,18 +151,18 @@ def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast) -> dict:
     return {**accuracies, "knn_seconds": time.perf_counter() - start}
 
 
-def _batch_to_train(cfg, device, strategy, resume: bool):
+def _batch_to_train(cfg, device, strategy, resume: bool, images_at_most: int):
     """``TRAIN.BATCH_SIZE_PER_RANK 0``: the config with the batch and trunk budget the resumed run
     trained with (its checkpoint holds its plans), or, on a new run, with those the whole-step fit
-    finds (:mod:`trunksplit.ssl.fit_step`), agreed across ranks, and the fit's trunk plans. Another
-    batch: the config as it is, no plans."""
+    finds (:mod:`trunksplit.ssl.fit_step`) up to ``images_at_most`` per rank (the data set's share of
+    a step), agreed across ranks, and the fit's trunk plans. Another batch: the config as it is, no plans."""
     if cfg.TRAIN.BATCH_SIZE_PER_RANK != 0:
         return cfg, []
     saved = saved_batch(cfg) if resume else None
     if saved is not None:
         return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:"), []
     say = (lambda line: print(f"fit: {line}", flush=True)) if strategy.rank == 0 else None
-    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), strategy.rank_layout, say))
+    images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), strategy.rank_layout, say, images_at_most))
     return with_batch(cfg, images, budget, strategy.rank, f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits"), plans
 
 
