@@ -153,6 +153,7 @@ def test_a_stand_in_the_tool_cannot_build_is_refused_with_what_to_change(argv, s
         _tool("eager_overhead").main(["--device", "cpu", "--size", "64", "--batch", "2", "--budgets", "0.9", "--repeats", "1", *argv])
 
 
+@pytest.mark.slow  # a benchmark tool's run (6 s): nothing in it is asserted but its table's shape
 def test_the_price_check_sets_each_kind_of_plan_beside_its_measured_step(capsys):
     """tools/price_check.py (docs/benchmarks.md): five plans over ResNet-50's stem and res2, each with its
     measured and predicted extra time. (How the prices rank the plans is a benchmark, not asserted: they

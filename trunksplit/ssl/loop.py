@@ -19,6 +19,7 @@ from ..in_backward import holding_updates, update_temporaries, updates_of_this_r
 from ..planning.budget import BudgetTooLowError
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
+from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
@@ -35,9 +36,9 @@ from .strategy import strategy_for
 
 def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
-    _check_before_start(cfg, resume)
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
+    _check_before_start(cfg, resume, device, strategy.agree)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written; its images bound a step's
     cfg, fitted_plans = _batch_to_train(strategy.configured(cfg), device, strategy, resume, len(dataset) // world)
     _check_images_a_step(cfg, world, len(dataset))
@@ -82,10 +83,12 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     return model, last
 
 
-def _check_before_start(cfg, resume: bool) -> None:
-    """What can be refused before anything is run or written: the output directory, the logging."""
+def _check_before_start(cfg, resume: bool, device, agree: Callable) -> None:
+    """What can be refused before anything is run or written: the output directory, the logging, a bf16
+    run on a CPU whose convolutions torch computes wrong (every rank takes ``agree``'s answer)."""
     check_output_dir(cfg.OUTPUT_DIR, resume)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
+    refuse_wrong_bf16_convolutions(cfg, device, agree)
 
 
 def _check_images_a_step(cfg, world: int, data_set: int) -> None:
