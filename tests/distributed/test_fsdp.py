@@ -206,25 +206,41 @@ def _mixed_precision_steps(rank, world_size, out):
         torch.manual_seed(7 + rank)
         loss_of(trunk(x)).backward()
     grads = {n: p.grad.full_tensor() * world_size for n, p in trunk.named_parameters()}
+    # autocast instead: the weights stay fp32 and a bf16 convolution's output meets a fp32 BatchNorm (its planning crashed)
+    autocast = shard_trunk(CheckpointedTrunk(_model("resnet18"), num_splits=3, strategy="balanced"))
+    x = _micro_batch("resnet18", rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast.plan_for(x)
+        features = autocast(x)
+    loss_of(features).backward()
+    autocast_grads = {n: p.grad.full_tensor() * world_size for n, p in autocast.named_parameters()}
     if rank == 0:
-        torch.save({"grads": grads, "plan": trunk.plan}, os.path.join(out, "mixed.pt"))
+        torch.save({"grads": grads, "plan": trunk.plan, "autocast_grads": autocast_grads, "autocast_plan": autocast.plan}, os.path.join(out, "mixed.pt"))
 
 
-def test_a_mixed_precision_sharded_trunk_plans_in_the_dtype_it_runs_in(tmp_path):
+def test_a_sharded_trunk_plans_in_the_dtype_it_runs_in_under_mixed_precision_or_autocast(tmp_path):
     """FSDP2 with param_dtype bf16 casts the trunk's input and gathers its weights in bf16: planning
-    profiles its units in bf16 too (it used to run fp32 copies on the bf16 input and crash), and the
-    step's gradients are those of the model run in bf16 in one process."""
+    profiles its units in bf16 too (it used to run fp32 copies on the bf16 input and crash). Under bf16
+    autocast the weights stay fp32: planning keeps them so (it cast them to the input's bf16, and a
+    BatchNorm's fp32 statistics crashed the launcher's FSDP2 bf16 runs). Each step's gradients are those
+    of the model run so in one process."""
     run_processes(_mixed_precision_steps, WORLD, (str(tmp_path),))
     saved = torch.load(tmp_path / "mixed.pt", weights_only=False)
-    assert saved["plan"].strategy == "balanced" and saved["plan"].predicted_peak_bytes
+    for plan in (saved["plan"], saved["autocast_plan"]):
+        assert plan.strategy == "balanced" and plan.predicted_peak_bytes
     reference = CheckpointedTrunk(_model("vit")).to(torch.bfloat16)  # one process, unsharded, unsplit, in bf16
+    autocast_reference = CheckpointedTrunk(_model("resnet18"))  # under autocast, in fp32
     for rank in range(WORLD):
         torch.manual_seed(7 + rank)
         with threads_of_workers(WORLD):
             loss_of(reference(_micro_batch("vit", rank).to(torch.bfloat16))).backward()
-    for n, p in reference.named_parameters():
-        ref, got = p.grad.float(), saved["grads"][n].float()
-        assert torch.linalg.vector_norm(got - ref) <= 0.05 * torch.linalg.vector_norm(ref) + 1e-6, n
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = autocast_reference(_micro_batch("resnet18", rank))
+            loss_of(out).backward()
+    for model, grads in ((reference, saved["grads"]), (autocast_reference, saved["autocast_grads"])):
+        for n, p in model.named_parameters():
+            ref, got = p.grad.float(), grads[n].float()
+            assert torch.linalg.vector_norm(got - ref) <= 0.05 * torch.linalg.vector_norm(ref) + 1e-6, n
 
 
 def _conv_blocks():

@@ -21,10 +21,12 @@ def private_copy(unit: nn.Module, like=None) -> nn.Module:
     ``like``: the unit's input. A sharded unit whose input is of another floating dtype than its
     weights runs under FSDP2's mixed precision (``MixedPrecisionPolicy(param_dtype=...)``: the
     root casts the input, each unit gathers its weights in that dtype), so its copy's parameters
-    are cast to the input's dtype, and the profile is of the step that will run."""
+    are cast to the input's dtype, and the profile is of the step that will run. Under autocast
+    the input's dtype is autocast's doing (a bf16 convolution's output into a BatchNorm whose
+    weights and statistics stay fp32): the copy keeps its weights' dtypes."""
     m = _unsharded_copy(unit) if _is_sharded(unit) else copy.deepcopy(unit)
     dtype = _floating_dtype(like)
-    if dtype is not None and _is_sharded(unit):
+    if dtype is not None and _is_sharded(unit) and not _under_autocast(like):
         for p in m.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -33,6 +35,13 @@ def private_copy(unit: nn.Module, like=None) -> nn.Module:
     for p in m.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     return m
+
+
+def _under_autocast(like) -> bool:
+    """Whether autocast is on for the device of ``like``'s first tensor."""
+    tensors = like.values() if isinstance(like, dict) else like if isinstance(like, (list, tuple)) else [like]
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    return device is not None and torch.is_autocast_enabled(device.type)
 
 
 def _floating_dtype(like):
