@@ -230,6 +230,23 @@ def _monitor_of(folders, overrides):
     return KnnMonitor(load_config(QUICK, [*SMALL, *overrides, "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))
 
 
+def test_offline_knn_of_a_bf16_run_reads_the_features_its_monitor_read(tmp_path, folders, monkeypatch):
+    """``trunksplit knn`` promises the numbers the monitor logged at that step: a bf16 run's monitor extracts
+    features under the run's autocast, so must the offline evaluation (it ran fp32: a digits run read 0.933
+    online and 0.936 offline). The features the kNN is given, online and offline, bit for bit."""
+    from trunksplit.ssl import knn as knn_module
+
+    given = []
+    real = knn_module.knn_accuracy
+    monkeypatch.setattr(knn_module, "knn_accuracy", lambda *args, **kwargs: given.append(args[:4]) or real(*args, **kwargs))
+    run = tmp_path / "run"
+    train(load_config(QUICK, ["OUTPUT_DIR", str(run), *SMALL, "TRAIN.STEPS", "1", "TRAIN.AUTOCAST", "bf16", "EVAL.KNN.TRAIN_PATH", folders["train"],
+                              "EVAL.KNN.VAL_PATH", folders["val"]]))
+    online = given[-1]
+    assert main(["knn", str(run), "--train", folders["train"], "--val", folders["val"]]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(online, given[-1]))
+
+
 def test_knn_of_a_run_without_a_checkpoint_says_so_in_its_own_words(tmp_path, folders, capsys):
     run = tmp_path / "run"
     run.mkdir()

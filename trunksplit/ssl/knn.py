@@ -30,6 +30,7 @@ from tqdm import tqdm
 from .config import load_config
 from .data import IMAGE_EXTENSIONS, read_image
 from .dino import build_ssl_model
+from .parallel import autocast_for
 from .run_dir import CHECKPOINT, load_checkpoint, load_sharded_model
 
 EVAL_CROP_FRACTION = 0.875  # the centre crop's share of the resized image (ImageNet's 224 of 256)
@@ -202,4 +203,4 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
             model.load_state_dict(state["model"])
         step = state["step"]
     device = torch.device(device)
-    return step, monitor.evaluate(model.to(device).trunk, device, progress=True)
+    return step, monitor.evaluate(model.to(device).trunk, device, autocast=autocast_for(cfg, device), progress=True)  # as the monitor ran
