@@ -230,7 +230,10 @@ def test_a_run_stepped_in_backward_trains_the_standard_runs_weights_in_less_memo
     peak lower: gradients are never all alive at once."""
     runs = {}
     for how in ("standard", "in_backward"):
-        overrides = ["OUTPUT_DIR", str(tmp_path / how), "TRAIN.STEPS", "3", *SMALL, *recipe, "OPTIM.IN_BACKWARD", str(how == "in_backward")]
+        # the whole step both ways (DINO's): there each gradient is freed at its update; backward by crop group, both ways hold
+        # every gradient until the last group's backward (tests/ssl/test_grouped.py compares the two steps stepped in backward)
+        overrides = ["OUTPUT_DIR", str(tmp_path / how), "TRAIN.STEPS", "3", *SMALL, *recipe, "OPTIM.IN_BACKWARD", str(how == "in_backward"),
+                     "TRAIN.BACKWARD_BY_CROP_GROUP", "False"]
         runs[how] = train(load_config(QUICK, overrides))
     (standard, standard_row), (stepped, stepped_row) = runs["standard"], runs["in_backward"]
     for (name, a), (_, b) in zip(standard.state_dict().items(), stepped.state_dict().items()):
