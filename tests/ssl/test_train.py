@@ -555,6 +555,7 @@ def _write(path, text):
         (None, ["TRAIN.LOG_EVERY", "0"], "TRAIN.LOG_EVERY must be >= 1"),
         (None, ["TRAIN.CHECKPOINT_EVERY", "0"], "TRAIN.CHECKPOINT_EVERY must be >= 1"),
         (None, ["DATA.NUM_IMAGES", "0"], "DATA.NUM_IMAGES must be >= 1"),
+        (None, ["DISTRIBUTED.BACKEND", "foo"], "DISTRIBUTED.BACKEND must be gloo, nccl"),  # torch's own: an AssertionError in every rank
         (None, ["TRAIN.BATCH_SIZE_PER_RANK", "-2"], "TRAIN.BATCH_SIZE_PER_RANK must be >= 1"),
         (None, ["TRAIN.STEPS", "-3"], "TRAIN.STEPS must be >= 1"),
         (None, ["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "1.5"], "neither a fraction in (0, 1] nor a whole number of bytes"),
@@ -847,6 +848,17 @@ def test_train_device_cuda_without_an_index_is_this_processs_gpu(monkeypatch):
     assert (rank, world, device, chosen) == (0, 1, torch.device("cuda", 1), [torch.device("cuda", 1)])
     with pytest.raises(ValueError, match="this machine has 2 GPU"):
         setup_distributed(load_config("", ["TRAIN.DEVICE", "cuda:2"]))
+
+
+def test_nccl_for_cpu_ranks_is_refused_in_the_configs_terms_before_any_process_group(monkeypatch):
+    """torchrun's CPU ranks with DISTRIBUTED.BACKEND nccl: torch's 'ProcessGroupNCCL is only supported with GPUs'
+    came from inside init_process_group; now the config's key and what to set, and no group is made."""
+    from trunksplit.ssl.parallel import setup_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"DISTRIBUTED.BACKEND nccl runs on GPUs, and this run is on cpu: use gloo, or leave it empty"):
+        setup_distributed(load_config("", ["TRAIN.DEVICE", "cpu", "DISTRIBUTED.BACKEND", "nccl"]))
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.parametrize("world", [1, 2])

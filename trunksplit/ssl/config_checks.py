@@ -3,6 +3,7 @@ line), every refusal a ``ValueError`` that names the key and what to write inste
 import math
 import warnings
 
+import torch.distributed as dist
 from fvcore.common.config import CfgNode as CN
 
 from ..planning.budget import MemoryBudget
@@ -83,6 +84,9 @@ def check_config(cfg: CN, defaults: CN) -> None:
     _check_in_backward(cfg)
     _check_knn(cfg)
     check_strategy(cfg)
+    backends = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    if cfg.DISTRIBUTED.BACKEND not in ("", *backends):
+        raise ValueError(f"DISTRIBUTED.BACKEND must be {', '.join(backends)} or empty (nccl on CUDA, gloo on CPU), got {cfg.DISTRIBUTED.BACKEND!r}")
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
     if cfg.DATA.SYNTHETIC not in SYNTHETIC_KINDS:

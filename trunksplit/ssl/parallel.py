@@ -31,6 +31,8 @@ def setup_distributed(cfg):
     else:
         keep_freed_host_memory()
     if world > 1 and not dist.is_initialized():
+        if cfg.DISTRIBUTED.BACKEND == "nccl" and device.type != "cuda":
+            raise ValueError(f"DISTRIBUTED.BACKEND nccl runs on GPUs, and this run is on {device.type}: use gloo, or leave it empty (gloo on CPU)")
         dist.init_process_group(cfg.DISTRIBUTED.BACKEND or ("nccl" if device.type == "cuda" else "gloo"), init_method="env://")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
