@@ -83,14 +83,19 @@ def check_config(cfg: CN, defaults: CN) -> None:
         raise ValueError(f"TRAIN.GRADIENTS must be allocated or kept, got {cfg.TRAIN.GRADIENTS!r}")
     _check_in_backward(cfg)
     _check_knn(cfg)
-    check_strategy(cfg)
-    backends = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
-    if cfg.DISTRIBUTED.BACKEND not in ("", *backends):
-        raise ValueError(f"DISTRIBUTED.BACKEND must be {', '.join(backends)} or empty (nccl on CUDA, gloo on CPU), got {cfg.DISTRIBUTED.BACKEND!r}")
+    _check_distributed(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
     if cfg.DATA.SYNTHETIC not in SYNTHETIC_KINDS:
         raise ValueError(f"DATA.SYNTHETIC must be one of {SYNTHETIC_KINDS}, got {cfg.DATA.SYNTHETIC!r}")
+
+
+def _check_distributed(cfg: CN) -> None:
+    """The strategy, and the backend by one of torch's names (torch's own refusal is an AssertionError in every rank)."""
+    check_strategy(cfg)
+    backends = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    if cfg.DISTRIBUTED.BACKEND not in ("", *backends):
+        raise ValueError(f"DISTRIBUTED.BACKEND must be {', '.join(backends)} or empty (nccl on CUDA, gloo on CPU), got {cfg.DISTRIBUTED.BACKEND!r}")
 
 
 def _check_optim(cfg: CN) -> None:
