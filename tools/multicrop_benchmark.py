@@ -79,7 +79,8 @@ def measure(method: str, plan: str, args) -> list:
     cfg, model, crops = _setup(method, plan, args)
     models = {g: copy.deepcopy(model) for g in (False, True)}
     # stepped in backward: each copy's parameters updated by its own optimizer (held: they live as long as the copy)
-    stand_ins = [optimizer_in_backward(m, optimizer_of(cfg)[0], **optimizer_of(cfg)[1]) for m in models.values()] if args.in_backward else []
+    optimizer_class, optimizer_kwargs = optimizer_of(cfg)
+    stand_ins = [optimizer_in_backward(m, optimizer_class, **optimizer_kwargs) for m in models.values()] if args.in_backward else []
     peaks = {}
     for grouped, m in models.items():
         _step(cfg, m, crops, grouped)  # plans each resolution, and warms up
