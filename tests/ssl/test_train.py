@@ -600,6 +600,16 @@ def test_select_from_the_command_line_equals_select_from_yaml(tmp_path):
     assert wrapped[0] == wrapped[1] == wrapped[2] and len(wrapped[0]) == 8
 
 
+def test_a_selective_run_says_which_blocks_checkpoint_themselves(tmp_path):
+    """SELECT leaves the trunk one segment: the run's plan line read "vissl, 1 segment", as if nothing were
+    checkpointed. Now it names the selected blocks: every second of ResNet-50's 16 bottlenecks (3, 4, 6, 3)."""
+    blocks = [f"res{stage}.{i}" for stage, count in ((2, 3), (3, 4), (4, 6), (5, 3)) for i in range(count)]
+    _, last = train(load_config(os.path.join(ROOT, "configs", "simclr_resnet50_selective.yaml"), [
+        "OUTPUT_DIR", str(tmp_path), "DATA.CROP_SIZES", "[64]", "DATA.IMAGE_SIZE", "64", "TRAIN.BATCH_SIZE_PER_RANK", "2", "TRAIN.STEPS", "1",
+        "DATA.NUM_IMAGES", "8", "DATA.NUM_WORKERS", "0"]))
+    assert last["plan"] == f"SELECT, 8 blocks each its own checkpoint ({' '.join(blocks[::2])})"
+
+
 def test_select_with_a_budget_says_which_wins():
     with pytest.warns(UserWarning, match=r"SELECT wins.*MEMORY_BUDGET 0.5 is ignored"):
         load_config(QUICK, ["MODEL.ACTIVATION_CHECKPOINTING.SELECT", "{every_k: 2}", "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.5"])

@@ -19,7 +19,7 @@ from ..planning.wrap import apply_activation_checkpointing
 from ..ssl.backbones import HF, build_backbone, build_hf_model, hf_is_chain
 from ..ssl.config import load_config
 from ..ssl.data import image_dataset
-from ..recompute.wrapper import is_checkpoint_wrapped
+from ..recompute.wrapper import checkpoint_wrapped_names
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.loop import step_for_fit
 from ..ssl.model import budget_refused, build_trunk
@@ -90,7 +90,7 @@ def _plan_config(args) -> int:
                              "prints that batch and each crop group's plan")
         trunk = build_trunk(cfg)
         if len(cfg.MODEL.ACTIVATION_CHECKPOINTING.SELECT):
-            wrapped = [n for n, m in trunk.named_modules() if is_checkpoint_wrapped(m)]
+            wrapped = checkpoint_wrapped_names(trunk)
             print(f"MODEL.ACTIVATION_CHECKPOINTING.SELECT wraps {len(wrapped)} blocks, each its own checkpoint (no segments to plan): {' '.join(wrapped)}")
             return 0
         if trunk.gradients == "in_backward":

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..recompute.policies import RECOMPUTE
 from ..recompute.select import Condition, as_condition, wrap_selected
-from ..recompute.wrapper import checkpoint_wrapper, is_checkpoint_wrapped, unwrap_checkpoint
+from ..recompute.wrapper import checkpoint_wrapped_names, checkpoint_wrapper, unwrap_checkpoint
 from .budget import BudgetTooLowError, MemoryBudget, format_bytes
 from .memory import PeakMemory, tensors_in
 from .request import GRADIENT_MODES, UPDATE_TEMPORARIES, in_backward_mark
@@ -122,7 +122,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     memory_budget = MemoryBudget.parse(memory_budget)
     if memory_budget is None:
         raise ValueError("wrap_for_budget needs a memory budget above 0: a fraction in (0, 1], bytes or a size (2GiB)")
-    wrapped = [name for name, m in model.named_modules() if is_checkpoint_wrapped(m)]
+    wrapped = checkpoint_wrapped_names(model)
     if wrapped:
         raise ValueError(
             f"{type(model).__name__} is already wrapped ({len(wrapped)} checkpointed blocks: {', '.join(wrapped[:3])}{' ...' if len(wrapped) > 3 else ''}): "

@@ -4,7 +4,7 @@ done so that names, ``state_dict`` keys, ``deepcopy`` and ``pickle`` all keep wo
 Exactness (outputs, gradients, RNG, autocast, BatchNorm once) comes from
 :func:`trunksplit.recompute.checkpoint.run_checkpointed`, which the wrapper calls.
 """
-from typing import Callable
+from typing import Callable, List
 
 import torch
 from torch import nn
@@ -108,6 +108,11 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, *, polic
 
 def is_checkpoint_wrapped(module: nn.Module) -> bool:
     return isinstance(module, _Checkpointed)
+
+
+def checkpoint_wrapped_names(module: nn.Module) -> List[str]:
+    """The names of ``module``'s checkpoint-wrapped submodules, in ``named_modules()`` order."""
+    return [name for name, m in module.named_modules() if isinstance(m, _Checkpointed)]
 
 
 def unwrap_checkpoint(module: nn.Module) -> nn.Module:

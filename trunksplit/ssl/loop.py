@@ -19,6 +19,7 @@ from ..in_backward import holding_updates, update_temporaries, updates_of_this_r
 from ..planning.budget import BudgetTooLowError
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
+from ..recompute.wrapper import checkpoint_wrapped_names
 from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
@@ -225,6 +226,9 @@ def _plans_said(cfg, trunk, peaks: bool = False) -> str:
     def said(plan: SplitPlan) -> str:
         return plan.headline + (f", predicted trunk peak {plan.predicted_peak_bytes / 2**20:.1f} MiB" if peaks and plan.predicted_peak_bytes else "")
 
+    selected = checkpoint_wrapped_names(trunk)  # MODEL.ACTIVATION_CHECKPOINTING.SELECT: one segment, the blocks checkpoint themselves
+    if selected:
+        return f"SELECT, {len(selected)} blocks each its own checkpoint ({' '.join(selected)})"
     plans = trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
         by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size
