@@ -39,15 +39,13 @@ def private_copy(unit: nn.Module, like=None) -> nn.Module:
 
 def _under_autocast(like) -> bool:
     """Whether autocast is on for the device of ``like``'s first tensor."""
-    tensors = like.values() if isinstance(like, dict) else like if isinstance(like, (list, tuple)) else [like]
-    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    device = next((t.device for t in tensors_in(like)), None)
     return device is not None and torch.is_autocast_enabled(device.type)
 
 
 def _floating_dtype(like):
     """The dtype of the first floating tensor in ``like`` (a tensor, or a tuple, list or dict of them)."""
-    tensors = like.values() if isinstance(like, dict) else like if isinstance(like, (list, tuple)) else [like]
-    return next((t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    return next((t.dtype for t in tensors_in(like) if t.is_floating_point()), None)
 
 
 def _drop_hooks(module: nn.Module) -> None:
