@@ -287,12 +287,19 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     def accumulating(self):
         """Backwards run in this context add to the gradients and update nothing: the next backward
         outside it updates each parameter from the whole sum (a multi-crop step backward by crop
-        group, gradient accumulation). The gradients stay alive meanwhile."""
+        group, gradient accumulation). The gradients stay alive meanwhile. Enter it before the
+        forward: a trunk planned for ``gradients="in_backward"`` plans such a call for the gradients
+        its backward keeps (``"allocated"``)."""
         self._accumulating = True
         try:
             yield
         finally:
             self._accumulating = False
+
+    @property
+    def holding(self) -> bool:
+        """Whether updates are held now (inside :meth:`accumulating`)."""
+        return self._accumulating
 
     def update(self, p: torch.Tensor) -> None:
         """Update ``p`` from its gradient, as the optimizer's ``step()`` would, then free the gradient

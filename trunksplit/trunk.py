@@ -12,7 +12,7 @@ from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, l
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
 from .planning.plan import SplitPlan
-from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, plan_key, planned_temporaries
+from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, plan_key, planned_temporaries, updates_held
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
 from .planning.timing import run_eagerly
@@ -49,8 +49,9 @@ class CheckpointedTrunk(nn.Module):
             None, so every step allocates them during backward) or ``"kept"``
             (``zero_grad(set_to_none=False)``: they stay allocated between steps) or
             ``"in_backward"`` (:func:`trunksplit.optimizer_in_backward` updates each parameter
-            and frees its gradient as soon as it is whole). Budgets and fractions are of
-            what the step allocates beyond what was live before it, in that mode.
+            and frees its gradient as soon as it is whole; a call whose updates are held,
+            ``accumulating()``, keeps its gradients and is planned as ``"allocated"``). Budgets
+            and fractions are of what the step allocates beyond what was live before it, in that mode.
         objective: what cost-aware plans minimise among those that fit: ``"time"``, recompute
             in seconds timed while profiling (machine-dependent), ``"flops"``, FLOPs run again,
             then cheap bytes (the same plan everywhere); ``"auto"``: time for inputs on a GPU
@@ -127,11 +128,13 @@ class CheckpointedTrunk(nn.Module):
         """Planned from measurements at the first training forward (balanced, or a budget), not by module count."""
         return self.strategy != "vissl" or self.memory_budget is not None
 
-    def plan_request(self) -> PlanRequest:
-        """What the planner is asked for this trunk (see :class:`trunksplit.planning.request.PlanRequest`)."""
+    def plan_request(self, held: Optional[bool] = None) -> PlanRequest:
+        """What the planner is asked for a call made now, or one whose updates are ``held`` or not
+        (:meth:`updates_held`: planned as ``"allocated"``; see :class:`trunksplit.planning.request.PlanRequest`)."""
         units = tuple(self.units)
+        held = self.updates_held() if held is None else held and self.gradients == "in_backward"
         return PlanRequest(units=units, feature_stops=tuple(self._ends.items()), num_splits=self.num_splits, strategy=self.strategy,
-                           budget=self.memory_budget, gradients=self.gradients, objective=self.objective,
+                           budget=self.memory_budget, gradients="allocated" if held else self.gradients, objective=self.objective,
                            use_reentrant=self.use_reentrant, compiled=self._compiled is not None, world_size=sharded_world_size([m for _, m in units]),
                            update_temporaries=planned_temporaries(self.parameters(), self._update_temporaries))  # its optimizer's, where one steps in backward
 
@@ -170,8 +173,9 @@ class CheckpointedTrunk(nn.Module):
         """The plan used for an input like ``x``.
 
         Cost-aware plans are measured once per input shape, dtype, device and autocast
-        dtype (:meth:`key_for`), and cached. Call it with a sample batch to plan up front
-        (before wrapping in DDP, say); otherwise the first training forward does. Under
+        dtype, apart for calls whose updates in backward are held (:meth:`key_for`), and
+        cached. Call it with a sample batch to plan up front (before wrapping in DDP, say;
+        inside ``accumulating()`` for a held call); otherwise the first training forward does. Under
         ``torch.compile`` it runs eagerly (a graph break), so a compiled trunk plans as an
         eager one does. After :meth:`compile` it also times the units here, once per input
         key, vissl's plan too. Under several processes every rank runs what
@@ -180,7 +184,7 @@ class CheckpointedTrunk(nn.Module):
             return self._fixed_plan
         key = self.key_for(x)
         if key not in self._plans:
-            plan = self.agreement(plan_trunk(self.plan_request(), x)) if self.cost_aware else self._fixed_plan
+            plan = self.agreement(plan_trunk(self.plan_request(), x, held=self.updates_held())) if self.cost_aware else self._fixed_plan
             if self._compiled is not None:
                 self._compiled.eager[key] = run_eagerly(self._compiled, [m for _, m in self.units], plan.segments, x, self.agreement)
                 plan = replace(plan, compiled=True)
@@ -188,14 +192,19 @@ class CheckpointedTrunk(nn.Module):
         self._plan = self._plans[key]  # what print(trunk.plan) shows, planned up front or not
         return self._plan
 
-    @staticmethod
-    def key_for(x) -> Tuple:
+    def key_for(self, x) -> Tuple:
         """What a cost-aware plan depends on besides the trunk: the shape and dtype of each tensor
-        in the input (a tensor, or a list, tuple or dict of them), its device and autocast."""
+        in the input (a tensor, or a list, tuple or dict of them), its device, autocast, and whether
+        the call's updates in backward are held (:meth:`updates_held`)."""
         tensors = list(tensors_in(x))
         if not tensors:
             raise TypeError(f"a cost-aware plan measures the trunk on its input, and this {type(x).__name__} holds no tensor")
-        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device)
+        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device, self.updates_held())
+
+    def updates_held(self) -> bool:
+        """Stepped in backward, whether updates are held now (``accumulating()``, ``holding_updates``): a call's
+        backward then keeps every gradient, so it is planned (as ``"allocated"``) and keyed apart."""
+        return self.gradients == "in_backward" and updates_held(self.parameters())
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
         # a meta tensor holds no memory (shape inference, a FLOP count): nothing to plan or to save
@@ -205,6 +214,7 @@ class CheckpointedTrunk(nn.Module):
         if checkpointing and self._compiled is not None:
             self._compiled.select(self.key_for(x))
         stops = {stop: name for name, stop in self._ends.items()}
+        kept_budget = self.memory_budget is not None and self.gradients != "allocated" and self.training and torch.is_grad_enabled()
         features = {}
         for seg in plan.segments:
             layers = units[seg.start : seg.stop]
@@ -213,7 +223,7 @@ class CheckpointedTrunk(nn.Module):
             # a cut forced after a requested feature may fall before an in-place op: see run_units
             copy_input = seg.start > 0 and not layer_splittable_before(layers[0])
             checkpointed = checkpointing and seg.checkpointed
-            run = self._body(regions, copy_input, checkpointed)
+            run = _segment_body(self._compiled, regions, copy_input, checkpointed, apart=kept_budget and not checkpointed)
             x = eager_segment(run, layers, x, self.use_reentrant) if checkpointed else run(x, *layers)
             if seg.stop in stops:
                 features[stops[seg.stop]] = x
@@ -258,21 +268,21 @@ class CheckpointedTrunk(nn.Module):
         """What :meth:`compile` compiles units with; None while the trunk runs eagerly."""
         return None if self._compiled is None else dict(self._compiled.options)
 
-    def _body(self, regions, copy_input: bool, checkpointed: bool) -> Callable:
-        """What runs the units of one segment: compiled as :meth:`compile` says after it (but
-        under an outer ``torch.compile``, which traces it)."""
-        body = functools.partial(run_units, copy_input, regions, checkpointed)
-        if torch.compiler.is_compiling():
-            # a budget's promise with gradients kept: see run_units_apart
-            apart = self.memory_budget is not None and self.gradients != "allocated" and not checkpointed and self.training and torch.is_grad_enabled()
-            return functools.partial(body, plain=run_units_apart if apart else run_plain, region=eager_region)
-        if self._compiled is None:
-            return functools.partial(body, region=eager_region)
-        return functools.partial(body, plain=self._compiled.units, region=self._compiled.region)
-
     def extra_repr(self) -> str:
         budget = f", memory_budget={self.memory_budget}" if self.memory_budget is not None else ""
         return f"out_feat_keys={self.out_feat_keys}, strategy={self.strategy!r}, num_splits={self.num_splits}{budget}, use_reentrant={self.use_reentrant}, gradients={self.gradients!r}"
+
+
+def _segment_body(compiled: Optional[CompiledUnits], regions, copy_input: bool, checkpointed: bool, apart: bool) -> Callable:
+    """What runs the units of one segment: compiled as ``CheckpointedTrunk.compile`` says after it (but
+    under an outer ``torch.compile``, which traces it; ``apart``: a budget's promise with gradients kept,
+    see run_units_apart)."""
+    body = functools.partial(run_units, copy_input, regions, checkpointed)
+    if torch.compiler.is_compiling():
+        return functools.partial(body, plain=run_units_apart if apart else run_plain, region=eager_region)
+    if compiled is None:
+        return functools.partial(body, region=eager_region)
+    return functools.partial(body, plain=compiled.units, region=compiled.region)
 
 
 def _alone(decision):

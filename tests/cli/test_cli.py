@@ -278,15 +278,18 @@ def _printed_plans(out):
     return plans
 
 
-def test_plan_of_a_config_is_the_plan_the_launcher_trains_each_crop_group_with(tmp_path, capsys):
-    """``plan --config-file`` before a run against the run itself: the trunk's plan for each crop group."""
+@pytest.mark.parametrize("stepped", [False, True], ids=["standard", "stepped_in_backward"])
+def test_plan_of_a_config_is_the_plan_the_launcher_trains_each_crop_group_with(tmp_path, capsys, stepped):
+    """``plan --config-file`` before a run against the run itself: the trunk's plan for each crop group
+    (stepped in backward, the first group's backward holds its updates, and its gradients: said, and planned so)."""
     from trunksplit.ssl.config import load_config
     from trunksplit.ssl.loop import train
 
-    overrides = [*SMALL_RUN, *MULTI_CROP, "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "3"]
+    overrides = [*SMALL_RUN, *MULTI_CROP, "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "3", "OPTIM.IN_BACKWARD", str(stepped)]
     assert main(["plan", "--config-file", QUICK, *overrides]) == 0
     out = capsys.readouterr().out
     assert "group 1: 2 x 32px crops per image, the trunk on 8 per rank" in out and "group 2: 4 x 16px crops per image, the trunk on 16 per rank" in out
+    assert out.count("its updates in backward held until the last group's") == stepped
     assert "input 8x3x32x32" in out and "input 16x3x16x16" in out
     model, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), *overrides]))
     trained = sorted(model.trunk.plans.items(), key=lambda kv: -kv[0][0][0][0][-1])  # by crop size, largest first

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trunksplit import optimizer_in_backward
+from trunksplit import trunk as trunk_module
 from trunksplit.ssl import loop
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.dino import build_ssl_model
@@ -123,12 +124,19 @@ STEPPED = ["OPTIM.IN_BACKWARD", "True", "MODEL.TRUNK.NAME", "mobilenet_v3_small"
            "DATA.CROP_COUNTS", "[2, 4]"]
 
 
-def test_a_run_stepped_in_backward_trains_grouped_the_whole_steps_weights_in_less_memory(tmp_path):
+def test_a_run_stepped_in_backward_trains_grouped_the_whole_steps_weights_in_less_memory(tmp_path, monkeypatch):
     """Stepped in backward, every group but the last holds its updates (the optimizer steps each
     parameter once, from its whole gradient): the whole step's weights bit for bit (two
     resolutions), a lower step peak (one group's activations beside the gradients, not every
-    group's), and the side-by-side copies stepped grouped as the run is."""
-    (whole, whole_row), (grouped, grouped_row) = (_run(tmp_path, str(g), "dino", *STEPPED, "TRAIN.BACKWARD_BY_CROP_GROUP", str(g)) for g in (False, True))
+    group's), and the side-by-side copies stepped grouped as the run is. The held group's trunk is
+    planned for the gradients it keeps, before the first step, as the plan line says."""
+    whole, whole_row = _run(tmp_path, "False", "dino", *STEPPED, "TRAIN.BACKWARD_BY_CROP_GROUP", "False")
+    planned = []
+    real = trunk_module.plan_trunk
+    monkeypatch.setattr(trunk_module, "plan_trunk", lambda *a, **kw: planned.append((a[1].shape, kw.get("held"))) or real(*a, **kw))
+    grouped, grouped_row = _run(tmp_path, "True", "dino", *STEPPED, "TRAIN.BACKWARD_BY_CROP_GROUP", "True")
+    assert planned == [((8, 3, 64, 64), True), ((16, 3, 48, 48), False)], planned  # once each, the large crops' call held
+    assert "group 1 (2 x 64px, updates held): " in grouped_row["plan"] and "group 2 (4 x 48px): " in grouped_row["plan"], grouped_row["plan"]
     for (name, a), (_, b) in zip(whole.state_dict().items(), grouped.state_dict().items()):
         assert torch.equal(a, b), name
     assert all(p.grad is None for p in grouped.parameters())  # each freed at its update

@@ -21,6 +21,7 @@ from ..ssl.config import load_config
 from ..ssl.data import image_dataset
 from ..recompute.wrapper import checkpoint_wrapped_names
 from ..ssl.fit_step import crop_groups, fit_step
+from ..ssl.grouped import held_calls
 from ..ssl.loop import step_for_fit
 from ..ssl.model import budget_refused, build_trunk
 from ..ssl.optim import optimizer_of
@@ -64,14 +65,14 @@ def run_plan(args) -> int:
     return 0
 
 
-def _measured_plan(trunk: CheckpointedTrunk, x: torch.Tensor, world_size: int):
-    """The plan ``trunk`` makes for ``x``, with the predicted peak of each segment, and the unsplit step's
-    peak: its units measured once, for one of ``world_size`` FSDP2 ranks."""
-    request = trunk.plan_request()
+def _measured_plan(trunk: CheckpointedTrunk, x: torch.Tensor, world_size: int, held: bool = False):
+    """The plan ``trunk`` makes for ``x`` (in a call whose updates in backward are ``held``), with the predicted
+    peak of each segment, and the unsplit step's peak: its units measured once, for one of ``world_size`` FSDP2 ranks."""
+    request = trunk.plan_request(held)
     with _progress(len(request.units), "profiling units") as step:
         costs = peak_model(request, x, regions=request.budget is not None, world_size=world_size, progress=step)
     _phase("searching the plan")
-    plan = plan_trunk(request, x, costs) if request.cost_aware else annotate(trunk.plan_for(x), costs)
+    plan = plan_trunk(request, x, costs, held=held) if request.cost_aware else annotate(trunk.plan_for(x), costs)
     return plan, costs.peak([0])
 
 
@@ -95,12 +96,14 @@ def _plan_config(args) -> int:
             return 0
         if trunk.gradients == "in_backward":
             trunk.update_temporaries = update_temporaries(*optimizer_of(cfg))  # the run's optimizer, as it builds it
-        batch = cfg.TRAIN.BATCH_SIZE_PER_RANK
-        for k, (size, count) in enumerate(crop_groups(cfg)):
+        batch, groups = cfg.TRAIN.BATCH_SIZE_PER_RANK, crop_groups(cfg)
+        held = held_calls(cfg, [torch.zeros(1, 1, size, size) for size, count in groups for _ in range(count)])
+        for k, (size, count) in enumerate(groups):
             shape = (batch * count, 3, size, size)
-            print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank")
+            print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank"
+                  + (", its updates in backward held until the last group's: it keeps every gradient" if held[k] else ""))
             try:
-                _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world), shape)
+                _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world, held[k]), shape)
             except BudgetTooLowError as e:
                 raise ValueError(budget_refused(cfg, trunk, e)) from None
         print("\neach peak is the trunk's own step; the whole SSL step (head, loss, teacher, every crop group) is what "

@@ -90,7 +90,8 @@ class MemoryBudget:
 class BudgetTooLowError(ValueError):
     """No plan meets a memory budget at this input. ``smallest_bytes`` is the lowest step peak the
     planner reaches (a budget it meets), ``None`` where it refused before searching (the parameters'
-    gradients alone are above the budget); ``unsplit_bytes`` is the step's peak without checkpointing.
+    gradients alone are above the budget); ``unsplit_bytes`` is the step's peak without checkpointing;
+    ``held``: the refused call's updates in backward were held, so its backward kept every gradient.
     The message says why and what would help; nothing was changed. A ``ValueError``, as every
     refused argument, so code that catches those still does. Where the floor will do::
 
@@ -102,9 +103,9 @@ class BudgetTooLowError(ValueError):
             trunk = CheckpointedTrunk(model, memory_budget=e.smallest_bytes)   # the floor, in bytes
     """
 
-    def __init__(self, message: str, smallest_bytes: Optional[int], unsplit_bytes: int):
+    def __init__(self, message: str, smallest_bytes: Optional[int], unsplit_bytes: int, held: bool = False):
         super().__init__(message)
-        self.smallest_bytes, self.unsplit_bytes = smallest_bytes, unsplit_bytes
+        self.smallest_bytes, self.unsplit_bytes, self.held = smallest_bytes, unsplit_bytes, held
 
 
 def parse_memory_size(value: Union[int, float, str], name: str = "memory size") -> int:

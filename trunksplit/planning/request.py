@@ -43,6 +43,10 @@ class InBackwardMark:
     def update_temporaries(self) -> float:
         return self.stand_in.update_temporaries
 
+    @property
+    def holding(self) -> bool:
+        return self.stand_in.holding
+
     def __reduce__(self):
         return type(None), ()
 
@@ -157,10 +161,18 @@ def planned_temporaries(params: Iterable[torch.Tensor], default: float) -> float
     return max(marked) if marked else default
 
 
-def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device) -> Tuple:
+def updates_held(params: Iterable[torch.Tensor]) -> bool:
+    """Whether an optimizer stepping ``params`` in backward holds their updates now (its
+    ``accumulating()``, :func:`trunksplit.in_backward.holding_updates`): a backward then keeps every
+    gradient it makes, as in torch's default mode (``"allocated"``), instead of freeing each."""
+    return any(mark.holding for mark in map(in_backward_mark, params) if mark is not None)
+
+
+def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device, held: bool = False) -> Tuple:
     """The key of a cost-aware plan for inputs of these (shape, dtype) on ``device``, in the
-    current autocast state: what ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
+    current autocast state, ``held``: for a call whose updates in backward are held (see
+    :func:`updates_held`). What ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
     tensor, so a plan for a batch too big to allocate can be stored (``fit``)."""
     device = torch.device(device).type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    return (tuple((tuple(s), d) for s, d in shapes), device, autocast)
+    return (tuple((tuple(s), d) for s, d in shapes), device, autocast, bool(held))

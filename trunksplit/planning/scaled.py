@@ -74,8 +74,10 @@ class ScaledChain:
         """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
         return [0] + ([i for i in range(1, len(self.units)) if self.splittable[i]] if kind == "every unit" else [])
 
-    def _cuts(self, batch: int, budget: Optional[int] = None):
-        peaks = self._peaks(batch)
+    def _cuts(self, batch: int, budget: Optional[int] = None, held: bool = False):
+        """(peak model, cuts) of the least-recompute plan within ``budget`` (None: the lowest peak), for a call whose updates in
+        backward are ``held`` or not (held: its backward keeps the gradients, as ``CheckpointedTrunk`` plans it: ``"allocated"``)."""
+        peaks = self._peaks(batch, "allocated" if held else None)
         return peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
 
     def lowest_peak(self, batch: int) -> int:
@@ -83,15 +85,13 @@ class ScaledChain:
         peaks, cuts = self._cuts(batch)
         return peaks.peak(*cuts)
 
-    def planned_peak(self, batch: int, budget: Optional[int] = None, gradients: Optional[str] = None) -> int:
+    def planned_peak(self, batch: int, budget: Optional[int] = None, gradients: Optional[str] = None, held: bool = False) -> int:
         """The step peak at ``batch`` of the least-recompute plan within ``budget`` (None: the
-        lowest-peak plan), priced for the trunk's gradient mode, or, with ``gradients``, that same
-        plan run where the gradients are another mode's (``"kept"``: a second trunk call of a step
-        finds the first one's gradients alive)."""
-        peaks, cuts = self._cuts(batch, budget)
-        if cuts is None:
-            peaks, cuts = self._cuts(batch)
-        if gradients is not None and gradients != self.trunk.gradients:
+        lowest-peak plan) for a call whose updates in backward are ``held`` or not, priced as it is
+        planned, or, with ``gradients``, that same plan run where the gradients are another mode's
+        (``"kept"``: a second trunk call of a step finds the first one's gradients alive)."""
+        peaks, cuts = self._chosen(batch, budget, held)
+        if gradients is not None:
             peaks = self._peaks(batch, gradients)
         return peaks.peak(*cuts)
 
@@ -102,14 +102,15 @@ class ScaledChain:
         kept = self._peaks(batch, "kept")
         return kept.segment_peaks(*cuts)[-1]
 
-    def _chosen(self, batch: int, budget: Optional[int]):
+    def _chosen(self, batch: int, budget: Optional[int] = None, held: bool = False):
         """(peak model, cuts) of the least-recompute plan within ``budget``; the lowest-peak plan where none fits, or for None."""
-        peaks, cuts = self._cuts(batch, budget)
-        return (peaks, cuts) if cuts is not None else self._cuts(batch)
+        peaks, cuts = self._cuts(batch, budget, held)
+        return (peaks, cuts) if cuts is not None else self._cuts(batch, None, held)
 
-    def plan(self, batch: int, budget: Optional[int]):
-        """The least-recompute plan at ``batch`` whose peak fits ``budget`` (where none does, or for None: the lowest-peak plan)."""
-        peaks, cuts = self._chosen(batch, budget)
+    def plan(self, batch: int, budget: Optional[int], held: bool = False):
+        """The least-recompute plan at ``batch`` whose peak fits ``budget`` (where none does, or for None: the lowest-peak plan),
+        for a call whose updates in backward are ``held`` or not."""
+        peaks, cuts = self._chosen(batch, budget, held)
         return replace(plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks), meter=self.meter)
 
 

@@ -216,7 +216,7 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     return per_rank(model, list(request.modules), world_size)
 
 
-def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None) -> SplitPlan:
+def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None, *, held: bool = False) -> SplitPlan:
     """The cost-aware plan that ``request`` asks for, for inputs shaped like ``x``.
 
     Balanced plans cut at unit boundaries only. Budget plans also place regions
@@ -224,7 +224,8 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None) -> Sp
     trunks only: torch's selective checkpointing has no reentrant form), which reach
     below the block-level floor at less recompute. ``model``: the request's peak model at
     ``x`` if already measured (with regions exactly where this plan may use them), so
-    that several plans of one trunk share one measurement."""
+    that several plans of one trunk share one measurement. ``held``: the call's updates in backward are
+    held (``CheckpointedTrunk.updates_held``; the request plans it as ``"allocated"``), which a refused budget says."""
     names = list(request.names)
     budgeted = request.budget is not None
     model = model or peak_model(request, x, regions=budgeted and not request.use_reentrant)
@@ -234,7 +235,7 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None) -> Sp
     unsplit = model.peak([0])
     if budgeted and request.budget.in_bytes(unsplit) >= unsplit:
         return replace(unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step"), meter=meter)
-    cuts = _budget_cuts(request, x, model) if budgeted else _balanced_cuts(request, model)
+    cuts = _budget_cuts(request, x, model, held) if budgeted else _balanced_cuts(request, model)
     plan = plan_from_cuts(names, cuts, request.stops, strategy, model)
     if not budgeted and plan.predicted_peak_bytes > unsplit:
         plan = unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
@@ -277,7 +278,7 @@ def _balanced_cuts(request: PlanRequest, model: PeakModel) -> Cuts:
     return best_plan(model, splittable, forced, num_segments=k, budget=near_best, max_recompute=cap)
 
 
-def _budget_cuts(request: PlanRequest, x, model: PeakModel) -> Cuts:
+def _budget_cuts(request: PlanRequest, x, model: PeakModel, held: bool) -> Cuts:
     """The least-recompute cuts and regions whose predicted peak meets ``request.budget``;
     a ``ValueError`` naming the smallest feasible budget where none does, and why."""
     splittable, forced = request.splittable, request.forced
@@ -291,17 +292,23 @@ def _budget_cuts(request: PlanRequest, x, model: PeakModel) -> Cuts:
             f"step's {format_bytes(unsplit)}, for input {_shapes(x)}; the smallest feasible budget is {format_bytes(smallest)}, "
             f"{smallest / unsplit:.3f} of unsplit" + (f", with at most {request.num_splits} segments" if request.num_splits else "")
             + ("; use_reentrant=False lets the planner recompute cheap ops only, which goes lower" if request.use_reentrant else "")
-            + _what_would_help(request, model, unsplit, smallest),
-            smallest, unsplit)
+            + _what_would_help(request, model, unsplit, smallest, held),
+            smallest, unsplit, held)
     return cuts
 
 
-def _what_would_help(request: PlanRequest, model: PeakModel, unsplit: int, smallest: int) -> str:
+def _what_would_help(request: PlanRequest, model: PeakModel, unsplit: int, smallest: int, held: bool) -> str:
     """Why no plan goes lower, where the parameters' gradients are much of the step: they are
-    allocated by it in torch's default mode, and no checkpoint frees them."""
+    allocated by it in torch's default mode, and kept where updates in backward are held, and no
+    checkpoint frees them."""
     gradients = sum(model.costs.param_bytes)
     if request.gradients != "allocated" or gradients < 0.25 * smallest:
         return ""
+    if held:
+        return (f". This call's updates in backward are held (the optimizer's accumulating(), or holding_updates: an earlier crop "
+                f"group of a multi-crop step, gradient accumulation), so its backward keeps every gradient, {format_bytes(gradients)}, "
+                f"{gradients / unsplit:.2f} of the step at this input, and no checkpoint frees them: a larger batch makes activations "
+                "the larger share, and trunksplit.fit finds the batch and budget that fit a memory size")
     return (f". The parameters' gradients, which this step allocates (gradients=\"allocated\"), are {format_bytes(gradients)}, "
             f"{gradients / unsplit:.2f} of the step at this input, and no checkpoint frees them: a larger batch makes activations "
             "the larger share, gradients=\"kept\" leaves them out of the step when the loop keeps them (zero_grad(set_to_none=False)), "

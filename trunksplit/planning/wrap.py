@@ -115,7 +115,9 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     ``update_temporaries``: with ``gradients="in_backward"``, tensors of a parameter's size that its
     optimizer's update allocates (``trunksplit.in_backward.update_temporaries(optimizer_class, kwargs)``:
     SGD's none, AdamW's for-loop form 2, the default). Wrap before ``optimizer_in_backward``: the
-    measured steps would update parameters it already steps (refused).
+    measured steps would update parameters it already steps (refused). Sharp edge: the wrapping is
+    fixed, so a call whose updates are held (``accumulating()``) keeps every gradient beside it, as
+    ``"allocated"`` does, above an ``"in_backward"`` budget (a ``CheckpointedTrunk`` plans such calls apart).
     """
     if gradients not in GRADIENT_MODES:
         raise ValueError(f"gradients must be one of {GRADIENT_MODES}, got {gradients!r}")

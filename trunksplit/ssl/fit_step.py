@@ -39,7 +39,7 @@ from ..planning.scaled import ScaledChain
 from ..planning.sharding import gib, rank_memory, shard_bytes
 from ..trunk import plan_key
 from .dino import build_ssl_model
-from .grouped import by_crop_group
+from .grouped import by_crop_group, held_calls
 from .losses import alone_as_one_of
 from .model import SSLModel
 from .optim import gradient_mode, optimizer_of
@@ -170,7 +170,8 @@ class _StepPrediction:
         self.cfg, self.model, self.device, self.run_step, self.ranks = cfg, model, device, run_step, layout.ranks
         self.images_at_most = images_at_most
         self.groups = crop_groups(cfg)
-        self.grouped = by_crop_group(cfg, [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)])
+        sizes = [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)]
+        self.grouped, self.held = by_crop_group(cfg, sizes), held_calls(cfg, sizes)  # held: the trunk plans the call so
         self.mode = mode = gradient_mode(cfg)
         self.optimizer = optimizer_of(cfg)  # the run's own: its class and the config's arguments
         world = layout.world
@@ -204,10 +205,10 @@ class _StepPrediction:
         the first group's backward keeps its gradients (allocated), the later groups find them."""
         sized = [(self.chains[s], images * n) for s, n in self.groups]
         waiting = self.mode == "in_backward" and len(sized) > 1
-        alone = [chain.planned_peak(b, budget, "allocated" if waiting else None) for chain, b in sized]
+        alone = [chain.planned_peak(b, budget, "allocated" if waiting else None, held) for (chain, b), held in zip(sized, self.held)]
         # waiting, the first call's backward updates as it goes (its own mode's peak) beside the parts the others left
-        found = [a if self.mode == "kept" else chain.planned_peak(b, budget, None if waiting and j == 0 else "kept") + self.trunk_grads
-                 for j, ((chain, b), a) in enumerate(zip(sized, alone))]
+        found = [a if self.mode == "kept" else chain.planned_peak(b, budget, None if waiting and j == 0 else "kept", held) + self.trunk_grads
+                 for j, ((chain, b), a, held) in enumerate(zip(sized, alone, self.held))]
         if self.grouped:
             return max([alone[0], *found[1:]])
         held = [chain.held_after_forward(b, budget) for chain, b in sized]
@@ -240,7 +241,8 @@ class _StepPrediction:
     def plans(self, images: int, budget: int) -> Dict[tuple, SplitPlan]:
         """The trunk's plan for each group's input (:func:`plan_key`) at ``images`` per rank."""
         with autocast_for(self.cfg, self.device):  # the key the run's trunk looks its plan up by, under the run's autocast
-            return {plan_key([((images * n, 3, s, s), torch.get_default_dtype())], self.device): self.chains[s].plan(images * n, budget) for s, n in self.groups}
+            return {plan_key([((images * n, 3, s, s), torch.get_default_dtype())], self.device, held): self.chains[s].plan(images * n, budget, held)
+                    for (s, n), held in zip(self.groups, self.held)}
 
     def measured(self, images: int, budget: int) -> int:
         """Everything resident during one real step at ``images`` per rank, the trunk planned as predicted (no profiling)."""

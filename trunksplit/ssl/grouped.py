@@ -21,7 +21,7 @@ do in a whole step's one backward (there, the later calls' parts wait in autogra
 first call's), but beside one group's activations instead of every group's.
 """
 import contextlib
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, List
 
 import torch
 
@@ -35,6 +35,15 @@ def by_crop_group(cfg, crops) -> bool:
     """Whether this step runs group by group: DINO or SwAV, ``TRAIN.BACKWARD_BY_CROP_GROUP`` and more than one resolution."""
     wanted = bool(cfg.TRAIN.BACKWARD_BY_CROP_GROUP) and cfg.METHOD.NAME in ("dino", "swav")
     return wanted and len(list(same_size_runs(crops))) > 1
+
+
+def held_calls(cfg, crops) -> List[bool]:
+    """For each of the step's trunk calls (a run of crops of one size), whether its backward runs
+    with the updates of an optimizer stepped in backward held: every group but the last, grouped.
+    Such a call keeps its gradients, and the trunk plans it so (``CheckpointedTrunk.updates_held``)."""
+    runs = len(list(same_size_runs(crops)))
+    held = by_crop_group(cfg, crops) and bool(cfg.OPTIM.IN_BACKWARD)
+    return [held and k < runs - 1 for k in range(runs)]
 
 
 def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: ContextManager, backward: Callable[[torch.Tensor], None],

@@ -25,7 +25,7 @@ from .data import image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
 from .fit_step import crop_groups, fitted_batch
-from .grouped import by_crop_group, grouped_step
+from .grouped import by_crop_group, grouped_step, held_calls
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard
 from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
@@ -231,8 +231,9 @@ def _plans_said(cfg, trunk, peaks: bool = False) -> str:
         return f"SELECT, {len(selected)} blocks each its own checkpoint ({' '.join(selected)})"
     plans = trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
     if len(plans) > 1:
-        by_size = {key[0][0][0][-1]: p for key, p in plans.items()}  # each crop group's plan, by its crops' size
-        return "; ".join(f"group {k + 1} ({n} x {s}px): {said(by_size[s])}" for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
+        by_size = {key[0][0][0][-1]: (p, key[3]) for key, p in plans.items()}  # each crop group's plan by its crops' size, and whether its updates are held
+        return "; ".join(f"group {k + 1} ({n} x {s}px{', updates held' if by_size[s][1] else ''}): {said(by_size[s][0])}"
+                         for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
     return said(trunk.plan)
 
 
@@ -246,7 +247,8 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
         if rank == 0 and model.trunk.cost_aware and not model.trunk.plans:
             print("planning the trunk: its units profiled once at each crop size ...", flush=True)
         try:
-            model.plan_for([c.to(device) for c in step_views(dataset, cfg, start, rank, world)], autocast)
+            crops = [c.to(device) for c in step_views(dataset, cfg, start, rank, world)]
+            model.plan_for(crops, autocast, held_calls(cfg, crops))
         except BudgetTooLowError as e:
             raise ValueError(budget_refused(cfg, model.trunk, e)) from None
     optimizer.zero_grad(set_to_none=not kept)
@@ -322,9 +324,9 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: O
             with PeakMemory(crops[0].device) as mem, updates_of_this_rank_alone():
                 runs = list(same_size_runs(crops)) if grouped else [(0, len(crops))]
                 for k, (start, stop) in enumerate(runs):
-                    with autocast:  # the forward only, as in training: autocast keeps its casts of the weights until it exits
-                        loss = sum(o.float().pow(2).mean() for o in m(crops[start:stop]))
-                    with holding_updates(m) if k < len(runs) - 1 else contextlib.nullcontext():  # as the grouped step does
+                    with holding_updates(m) if k < len(runs) - 1 else contextlib.nullcontext():  # as the grouped step does (the trunk plans for it)
+                        with autocast:  # the forward only, as in training: autocast keeps its casts of the weights until it exits
+                            loss = sum(o.float().pow(2).mean() for o in m(crops[start:stop]))
                         loss.backward()
         except torch.cuda.OutOfMemoryError:
             return None

@@ -1,13 +1,15 @@
 """An SSL model: a checkpointed torchvision trunk, a projection head (SimCLR's, or DINO's with its
 weight-normalised last layer), SwAV's prototypes."""
+import contextlib
 import copy
 import math
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..in_backward import holding_updates
 from ..planning.budget import BudgetTooLowError, MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
 from ..recompute.wrapper import unwrap_checkpoint
@@ -110,6 +112,9 @@ def budget_refused(cfg, trunk: CheckpointedTrunk, e: BudgetTooLowError) -> str:
                  + f" in at most {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS} segment{'s' if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS > 1 else ''} (NUM_ACTIVATION_CHECKPOINTING_SPLITS)"
                  + (f". Set it to {math.ceil(least * 100) / 100:g} or more" if ac.MEMORY_BUDGET <= 1 else f". Set it to {e.smallest_bytes} bytes or more"))
     gradients = sum(p.numel() * p.element_size() for p in trunk.parameters() if p.requires_grad)
+    if e.held:
+        said += (f"; an earlier crop group's backward runs with the updates held until the last group's (OPTIM.IN_BACKWARD, "
+                 f"TRAIN.BACKWARD_BY_CROP_GROUP), so it keeps every gradient of the trunk ({mib(gradients)}), which no checkpoint frees")
     if cfg.TRAIN.GRADIENTS == "allocated" and not cfg.OPTIM.IN_BACKWARD and (least is None or gradients >= 0.25 * e.smallest_bytes):
         said += (f"; no checkpoint frees the trunk's gradients ({mib(gradients)}), which this step makes: keep them out of it with TRAIN.GRADIENTS "
                  "kept, or free each at its update with OPTIM.IN_BACKWARD True")  # as the planner says it (planning/search.py)
@@ -144,10 +149,11 @@ class SSLModel(nn.Module):
             out += list(z.chunk(j - i))
         return out
 
-    def plan_for(self, crops: List[torch.Tensor], autocast) -> None:
-        """Make the trunk's cost-aware plans for these crops now (one per resolution), not in the first step."""
-        for i, j in same_size_runs(crops):
-            with autocast:
+    def plan_for(self, crops: List[torch.Tensor], autocast, held: Sequence[bool]) -> None:
+        """Make the trunk's cost-aware plans for these crops now (one per resolution), not in the first step;
+        ``held``: for each resolution, whether its call runs with the updates in backward held (``grouped.held_calls``)."""
+        for (i, j), holding in zip(same_size_runs(crops), held):
+            with holding_updates(self) if holding else contextlib.nullcontext(), autocast:
                 self.trunk.plan_for(torch.cat(crops[i:j]))
 
     @torch.no_grad()
