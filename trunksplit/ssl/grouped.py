@@ -12,9 +12,11 @@ runs once per resolution in the whole step too.
 Exact: the same gradients, summed in another order: a parameter's gradient is the groups' parts
 added as each backward ends, where the whole step's backward adds them in reverse order. Two
 groups add the same two numbers (bit for bit); three or more can round differently (float).
-Gradients are reduced across ranks once, with the last group's backward: the strategy's
-``accumulating`` context holds the earlier groups' gradients on each rank (DDP's ``no_sync``,
-FSDP2's ``set_requires_gradient_sync(False)``). An optimizer stepped in backward updates nothing
+Under DDP gradients are reduced across ranks once, with the last group's backward: the strategy's
+``accumulating`` context holds the earlier groups' gradients on each rank (``no_sync``); FSDP2
+reduce-scatters each group's, which add up as shards (held unsharded, they would fill every rank
+with the whole model's gradients; a sum of reduced parts rounds otherwise than a reduced sum).
+An optimizer stepped in backward updates nothing
 before the last group's backward (:func:`trunksplit.in_backward.holding_updates`), then each
 parameter from its whole gradient, freeing it: the earlier groups' gradients wait, alive, as they
 do in a whole step's one backward (there, the later calls' parts wait in autograd's buffers for the

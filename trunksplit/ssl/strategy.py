@@ -87,7 +87,8 @@ class Strategy:
 
     def accumulating(self, wrapped: nn.Module) -> ContextManager:
         """The context of a forward and backward whose gradients stay on this rank, to be reduced
-        with the next backward's (every crop group of a step but the last)."""
+        with the next backward's (every crop group of a step but the last); by default none: each
+        backward reduces its own (FSDP2, so that they stay sharded)."""
         return contextlib.nullcontext()
 
     def save(self, cfg, model, optimizer, meta: dict) -> None:
@@ -191,7 +192,12 @@ class ManualDDP(DDP):
 
 class FSDP(Strategy):
     """FSDP2: the trunk sharded unit by unit, then the whole model; checkpoints written sharded
-    with ``torch.distributed.checkpoint`` (resharded on load)."""
+    with ``torch.distributed.checkpoint`` (resharded on load).
+
+    A step backward by crop group reduce-scatters each group's gradients, which add up sharded:
+    one reduce-scatter per group. Held back to the last group (``set_requires_gradient_sync(False)``),
+    every rank would keep the whole model's gradients unsharded until then, which sharding is for
+    (torchtitan's and torch's own advice for accumulation under FSDP2 too)."""
 
     sharded = True
     compares_with_plain = False  # FSDP refuses deepcopy
@@ -220,14 +226,6 @@ class FSDP(Strategy):
         # the trunk and the model return views (flatten, chunk); the loop never writes into them in place
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return model
-
-    @contextlib.contextmanager
-    def accumulating(self, wrapped):
-        wrapped.set_requires_gradient_sync(False)  # unsharded gradients kept: one reduce-scatter, with the last group's
-        try:
-            yield
-        finally:
-            wrapped.set_requires_gradient_sync(True)
 
     def meter(self, wrapped):
         # the profiler's allocation events on CPU: the tracker cannot see the weights FSDP gathers
