@@ -184,7 +184,8 @@ class CheckpointedTrunk(nn.Module):
             return self._fixed_plan
         key = self.key_for(x)
         if key not in self._plans:
-            plan = self.agreement(plan_trunk(self.plan_request(), x, held=self.updates_held())) if self.cost_aware else self._fixed_plan
+            held = self.updates_held()
+            plan = self.agreement(plan_trunk(self.plan_request(held), x, held=held)) if self.cost_aware else self._fixed_plan
             if self._compiled is not None:
                 self._compiled.eager[key] = run_eagerly(self._compiled, [m for _, m in self.units], plan.segments, x, self.agreement)
                 plan = replace(plan, compiled=True)
