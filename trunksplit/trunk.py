@@ -275,9 +275,8 @@ class CheckpointedTrunk(nn.Module):
 
 
 def _segment_body(compiled: Optional[CompiledUnits], regions, copy_input: bool, checkpointed: bool, apart: bool) -> Callable:
-    """What runs the units of one segment: compiled as ``CheckpointedTrunk.compile`` says after it (but
-    under an outer ``torch.compile``, which traces it; ``apart``: a budget's promise with gradients kept,
-    see run_units_apart)."""
+    """What runs the units of one segment: compiled as ``CheckpointedTrunk.compile`` says after it (but under
+    an outer ``torch.compile``, which traces it; ``apart``: a budget's promise with gradients kept, see run_units_apart)."""
     body = functools.partial(run_units, copy_input, regions, checkpointed)
     if torch.compiler.is_compiling():
         return functools.partial(body, plain=run_units_apart if apart else run_plain, region=eager_region)
