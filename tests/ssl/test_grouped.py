@@ -4,6 +4,7 @@ and FSDP2, stepped in backward, and resumed."""
 import contextlib
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -142,6 +143,21 @@ def test_a_run_stepped_in_backward_trains_grouped_the_whole_steps_weights_in_les
     assert all(p.grad is None for p in grouped.parameters())  # each freed at its update
     assert grouped_row["peak_memory_bytes"] < 0.85 * whole_row["peak_memory_bytes"], (grouped_row["peak_memory_bytes"], whole_row["peak_memory_bytes"])
     assert abs(grouped_row["memory_vs_plain"]["checkpointed"] / grouped_row["peak_memory_bytes"] - 1) < 0.05, grouped_row
+
+
+def test_a_budget_the_held_group_cannot_meet_is_refused_saying_why_and_the_one_it_names_trains(tmp_path):
+    """Stepped in backward, the first group's backward keeps every gradient of the trunk (its updates wait
+    for the last group's): at a small batch no plan brings it to half its unsplit step. Refused before
+    anything is written, in the config's terms, naming why and the least budget; that one trains."""
+    out = tmp_path / "run"
+    overrides = ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", "OPTIM.IN_BACKWARD", "True"]
+    with pytest.raises(ValueError, match=r"MEMORY_BUDGET 0.5 cannot be met .* Set it to \S+ or more; an earlier crop group's backward runs "
+                                         r"with the updates held .* keeps every gradient of the trunk") as refused:
+        train(_config("dino", *overrides, "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.5"))
+    assert not out.exists()
+    named = re.search(r"Set it to (\S+) or more", str(refused.value)).group(1)
+    _, row = train(_config("dino", *overrides, "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", named))
+    assert "group 1 (2 x 32px, updates held): budget" in row["plan"], row["plan"]
 
 
 def _ranks(rank, world_size, out, method, strategy):
