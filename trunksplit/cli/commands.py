@@ -101,7 +101,7 @@ def _plan_config(args) -> int:
         for k, (size, count) in enumerate(groups):
             shape = (batch * count, 3, size, size)
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank"
-                  + (", its updates in backward held until the last group's: it keeps every gradient" if held[k] else ""))
+                  + (", updates held until the last group's: its backward keeps every gradient" if held[k] else ""))
             try:
                 _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world, held[k]), shape)
             except BudgetTooLowError as e:

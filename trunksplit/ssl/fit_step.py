@@ -158,7 +158,7 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
     if world == 1:  # one process cannot run a sharded step
         images, budget, measured = _checked(step, images, memory, say)
     plans = step.plans(images, budget)
-    lines = [_group_line(k, s, n, images, plan, budget) for k, ((s, n), plan) in enumerate(zip(step.groups, plans.values()))]
+    lines = [_group_line(k, s, n, images, plan, budget, held) for k, ((s, n), plan, held) in enumerate(zip(step.groups, plans.values(), step.held))]
     return StepFit(images, budget, step.rank.resident, step.total(images, budget), measured, memory, lines, plans)
 
 
@@ -289,13 +289,14 @@ def fitted_batch(cfg, device: torch.device, run_step: RunStep, layout: RankLayou
     return found.images, found.trunk_budget, [(key, plan.state()) for key, plan in found.plans.items()]
 
 
-def _group_line(k: int, size: int, count: int, images: int, plan, budget: int) -> str:
+def _group_line(k: int, size: int, count: int, images: int, plan, budget: int, held: bool) -> str:
     """A crop group's plan; one above the trunk budget is the group's lowest-peak plan (the budget binds another group)."""
     regions = policy_counts(plan.regions)
     above = plan.predicted_peak_bytes > budget
-    return (f"  group {k + 1}: {count} x {size}px crops per image, the trunk on {images * count}: {len(plan.segments)} segment{'s' if len(plan.segments) > 1 else ''}"
-            f"{f' ({regions})' if regions else ''}, predicted trunk peak {gib(plan.predicted_peak_bytes)}"
-            + (" (above the trunk budget: the lowest this group reaches; another group's peak binds the step)" if above else ""))
+    return (f"  group {k + 1}: {count} x {size}px crops per image{', updates held' if held else ''}, the trunk on {images * count}: "
+            f"{len(plan.segments)} segment{'s' if len(plan.segments) > 1 else ''}{f' ({regions})' if regions else ''}, predicted trunk peak "
+            f"{gib(plan.predicted_peak_bytes)}" + (" (above the trunk budget: the lowest this group reaches"
+                                                   + ("; its backward keeps every gradient" if held else "") + "; another group's peak binds the step)" if above else ""))
 
 
 def _crops(groups, images: int, device) -> List[torch.Tensor]:
