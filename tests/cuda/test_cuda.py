@@ -144,6 +144,25 @@ def test_the_predicted_step_peak_is_the_allocators_within_5_percent(name, plan):
         assert measured <= 0.5 * unsplit * 1.05, (measured, unsplit)
 
 
+def test_a_call_whose_updates_are_held_meets_its_budget_as_the_allocator_measures_it():
+    """Stepped in backward inside ``accumulating()`` (an earlier crop group, gradient accumulation), a
+    call keeps every gradient: planned as torch's default mode's step, its predicted peak is the
+    allocator's within 5%, and it meets 0.5 of that mode's unsplit step. ResNet-50, 224px, batch 8."""
+    torch.use_deterministic_algorithms(False)
+    x = _images(8, 224)
+    trunk = CheckpointedTrunk(_model("resnet50"), memory_budget=0.5, gradients="in_backward")
+    stand_in = optimizer_in_backward(trunk, torch.optim.SGD, **SGD)
+    weights = _weights(trunk, x)
+    _step(trunk, x, weights)  # an updating step: the momentum made
+    with stand_in.accumulating():
+        predicted = trunk.plan_for(x).predicted_peak_bytes
+        with PeakMemory(CUDA) as mem:
+            _step(trunk, x, weights)
+    assert abs(predicted / mem.peak_bytes - 1) <= 0.05, (predicted, mem.peak_bytes)
+    unsplit = _second_step_peak(CheckpointedTrunk(_model("resnet50")), x, weights)
+    assert mem.peak_bytes <= 0.5 * unsplit * 1.05, (mem.peak_bytes, unsplit)
+
+
 def test_fit_finds_a_batch_whose_real_step_fits_on_cuda():
     """``fit``'s batch for 3 GiB, verified by a real step on the GPU: it ran (no out-of-memory
     error) and its measured total (parameters, gradients, momentum and the step's peak) fits."""
