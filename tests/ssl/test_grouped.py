@@ -150,14 +150,15 @@ def test_a_budget_the_held_group_cannot_meet_is_refused_saying_why_and_the_one_i
     for the last group's): at a small batch no plan brings it to half its unsplit step. Refused before
     anything is written, in the config's terms, naming why and the least budget; that one trains."""
     out = tmp_path / "run"
-    overrides = ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", "OPTIM.IN_BACKWARD", "True"]
+    overrides = ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", "OPTIM.IN_BACKWARD", "True", "DATA.IMAGE_SIZE", "64", "DATA.CROP_SIZES", "[64, 32]",
+                 "TRAIN.BATCH_SIZE_PER_RANK", "8"]  # activations enough that the held group reaches below 0.99 of its unsplit step
     with pytest.raises(ValueError, match=r"MEMORY_BUDGET 0.5 cannot be met .* Set it to \S+ or more; an earlier crop group's backward runs "
                                          r"with the updates held .* keeps every gradient of the trunk") as refused:
         train(_config("dino", *overrides, "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.5"))
     assert not out.exists()
     named = re.search(r"Set it to (\S+) or more", str(refused.value)).group(1)
     _, row = train(_config("dino", *overrides, "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", named))
-    assert "group 1 (2 x 32px, updates held): budget" in row["plan"], row["plan"]
+    assert 0.5 < float(named) < 1 and "group 1 (2 x 64px, updates held): budget" in row["plan"], row["plan"]
 
 
 def _ranks(rank, world_size, out, method, strategy):

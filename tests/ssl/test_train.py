@@ -284,6 +284,8 @@ def _snapshot(folder):
         # found by planning, said in the config's terms
         (["MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.01", *SMALL], "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET 0.01 cannot be met at this "
                                                                            "run's crops: the least the trunk's step reaches is 0."),
+        ([*SMALL, "DATA.CROP_SIZES", "[16]", "TRAIN.BATCH_SIZE_PER_RANK", "2", "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.5"],
+         "(NUM_ACTIVATION_CHECKPOINTING_SPLITS). No plan saves even 1% of the unsplit step at these crops: remove it (0), or set it to 1; "),  # not "1 or more"
         (["DISTRIBUTED.STRATEGY", "fsdp", *SMALL], "DISTRIBUTED.STRATEGY fsdp shards the model across processes: run under torchrun"),
         ([*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "1"], "SimCLR needs at least 2 images a step, all ranks together"),  # its loss: see below
         ([*SMALL, "DATA.NUM_IMAGES", "6", "TRAIN.BATCH_SIZE_PER_RANK", "8"], "TRAIN.BATCH_SIZE_PER_RANK 8 x 1 rank is 8 images a step, more than the "

@@ -110,7 +110,8 @@ def budget_refused(cfg, trunk: CheckpointedTrunk, e: BudgetTooLowError) -> str:
     if least is not None:
         said += (f": the least the trunk's step reaches is {least:.3f} of its unsplit peak ({mib(e.smallest_bytes)} of {mib(e.unsplit_bytes)})"
                  + f" in at most {ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS} segment{'s' if ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS > 1 else ''} (NUM_ACTIVATION_CHECKPOINTING_SPLITS)"
-                 + (f". Set it to {math.ceil(least * 100) / 100:g} or more" if ac.MEMORY_BUDGET <= 1 else f". Set it to {e.smallest_bytes} bytes or more"))
+                 + (f". Set it to {e.smallest_bytes} bytes or more" if ac.MEMORY_BUDGET > 1 else f". Set it to {math.ceil(least * 100) / 100:g} or more"
+                    if least <= 0.99 else ". No plan saves even 1% of the unsplit step at these crops: remove it (0), or set it to 1"))
     gradients = sum(p.numel() * p.element_size() for p in trunk.parameters() if p.requires_grad)
     if e.held:
         said += (f"; an earlier crop group's backward runs with the updates held until the last group's (OPTIM.IN_BACKWARD, "
