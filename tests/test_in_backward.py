@@ -300,7 +300,7 @@ def test_a_call_whose_updates_are_held_is_planned_for_the_gradients_it_keeps_and
     with stand_in.accumulating(), pytest.raises(BudgetTooLowError, match=r"updates in backward are held .* keeps every gradient") as info:
         tight(x)
     assert info.value.held and not tight.plans and all(p.grad is None for p in tight.parameters())
-    assert CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.6, gradients="in_backward").plan_for(x)  # which the updating call meets
+    CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.6, gradients="in_backward").plan_for(x)  # the updating call meets it: no error
 
 
 def test_a_trunk_handed_over_as_its_parameters_plans_for_its_optimizers_update():
