@@ -175,10 +175,11 @@ def _ranks(rank, world_size, out, method, strategy):
         torch.save({n: p.full_tensor() if full else p.detach() for n, p in model.named_parameters()}, os.path.join(run, f"rank{rank}.pt"))
 
 
-# slow: DDP (its reductions are counted in the fast suite: test_under_ddp_a_grouped_step_reduces_its_gradients_once_as_the_whole_step_does),
-# vissl's manual path and the steps stepped in backward (held by holding_updates: the one-process test); FSDP2, whose sharded gradients
-# no other fast test checks grouped, stays
-@pytest.mark.parametrize("method,strategy", [pytest.param("dino", "ddp", marks=pytest.mark.slow), ("swav2", "fsdp"), pytest.param("swav2", "manual", marks=pytest.mark.slow),
+# slow, all: DDP (its reductions are counted in the fast suite: test_under_ddp_a_grouped_step_reduces_its_gradients_once_as_the_whole_step_does),
+# vissl's manual path, the steps stepped in backward (held by holding_updates: the one-process test) and FSDP2 (its grouped step is checked
+# fast against DDP's in tests/ssl/test_dino.py, and its gradients between groups by test_under_fsdp2_a_grouped_step_keeps_each_groups_gradients_sharded)
+@pytest.mark.parametrize("method,strategy", [pytest.param("dino", "ddp", marks=pytest.mark.slow), pytest.param("swav2", "fsdp", marks=pytest.mark.slow),
+                                             pytest.param("swav2", "manual", marks=pytest.mark.slow),
                                              pytest.param("dino", "ddp in_backward", marks=pytest.mark.slow), pytest.param("swav2", "fsdp in_backward", marks=pytest.mark.slow)])
 def test_two_ranks_train_grouped_as_they_train_the_whole_step(tmp_path, method, strategy):
     """2 gloo processes each way (DDP: no_sync before the last group; FSDP2: a reduce-scatter per

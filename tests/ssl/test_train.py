@@ -738,6 +738,20 @@ def test_fsdp_stepped_in_backward_resumes_exactly_and_trains_the_standard_weight
             assert (value - standard[name]).abs().max() <= 1e-6 * standard[name].abs().max().clamp_min(1e-12), name
 
 
+@pytest.mark.slow  # two 2-process runs: about 25 s on 2 cores
+def test_dino_under_fsdp_resumes_its_sharded_teacher_and_centre_exactly(tmp_path):
+    """DINO's teacher is sharded as its student: the sharded checkpoint holds each rank's slice of it
+    (and the centre), and a resumed run ends with the uninterrupted run's student, teacher and centre."""
+    dino = [*DINO_SMALL, "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl"]
+    for run, interrupt in (("straight", False), ("resumed", True)):
+        (tmp_path / run).mkdir()
+        run_processes(_fsdp_run, 2, (str(tmp_path / run), interrupt, False, dino))
+    straight, resumed = (torch.load(tmp_path / run / "full.pt") for run in ("straight", "resumed"))
+    assert any(name.startswith("teacher.") for name in straight) and "center" in straight
+    for name, value in straight.items():
+        assert torch.equal(value, resumed[name]), name
+
+
 def _fsdp_two_steps(rank, world_size, out):
     cfg = load_config(QUICK, ["OUTPUT_DIR", out, *FSDP, "TRAIN.STEPS", "2"])
     train(cfg)

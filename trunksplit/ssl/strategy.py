@@ -206,8 +206,6 @@ class FSDP(Strategy):
     def check(cfg):
         if cfg.DISTRIBUTED.MANUAL_GRADIENT_REDUCTION:
             raise ValueError("DISTRIBUTED.MANUAL_GRADIENT_REDUCTION is DDP-only (vissl's no_sync path); FSDP reduce-scatters its own gradients: set it False")
-        if cfg.METHOD.NAME == "dino":
-            raise ValueError("METHOD.NAME dino runs under DISTRIBUTED.STRATEGY ddp: its EMA teacher is not sharded yet")
         if cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
             raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
         if cfg.OPTIM.CLIP_GRAD:
@@ -218,6 +216,8 @@ class FSDP(Strategy):
         return RankLayout(world=self.world, ranks=self.world, host_ranks=self.host_ranks)
 
     def wrap(self, cfg, model):
+        if model.teacher is not None:  # DINO's teacher, sharded as the student is, so that its EMA update is shard by shard
+            _shard_teacher(model.teacher)
         shard_trunk(model.trunk)
         fully_shard(model)  # the root: the heads, and the trunk's group under it
         with torch.no_grad():  # FSDP2's root is the first module to run forward: the model, before the kNN monitor runs its trunk alone
@@ -282,3 +282,14 @@ def broadcast_buffers(model: nn.Module) -> None:
     forward). Running statistics never change a training step's outputs."""
     for b in model.buffers():
         dist.broadcast(b, src=0)
+
+
+def _shard_teacher(teacher: nn.Module) -> None:
+    """DINO's teacher sharded unit by unit, then whole, as ``shard_trunk`` and the root shard the student:
+    each parameter's shard on a rank is the same slice of it as the student's, so that ``teacher <- m *
+    teacher + (1 - m) * student`` runs on the shards. It has no gradients: nothing is reduce-scattered."""
+    for _, unit in teacher.trunk.units:
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit)
+    fully_shard(teacher.trunk)
+    fully_shard(teacher)
