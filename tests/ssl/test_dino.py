@@ -181,7 +181,8 @@ def _ddp_then_fsdp(rank, world_size, out):
 
     for strategy in ("ddp", "fsdp"):
         model, _ = train(load_config(QUICK, ["OUTPUT_DIR", os.path.join(out, strategy), *DINO, "TRAIN.STEPS", "2", "DISTRIBUTED.STRATEGY", strategy,
-                                             "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "OPTIM.NAME", "sgd", "OPTIM.LR", "0.1"]))
+                                             "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "OPTIM.NAME", "sgd", "OPTIM.LR", "0.1",
+                                             "OPTIM.CLIP_GRAD", "1e-4"]))  # every gradient clipped: a rank's shard norm would scale it otherwise
         state = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
         state["center"] = model.center.clone()
         teacher = list(model.teacher.parameters())
@@ -193,7 +194,8 @@ def test_under_fsdp2_the_teacher_is_sharded_and_dino_trains_the_ddp_runs_weights
     """DINO's EMA teacher sharded as its student, each rank updating its own slice: two grouped steps on
     2 gloo ranks end with the DDP run's student, teacher and centre, to float rounding (FSDP2
     reduce-scatters each crop group's gradients, DDP all-reduces once; SGD, whose update is linear in
-    them: Adam's would magnify rounding where a gradient is near 0). Before, DINO under FSDP was refused."""
+    them: Adam's would magnify rounding where a gradient is near 0). With DINO's clipping each gradient
+    is scaled by its whole norm, not a shard's. Before, DINO and OPTIM.CLIP_GRAD under FSDP were refused."""
     run_processes(_ddp_then_fsdp, 2, (str(tmp_path),))
     ddp = torch.load(tmp_path / "ddp0.pt")
     for rank in range(2):

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..in_backward import InBackwardOptimizer, optimizer_in_backward
 from ..lars import LARS
@@ -65,7 +66,8 @@ def optimizer_of(cfg) -> Tuple[Callable[..., torch.optim.Optimizer], dict]:
 def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.Tensor], bool]]:
     """DINO's two stabilisers as one rule run on each parameter's whole (reduced) gradient before its
     update, or None where neither applies: the gradient's norm clipped to ``OPTIM.CLIP_GRAD``
-    (scaled by ``clip / (norm + 1e-6)`` where that is below 1: DINO's ``clip_gradients``), and the
+    (scaled by ``clip / (norm + 1e-6)`` where that is below 1: DINO's ``clip_gradients``; under FSDP2 the
+    whole gradient's norm, every rank's shard counted: a collective, run by every rank in one order), and the
     head's last layer left alone for the first ``METHOD.DINO.FREEZE_LAST_LAYER_STEPS`` steps (its
     gradient dropped: no update, no weight decay, no optimizer state, as DINO's
     ``cancel_gradients_last_layer``). The rule returns whether to update the parameter."""
@@ -80,9 +82,11 @@ def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.
             p.grad = None
             return False
         if clip and p.grad is not None:
-            scale = clip / (torch.linalg.vector_norm(p.grad) + 1e-6)
+            norm = torch.linalg.vector_norm(p.grad)
+            sharded = isinstance(norm, DTensor)  # FSDP2: this rank's shard of the gradient; the whole one's norm, all-reduced
+            scale = clip / ((norm.full_tensor() if sharded else norm) + 1e-6)
             if scale < 1:
-                p.grad.mul_(scale)
+                p.grad.mul_(scale.item() if sharded else scale)
         return True
 
     return rule

@@ -208,8 +208,6 @@ class FSDP(Strategy):
             raise ValueError("DISTRIBUTED.MANUAL_GRADIENT_REDUCTION is DDP-only (vissl's no_sync path); FSDP reduce-scatters its own gradients: set it False")
         if cfg.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT:
             raise ValueError("MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT True cannot run under FSDP (its hooks need non-reentrant checkpointing): set it False")
-        if cfg.OPTIM.CLIP_GRAD:
-            raise ValueError("OPTIM.CLIP_GRAD clips each parameter by its own norm, and under FSDP a rank holds a shard of it: set it 0")
 
     @property
     def rank_layout(self):
