@@ -287,7 +287,7 @@ def _shard_teacher(teacher: nn.Module) -> None:
     each parameter's shard on a rank is the same slice of it as the student's, so that ``teacher <- m *
     teacher + (1 - m) * student`` runs on the shards. It has no gradients: nothing is reduce-scattered."""
     for _, unit in teacher.trunk.units:
-        if any(True for _ in unit.parameters()):
+        if list(unit.parameters()):
             fully_shard(unit)
     fully_shard(teacher.trunk)
     fully_shard(teacher)
