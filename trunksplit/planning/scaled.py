@@ -91,7 +91,7 @@ class ScaledChain:
         planned, or, with ``gradients``, that same plan run where the gradients are another mode's
         (``"kept"``: a second trunk call of a step finds the first one's gradients alive)."""
         peaks, cuts = self._chosen(batch, budget, held)
-        if gradients is not None:
+        if gradients is not None and gradients != peaks.gradients:
             peaks = self._peaks(batch, gradients)
         return peaks.peak(*cuts)
 

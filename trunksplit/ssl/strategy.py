@@ -14,7 +14,7 @@ from typing import Callable, ContextManager, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed.agree import rank0_decides
@@ -285,9 +285,10 @@ def broadcast_buffers(model: nn.Module) -> None:
 def _shard_teacher(teacher: nn.Module) -> None:
     """DINO's teacher sharded unit by unit, then whole, as ``shard_trunk`` and the root shard the student:
     each parameter's shard on a rank is the same slice of it as the student's, so that ``teacher <- m *
-    teacher + (1 - m) * student`` runs on the shards. It has no gradients: nothing is reduce-scattered."""
+    teacher + (1 - m) * student`` runs on the shards. It has no gradients: nothing is reduce-scattered
+    (and ``shard_trunk`` itself shards only units that train, gathering a frozen trunk whole)."""
     for _, unit in teacher.trunk.units:
-        if list(unit.parameters()):
+        if not isinstance(unit, FSDPModule) and list(unit.parameters()):  # a unit run twice is sharded once
             fully_shard(unit)
     fully_shard(teacher.trunk)
     fully_shard(teacher)
