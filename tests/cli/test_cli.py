@@ -35,9 +35,14 @@ def test_plan_with_a_budget_lists_its_regions(capsys):
     assert out.startswith("SplitPlan (budget") and "| regions" in out and "save_expensive regions" in out
 
 
-def test_plan_with_an_impossible_budget_says_so(capsys):
+def test_plan_with_an_impossible_budget_says_so_in_the_commands_terms(capsys):
+    """The planner's advice names the library's arguments (gradients="kept", trunksplit.fit); the
+    command says the flags a user of it types instead."""
     assert main(["plan", "--arch", "resnet18", "--budget", "1000", "--input", "2x3x64x64"]) == 2
-    assert "smallest feasible budget" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "smallest feasible budget" in err
+    assert all(flags in err for flags in ("--gradients kept", "--gradients in_backward", "trunksplit fit --memory SIZE", "larger batch (--input)")), err
+    assert 'gradients="' not in err and "trunksplit.fit" not in err, err
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:99"])

@@ -32,6 +32,24 @@ from .bench import run_benchmark
 from .bench_data import run_data_benchmark
 from .runs import device_of
 
+# the library's spellings in the messages it raises, and what a user of the command types instead
+LIBRARY_TO_FLAGS = (
+    ("MODEL.TRUNK.NAME", "--arch"),
+    ('gradients="allocated"', "--gradients allocated, the default"),
+    ('gradients="kept"', "--gradients kept"),
+    ('gradients="in_backward"', "--gradients in_backward (with --optimizer)"),
+    ("trunksplit.fit finds", "trunksplit fit --memory SIZE finds"),
+    ("larger batch makes", "larger batch (--input) makes"),
+)
+
+
+def _library_error(e: Exception) -> None:
+    """Print a refusal the library raised, in the command line's terms (see :data:`LIBRARY_TO_FLAGS`)."""
+    said = str(e)
+    for library, flags in LIBRARY_TO_FLAGS:
+        said = said.replace(library, flags)
+    print(f"error: {said}", file=sys.stderr)
+
 
 def run_plan(args) -> int:
     if args.config_file:
@@ -51,7 +69,7 @@ def run_plan(args) -> int:
                 trunk.update_temporaries = _update_temporaries(args.optimizer)
             plan, unsplit = _measured_plan(trunk, torch.randn(*args.input), args.world_size)
         except ValueError as e:
-            print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+            _library_error(e)
             return 2
         except RuntimeError as e:  # the model cannot run this input (channels, size)
             print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
@@ -134,7 +152,7 @@ def _plan_wrapped(args) -> int:
         plan = apply_activation_checkpointing(model, memory_budget=args.budget, example_inputs=(x,), gradients=args.gradients,
                                               update_temporaries=_update_temporaries(args.optimizer) if args.gradients == "in_backward" else None)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _library_error(e)
         return 2
     print(plan)
     print(f"in your code: trunksplit.apply_activation_checkpointing(model, memory_budget=..., example_inputs=(batch,)), input {'x'.join(map(str, args.input))}")
@@ -154,7 +172,7 @@ def run_bench(args) -> int:
         for arch in args.arch:
             build_backbone(arch, args.resolution)
     except ValueError as e:
-        print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+        _library_error(e)
         return 2
 
     try:
@@ -185,7 +203,7 @@ def run_fit(args) -> int:
             found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
                         num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size, progress=step)
     except ValueError as e:
-        print(f"error: {str(e).replace('MODEL.TRUNK.NAME', '--arch')}", file=sys.stderr)
+        _library_error(e)
         return 2
     except RuntimeError as e:
         print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -362,7 +362,7 @@ def _refuse_below_the_gradients(model: nn.Module, gradients: str, budget: int, u
             f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
             f"unwrapped {format_bytes(unwrapped)}): the parameters' gradients, which this step allocates (gradients=\"allocated\"), are "
             f"{format_bytes(grads)} ({grads / unwrapped:.2f} of the step at this input) and no checkpoint frees them. A larger batch makes "
-            "activations the larger share; gradients=\"kept\" (zero_grad(set_to_none=False)) or \"in_backward\" "
+            "activations the larger share; gradients=\"kept\" (zero_grad(set_to_none=False)) or gradients=\"in_backward\" "
             "(trunksplit.optimizer_in_backward) leaves them out of the step; nothing was changed", None, unwrapped)
 
 
