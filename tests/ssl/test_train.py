@@ -23,6 +23,7 @@ from trunksplit.ssl import loop
 from trunksplit import trunk as trunk_module
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.fit_step import fitted_batch
+from trunksplit.ssl.model import build_trunk
 from trunksplit.ssl import strategy
 
 from distributed_harness import run_processes
@@ -321,6 +322,36 @@ def test_a_budget_the_trunk_cannot_meet_names_the_config_values_that_can(tmp_pat
     assert 0.6 < named < 1 and model.trunk.plan.strategy == "budget"
     model, _ = train(load_config(QUICK, [*overrides, "OUTPUT_DIR", str(tmp_path / "kept"), budget, "0.6", "TRAIN.GRADIENTS", "kept"]))
     assert model.trunk.plan.strategy == "budget"
+
+
+@pytest.mark.parametrize("autocast", ["", "bf16"])  # bf16 on a CPU: its convolution probe runs the crops first
+def test_a_crop_size_the_trunk_cannot_run_is_refused_in_the_configs_terms_before_anything_is_written(tmp_path, autocast):
+    """A ViT cuts whole patches: 24px crops of a 16px-patch ViT are refused as the run starts, naming the
+    size and the key, rather than deep inside the first step's trunk call."""
+    out = tmp_path / "run"
+    overrides = ["OUTPUT_DIR", str(out), *SMALL, "MODEL.TRUNK.NAME", "vit_s_16", "METHOD.NAME", "dino", "DATA.CROP_SIZES", "[32, 24]",
+                 "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "TRAIN.AUTOCAST", autocast]
+    with pytest.raises(ValueError, match=re.escape("MODEL.TRUNK.NAME vit_s_16 cannot run the 24px crops of DATA.CROP_SIZES [32, 24]: "
+                                                   "this ViT cuts 16x16 patches")):
+        train(load_config(QUICK, overrides))
+    assert not out.exists()
+
+
+def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key(tmp_path):
+    """``MODEL.TRUNK.NAME timm:NAME`` with ``OUT_FEAT_KEYS [flatten]`` (the default): the head takes
+    the model's pooled features, as timm's own ``forward_head(..., pre_logits=True)`` gives them, not
+    its classifier's logits (before: refused, 'unknown feature key(s) ['flatten']')."""
+    timm = pytest.importorskip("timm")
+    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", "TRAIN.STEPS", "1"])
+    trunk = build_trunk(cfg)
+    reference = timm.create_model("convnext_atto", pretrained=False)  # its classifier kept: loaded from the trunk's weights
+    reference.load_state_dict(trunk.model_state_dict(reference))
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        pooled = reference.eval().forward_head(reference.forward_features(x), pre_logits=True)
+        assert torch.equal(trunk.eval()(x)[-1], pooled)
+    model, last = train(cfg)
+    assert model.head[0].in_features == pooled.shape[1] == 320 and math.isfinite(last["loss"])
 
 
 def test_simclrs_loss_of_one_image_is_zero_with_no_gradient_so_one_image_a_step_is_refused():

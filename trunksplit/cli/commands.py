@@ -23,7 +23,7 @@ from ..recompute.wrapper import checkpoint_wrapped_names
 from ..ssl.fit_step import crop_groups, fit_step
 from ..ssl.grouped import held_calls
 from ..ssl.loop import step_for_fit
-from ..ssl.model import budget_refused, build_trunk
+from ..ssl.model import budget_refused, build_trunk, feature_width
 from ..ssl.optim import optimizer_of
 from ..ssl.parallel import autocast_for
 from ..ssl.strategy import as_trained
@@ -108,6 +108,7 @@ def _plan_config(args) -> int:
             raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file CONFIG --memory SIZE "
                              "prints that batch and each crop group's plan")
         trunk = build_trunk(cfg)
+        feature_width(trunk, cfg)  # every crop size runs
         if len(cfg.MODEL.ACTIVATION_CHECKPOINTING.SELECT):
             wrapped = checkpoint_wrapped_names(trunk)
             print(f"MODEL.ACTIVATION_CHECKPOINTING.SELECT wraps {len(wrapped)} blocks, each its own checkpoint (no segments to plan): {' '.join(wrapped)}")

@@ -116,14 +116,16 @@ def _torchvision_model(name: str, image_size: Optional[int]) -> nn.Module:
 
 
 def _timm_model(name: str, image_size: Optional[int]) -> nn.Module:
-    """timm's model with random weights; a model built for one input size (a ViT) is built for ``image_size``."""
+    """timm's model with random weights and no classifier (``num_classes=0``: its output is its pooled
+    features, what torchvision's ``flatten`` block gives); a model built for one input size (a ViT) is
+    built for ``image_size``."""
     timm = importlib.import_module("timm")
     if image_size is not None:
         try:
-            return timm.create_model(name, pretrained=False, img_size=image_size)
+            return timm.create_model(name, pretrained=False, num_classes=0, img_size=image_size)
         except TypeError:  # a model of any input size takes no img_size
             pass
-    return timm.create_model(name, pretrained=False)
+    return timm.create_model(name, pretrained=False, num_classes=0)
 
 
 def build_hf_model(name: str, image_size: Optional[int] = None) -> nn.Module:

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from .model import build_trunk
+from .model import build_trunk, feature_width
 
 PROBES = 5  # runs of each convolution: reused memory is not always dirty (a one-pixel input came out wrong in 13-15 of 15 runs)
 
@@ -72,7 +72,9 @@ def refuse_wrong_bf16_convolutions(cfg, device: torch.device, agree: Callable = 
     crops: Dict[int, int] = {}  # crop size -> crops of it per image
     for size, count in zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS):
         crops[size] = crops.get(size, 0) + count
-    trunk = build_trunk(cfg).eval()
+    trunk = build_trunk(cfg)
+    feature_width(trunk, cfg)  # a crop size the trunk cannot run, said in the config's terms before it is probed
+    trunk.eval()
     probes: Dict[str, Tuple[nn.Conv2d, torch.Size, int]] = {}  # each at its shape in the run's trunk call, at the first crop size that brings it there
     for size, count in sorted(crops.items()):
         for name, (conv, shape) in one_pixel_strided_convolutions(trunk, [torch.zeros(1, 3, size, size)]).items():

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..chains import feature_blocks
 from ..in_backward import holding_updates
 from ..planning.budget import BudgetTooLowError, MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
@@ -21,7 +22,7 @@ from .optim import gradient_mode
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
     model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
-    keys = list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS)
+    keys = pooled_as_output(list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), list(feature_blocks(model)))
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
         return CheckpointedTrunk(model, keys, gradients=gradient_mode(cfg))
@@ -38,6 +39,13 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         use_reentrant=ac.USE_REENTRANT,
         gradients=gradient_mode(cfg),
     )
+
+
+def pooled_as_output(keys: List[str], blocks: List[str]) -> List[str]:
+    """``OUT_FEAT_KEYS`` for a trunk of ``blocks``: ``flatten``, the default (the pooled features), is the
+    last block where none has that name, a traced model's ``output`` (timm's, built without a
+    classifier: its pooled features). Other keys are the trunk's to check."""
+    return [blocks[-1] if key == "flatten" and "flatten" not in blocks else key for key in keys]
 
 
 _NORMALIZE_EPS = 1e-12  # F.normalize's
@@ -177,17 +185,30 @@ def same_size_runs(crops: List[torch.Tensor]):
 def build_model(cfg) -> SSLModel:
     """The student the config asks for (a DINO teacher is added by :func:`trunksplit.ssl.dino.add_teacher`)."""
     trunk = build_trunk(cfg)
-    trunk_was_training = trunk.training
-    with torch.no_grad():
-        trunk.eval()
-        size = cfg.DATA.CROP_SIZES[0]
-        feature = trunk(torch.zeros(1, 3, size, size))[-1]
-        trunk.train(trunk_was_training)
-    dim, h = feature.shape[1], cfg.MODEL.HEAD
+    dim, h = feature_width(trunk, cfg), cfg.MODEL.HEAD
     if cfg.METHOD.NAME == "dino":
         return SSLModel(trunk, DINOHead(dim, h.HIDDEN_DIM, h.OUTPUT_DIM, cfg.METHOD.NUM_PROTOTYPES))
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
     return SSLModel(trunk, projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM), prototypes)
+
+
+def feature_width(trunk: CheckpointedTrunk, cfg) -> int:
+    """The width of the trunk's last feature, what the head takes, from one image at each crop size: a
+    trunk that cannot run one of them is refused now, in the config's terms, rather than in the step."""
+    was_training, widths = trunk.training, []
+    try:
+        with torch.no_grad():
+            trunk.eval()
+            for size in dict.fromkeys(cfg.DATA.CROP_SIZES):
+                try:
+                    widths.append(trunk(torch.zeros(1, 3, size, size))[-1].shape[1])
+                except (RuntimeError, AssertionError, ValueError) as e:  # a model built for one input size asserts it (timm's ViTs)
+                    raise ValueError(f"MODEL.TRUNK.NAME {cfg.MODEL.TRUNK.NAME} cannot run the {size}px crops of DATA.CROP_SIZES "
+                                     f"{list(cfg.DATA.CROP_SIZES)}: {str(e).splitlines()[0].rstrip('.')}. Give DATA.CROP_SIZES sizes it runs; "
+                                     "a ViT of torchvision's (vit_s_16, vit_b_16) runs any multiple of its patch size") from None
+    finally:
+        trunk.train(was_training)
+    return widths[0]
 
 
 def student_copy(model: SSLModel, plain: bool) -> SSLModel:
