@@ -342,7 +342,8 @@ def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key
     the model's pooled features, as timm's own ``forward_head(..., pre_logits=True)`` gives them, not
     its classifier's logits (before: refused, 'unknown feature key(s) ['flatten']')."""
     timm = pytest.importorskip("timm")
-    cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", "TRAIN.STEPS", "1"])
+    cfg_args = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", "TRAIN.STEPS", "1"]
+    cfg = load_config(QUICK, cfg_args)
     trunk = build_trunk(cfg)
     reference = timm.create_model("convnext_atto", pretrained=False)  # its classifier kept: loaded from the trunk's weights
     reference.load_state_dict(trunk.model_state_dict(reference))
@@ -350,7 +351,9 @@ def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key
     with torch.no_grad():
         pooled = reference.eval().forward_head(reference.forward_features(x), pre_logits=True)
         assert torch.equal(trunk.eval()(x)[-1], pooled)
-    model, last = train(cfg)
+    # the fit's trunk too (before: refused as above), its batch found for a memory size
+    fitted = load_config(QUICK, [*cfg_args, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", "60MiB", "DATA.NUM_IMAGES", "512"])
+    model, last = train(fitted)
     assert model.head[0].in_features == pooled.shape[1] == 320 and math.isfinite(last["loss"])
 
 

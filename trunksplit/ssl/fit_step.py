@@ -182,7 +182,7 @@ class _StepPrediction:
         self.optimizer_peak = max(optimizer_step_peak(self.rank, optimizer_step_transient(model, self.optimizer), trained),
                                   layout.between_steps_bytes(mode, trained))
         ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
-        self.make = trunk_maker(model.trunk.feature_blocks, list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
+        self.make = trunk_maker(model.trunk.feature_blocks, list(model.trunk.out_feat_keys), ac.NUM_ACTIVATION_CHECKPOINTING_SPLITS,
                                 mode, ac.USE_REENTRANT, self.optimizer, device)
         self.chains: Dict[int, ScaledChain] = {}
         for size in sorted({s for s, _ in self.groups}, reverse=True):
