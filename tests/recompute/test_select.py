@@ -8,7 +8,7 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import Bottleneck
 
-from trunksplit import apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k, is_checkpoint_wrapped
+from trunksplit import CheckpointedTrunk, apply_activation_checkpointing, by_name, by_type, condition_from_config, every_k, is_checkpoint_wrapped, is_recomputing
 
 from reference import loss_of
 
@@ -40,6 +40,42 @@ def test_training_step_after_wrapping_gives_the_plain_gradients(condition):
         assert torch.equal(a.grad, b.grad), n
     for (n, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
         assert torch.equal(a, b), n
+
+
+class Stack(nn.Module):
+    """Blocks in a ModuleList (never called itself), traced by fx into units whose paths to the
+    blocks' layers are bare modules (never called either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_containers_never_called_are_neither_selected_nor_counted(traced):
+    """Every selected module is called in the step (its checkpoint then reruns its forward): a
+    ModuleList, or the bare modules along a traced unit's paths, were selected and counted before,
+    and wrapping them did nothing (a launcher run with SELECT every_k on a timm trunk measured as
+    the plain step)."""
+    torch.manual_seed(0)
+    model = CheckpointedTrunk(Stack()) if traced else Stack()
+    plain = copy.deepcopy(model)
+    names = apply_activation_checkpointing(model, every_k(2))
+    calls = {n: [] for n in names}
+    for n in names:
+        model.get_submodule(n).register_forward_pre_hook(lambda m, args, n=n: calls[n].append(is_recomputing()))
+    x = torch.randn(4, 8)
+    for m in (plain, model):
+        out = m(x)
+        loss_of(out if traced else [out]).backward()  # a trunk returns its features as a list
+    assert names and all(calls[n] == [False] for n in names), calls
+    for (n, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
 
 
 def test_by_name_matches_the_whole_name():

@@ -241,6 +241,30 @@ def test_pickle_and_torch_save_round_trip(how):
         assert torch.equal(a.grad, b.grad), n
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_wrapped_fx_graph_module_copies_to_one_that_checkpoints_itself(how):
+    """fx's GraphModule makes a class for each instance, and its own deepcopy and pickle rebuild one:
+    a wrapped one's copy looped forever when called (RecursionError; a traced trunk's unit, copied
+    by the launcher's side-by-side step), and pickle could not name the class. The copy is
+    independent, checkpointed, and steps as the plain traced module does."""
+    torch.manual_seed(0)
+    plain = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    back = copy.deepcopy(wrapped) if how == "deepcopy" else pickle.loads(pickle.dumps(wrapped))
+    assert is_checkpoint_wrapped(back)
+    runs = {"wrapped": [], "copy": []}
+    for who, module in (("wrapped", wrapped), ("copy", back)):
+        module.get_submodule("2").register_forward_pre_hook(lambda m, args, who=who: runs[who].append(is_recomputing()))
+    x = torch.randn(2, 4)
+    plain(x).pow(2).sum().backward()
+    back(x).pow(2).sum().backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), back.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    assert runs == {"wrapped": [], "copy": [False, True]}  # its own forward, checkpointed
+    assert all(p.grad is None for p in wrapped.parameters())
+    assert type(unwrap_checkpoint(back)).forward(back, x).shape == (2, 4)  # unwrapped, it runs as the plain module
+
+
 def test_a_deleted_wrapped_module_is_freed_without_gc():
     gc.disable()
     try:

@@ -115,10 +115,12 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
 
     Returns the selected names in ``named_modules()`` order. The root is never
     wrapped; a module inside a selected or already wrapped one is left alone,
-    since its parent's checkpoint already covers it. The condition sees every
-    other submodule, in order, wrapped ones included, so counting conditions count
-    all matches and applying the same condition again selects the same modules
-    (wrapping twice changes nothing).
+    since its parent's checkpoint already covers it; so is a container that is never
+    called (no forward of its own: ``ModuleList``, ``ModuleDict``, the bare modules
+    fx builds along a traced unit's paths), since checkpointing it would do nothing.
+    The condition sees every other submodule, in order, wrapped ones included, so
+    counting conditions count all matches and applying the same condition again
+    selects the same modules (wrapping twice changes nothing).
 
     A module whose first operation is in-place (``ReLU(inplace=True)``, or a
     ``Sequential`` starting with one) cannot be checkpointed: it would overwrite
@@ -131,7 +133,7 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
         condition.reset()
     selected, in_place, covered = [], [], []
     for name, module in model.named_modules():
-        if not name or any(name.startswith(c + ".") for c in covered):
+        if not name or any(name.startswith(c + ".") for c in covered) or type(module).forward is nn.Module.forward:
             continue
         if condition(name, module):
             if layer_splittable_before(module):

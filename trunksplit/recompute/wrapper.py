@@ -4,6 +4,7 @@ done so that names, ``state_dict`` keys, ``deepcopy`` and ``pickle`` all keep wo
 Exactness (outputs, gradients, RNG, autocast, BatchNorm once) comes from
 :func:`trunksplit.recompute.checkpoint.run_checkpointed`, which the wrapper calls.
 """
+import copy
 from typing import Callable, List
 
 import torch
@@ -40,8 +41,27 @@ class _Checkpointed:
         return run_checkpointed(forward, [self], args, kwargs, keep=POLICIES[self._checkpoint_policy].keep)
 
     def __reduce_ex__(self, protocol):
+        if isinstance(self, torch.fx.GraphModule):  # fx's own reduce rebuilds the class it makes per instance
+            return (_rebuild_checkpointed_from, _as_plain(self, lambda plain: plain.__reduce_ex__(protocol))[:2])
         # Rebuild through the plain class so pickle never looks the generated class up by name.
         return (_rebuild_checkpointed, (self._checkpoint_base,), self.__dict__)
+
+    def __deepcopy__(self, memo):
+        # The plain module's copy (its class's own __deepcopy__ where it has one: fx's GraphModule builds
+        # a class per instance, which a copy through the wrapped class would loop into), wrapped again.
+        twin = _as_plain(self, lambda plain: copy.deepcopy(plain, memo))
+        twin.__class__ = _checkpointed_class(type(twin))
+        return twin
+
+
+def _as_plain(module: "_Checkpointed", run: Callable):
+    """``run(module)`` with ``module`` unwrapped for the call (its class restored after, whatever happens)."""
+    wrapped = module.__class__
+    module.__class__ = module._checkpoint_base
+    try:
+        return run(module)
+    finally:
+        module.__class__ = wrapped
 
 
 _CHECKPOINTED_CLASSES: dict = {}
@@ -58,6 +78,13 @@ def _checkpointed_class(base: type) -> type:
 def _rebuild_checkpointed(base: type) -> nn.Module:
     module = base.__new__(base)
     module.__class__ = _checkpointed_class(base)
+    return module
+
+
+def _rebuild_checkpointed_from(rebuild: Callable, args: tuple) -> nn.Module:
+    """A wrapped module unpickled from its plain class's own reduce (fx's GraphModule); its settings are in its ``__dict__``."""
+    module = rebuild(*args)
+    module.__class__ = _checkpointed_class(type(module))
     return module
 
 
