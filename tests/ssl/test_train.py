@@ -342,19 +342,20 @@ def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key
     the model's pooled features, as timm's own ``forward_head(..., pre_logits=True)`` gives them, not
     its classifier's logits (before: refused, 'unknown feature key(s) ['flatten']')."""
     timm = pytest.importorskip("timm")
-    cfg_args = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", "TRAIN.STEPS", "1"]
-    cfg = load_config(QUICK, cfg_args)
-    trunk = build_trunk(cfg)
-    reference = timm.create_model("convnext_atto", pretrained=False)  # its classifier kept: loaded from the trunk's weights
-    reference.load_state_dict(trunk.model_state_dict(reference))
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        pooled = reference.eval().forward_head(reference.forward_features(x), pre_logits=True)
-        assert torch.equal(trunk.eval()(x)[-1], pooled)
+    for name in ("convnext_atto", "vit_tiny_patch16_224"):  # the ViT's patch embedding has an op named flatten
+        cfg_args = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", f"timm:{name}", "TRAIN.STEPS", "1"]
+        trunk = build_trunk(load_config(QUICK, cfg_args))
+        reference = timm.create_model(name, pretrained=False, img_size=32) if "vit" in name else timm.create_model(name, pretrained=False)
+        reference.load_state_dict(trunk.model_state_dict(reference))  # its classifier kept: loaded from the trunk's weights
+        with torch.no_grad():
+            pooled = reference.eval().forward_head(reference.forward_features(x), pre_logits=True)
+            assert torch.equal(trunk.eval()(x)[-1], pooled), name
     # the fit's trunk too (before: refused as above), its batch found for a memory size
-    fitted = load_config(QUICK, [*cfg_args, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", "60MiB", "DATA.NUM_IMAGES", "512"])
-    model, last = train(fitted)
-    assert model.head[0].in_features == pooled.shape[1] == 320 and math.isfinite(last["loss"])
+    fitted = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", "TRAIN.STEPS", "1",
+              "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", "60MiB", "DATA.NUM_IMAGES", "512"]
+    model, last = train(load_config(QUICK, fitted))
+    assert model.head[0].in_features == 320 and math.isfinite(last["loss"])  # ConvNeXt-atto's pooled width
 
 
 def test_simclrs_loss_of_one_image_is_zero_with_no_gradient_so_one_image_a_step_is_refused():

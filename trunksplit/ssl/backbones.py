@@ -115,6 +115,14 @@ def _torchvision_model(name: str, image_size: Optional[int]) -> nn.Module:
     return EXTRA_BACKBONES[name](**kwargs) if name in EXTRA_BACKBONES else torchvision.models.get_model(name, **kwargs)
 
 
+def feature_key(name: str, key: str) -> str:
+    """A config's feature key (``OUT_FEAT_KEYS``) for backbone ``name``: ``flatten``, the default, means the
+    pooled features, which a timm model built here gives as its ``output`` (no classifier). Among a traced
+    model's blocks a ``flatten`` is an op's name: timm's ResNets flatten their pooled features, its ViTs
+    their patches; torchvision's traced models (AlexNet, GoogLeNet) their pooled features, kept as they are."""
+    return "output" if key == "flatten" and name.startswith(TIMM) else key
+
+
 def _timm_model(name: str, image_size: Optional[int]) -> nn.Module:
     """timm's model with random weights and no classifier (``num_classes=0``: its output is its pooled
     features, what torchvision's ``flatten`` block gives); a model built for one input size (a ViT) is

@@ -9,20 +9,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..chains import feature_blocks
 from ..in_backward import holding_updates
 from ..planning.budget import BudgetTooLowError, MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
 from ..recompute.wrapper import unwrap_checkpoint
 from ..trunk import CheckpointedTrunk
-from .backbones import build_backbone
+from .backbones import build_backbone, feature_key
 from .optim import gradient_mode
 
 
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
     model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
-    keys = pooled_as_output(list(cfg.MODEL.TRUNK.OUT_FEAT_KEYS), list(feature_blocks(model)))
+    keys = [feature_key(cfg.MODEL.TRUNK.NAME, key) for key in cfg.MODEL.TRUNK.OUT_FEAT_KEYS]
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
         return CheckpointedTrunk(model, keys, gradients=gradient_mode(cfg))
@@ -39,13 +38,6 @@ def build_trunk(cfg) -> CheckpointedTrunk:
         use_reentrant=ac.USE_REENTRANT,
         gradients=gradient_mode(cfg),
     )
-
-
-def pooled_as_output(keys: List[str], blocks: List[str]) -> List[str]:
-    """``OUT_FEAT_KEYS`` for a trunk of ``blocks``: ``flatten``, the default (the pooled features), is the
-    last block where none has that name, a traced model's ``output`` (timm's, built without a
-    classifier: its pooled features). Other keys are the trunk's to check."""
-    return [blocks[-1] if key == "flatten" and "flatten" not in blocks else key for key in keys]
 
 
 _NORMALIZE_EPS = 1e-12  # F.normalize's
