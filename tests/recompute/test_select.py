@@ -78,6 +78,16 @@ def test_containers_never_called_are_neither_selected_nor_counted(traced):
         assert torch.equal(a.grad, b.grad), n
 
 
+def test_a_traced_trunks_block_class_is_refused_naming_its_units_and_its_units_select_by_name():
+    """A traced trunk runs its model's blocks as units (fx traced through their classes): selecting the
+    block class finds nothing, and the refusal says what to select instead, which works."""
+    trunk = CheckpointedTrunk(Stack())
+    with pytest.raises(ValueError, match=r"module types present: \[.*'ChainUnit'.*\]\. A traced trunk runs its model's blocks as ChainUnits.*by name"):
+        apply_activation_checkpointing(trunk, by_type(nn.Sequential))
+    assert not any(is_checkpoint_wrapped(m) for m in trunk.modules())  # nothing changed
+    assert apply_activation_checkpointing(trunk, by_name(r"blocks_\d+")) == ["blocks_0", "blocks_1"]
+
+
 def test_by_name_matches_the_whole_name():
     model = torchvision.models.resnet18()
     assert apply_activation_checkpointing(model, by_name(r"layer\d\.0")) == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]

@@ -151,7 +151,10 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
         warnings.warn(message, UserWarning, stacklevel=2)
     if not selected:
         present = sorted({type(m).__name__ for n, m in model.named_modules() if n})
-        raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}")
+        traced = "" if "ChainUnit" not in present else (  # the model's own block classes were traced through
+            ". A traced trunk runs its model's blocks as ChainUnits, named after them (stages_0_blocks_0): select those by "
+            "name (by_name, SELECT.name_regex), or give the trunk a memory budget")
+        raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}{traced}")
     for _, module in selected:
         checkpoint_wrapper(module, offload_to_cpu=offload_to_cpu)
     return [name for name, _ in selected]
