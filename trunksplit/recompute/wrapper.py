@@ -42,7 +42,8 @@ class _Checkpointed:
 
     def __reduce_ex__(self, protocol):
         if isinstance(self, torch.fx.GraphModule):  # fx's own reduce rebuilds the class it makes per instance
-            return (_rebuild_checkpointed_from, _as_plain(self, lambda plain: plain.__reduce_ex__(protocol))[:2])
+            rebuild, args, *rest = _as_plain(self, lambda plain: plain.__reduce_ex__(protocol))
+            return (_rebuild_checkpointed_from, (rebuild, args), *rest)
         # Rebuild through the plain class so pickle never looks the generated class up by name.
         return (_rebuild_checkpointed, (self._checkpoint_base,), self.__dict__)
 
