@@ -337,6 +337,17 @@ def test_a_crop_size_the_trunk_cannot_run_is_refused_in_the_configs_terms_before
     assert not out.exists()
 
 
+def test_a_last_feature_the_head_cannot_take_is_refused_naming_it(tmp_path):
+    """A ViT's encoder output is tokens (1, 5, 384 at 32 px): the head was built for 5 inputs and the first
+    step failed in a matrix product. Refused as the model is built; a feature map (res5) is averaged, and trains."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=re.escape("MODEL.TRUNK.OUT_FEAT_KEYS: the head takes the last feature, encoder, of shape (1, 5, 384)")):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, "MODEL.TRUNK.NAME", "vit_s_16", "MODEL.TRUNK.OUT_FEAT_KEYS", "[encoder]"]))
+    assert not out.exists()
+    model, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, "TRAIN.STEPS", "1", "MODEL.TRUNK.OUT_FEAT_KEYS", "[res4, res5]"]))
+    assert model.head[0].in_features == 512  # ResNet-18's res5 channels
+
+
 def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key(tmp_path):
     """``MODEL.TRUNK.NAME timm:NAME`` with ``OUT_FEAT_KEYS [flatten]`` (the default): the head takes
     the model's pooled features, as timm's own ``forward_head(..., pre_logits=True)`` gives them, not

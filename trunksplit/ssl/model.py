@@ -187,20 +187,24 @@ def build_model(cfg) -> SSLModel:
 def feature_width(trunk: CheckpointedTrunk, cfg) -> int:
     """The width of the trunk's last feature, what the head takes, from one image at each crop size: a
     trunk that cannot run one of them is refused now, in the config's terms, rather than in the step."""
-    was_training, widths = trunk.training, []
+    was_training, shapes = trunk.training, []
     try:
         with torch.no_grad():
             trunk.eval()
             for size in dict.fromkeys(cfg.DATA.CROP_SIZES):
                 try:
-                    widths.append(trunk(torch.zeros(1, 3, size, size))[-1].shape[1])
+                    shapes.append(trunk(torch.zeros(1, 3, size, size))[-1].shape)
                 except (RuntimeError, AssertionError, ValueError) as e:  # a model built for one input size asserts it (timm's ViTs)
                     raise ValueError(f"MODEL.TRUNK.NAME {cfg.MODEL.TRUNK.NAME} cannot run the {size}px crops of DATA.CROP_SIZES "
                                      f"{list(cfg.DATA.CROP_SIZES)}: {str(e).splitlines()[0].rstrip('.')}. Give DATA.CROP_SIZES sizes it runs; "
                                      "a ViT of torchvision's (vit_s_16, vit_b_16) runs any multiple of its patch size") from None
     finally:
         trunk.train(was_training)
-    return widths[0]
+    if len(shapes[0]) not in (2, 4):  # SSLModel.forward averages a feature map; tokens have no one pooling
+        raise ValueError(f"MODEL.TRUNK.OUT_FEAT_KEYS: the head takes the last feature, {trunk.out_feat_keys[-1]}, of shape "
+                         f"{tuple(shapes[0])} for one image: give a pooled feature (flatten, the default) or a feature map "
+                         "(N, C, H, W, averaged over H and W)")
+    return shapes[0][1]
 
 
 def student_copy(model: SSLModel, plain: bool) -> SSLModel:
