@@ -69,10 +69,13 @@ _CHECKPOINTED_CLASSES: dict = {}
 
 
 def _checkpointed_class(base: type) -> type:
+    """The wrapped class of ``base``, made once per class; not kept for fx's GraphModules, whose classes are
+    made one per instance (a traced trunk's units): kept, each would outlive its module."""
     cls = _CHECKPOINTED_CLASSES.get(base)
     if cls is None:
         cls = type(f"Checkpointed{base.__name__}", (_Checkpointed, base), {"_checkpoint_base": base})
-        _CHECKPOINTED_CLASSES[base] = cls
+        if not issubclass(base, torch.fx.GraphModule):
+            _CHECKPOINTED_CLASSES[base] = cls
     return cls
 
 
