@@ -710,6 +710,26 @@ def test_resume_with_other_checkpointing_plans_again_and_a_finished_run_says_so(
         train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, *other]), resume=True)
 
 
+def test_resume_with_another_batch_or_length_says_what_changed_and_names_the_plan_it_trains_with(tmp_path):
+    """A resumed run may go on with other settings (a longer TRAIN.STEPS, another batch): it trains, but it is
+    no longer the run its checkpoint was part of, so each changed key is said with both values. What leaves
+    the weights as they are (log and checkpoint cadence, loader workers) is not. The summary names the plan
+    of the batch it trains, not the checkpoint's (that one read as a crop group's)."""
+    out = tmp_path / "run"
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL, "TRAIN.LOG_EVERY", "2", "TRAIN.CHECKPOINT_EVERY", "3"]), resume=True)
+    assert not [w for w in caught if "changed since" in str(w.message)]
+
+    with pytest.warns(UserWarning) as caught:
+        model, last = train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "6"]), resume=True)
+    said = [str(w.message) for w in caught if "changed since" in str(w.message)]
+    assert len(said) == 1 and "TRAIN.BATCH_SIZE_PER_RANK (4 then, 6 now)" in said[0] and "TRAIN.STEPS (1 then, 2 now)" in said[0], said
+    assert "OPTIM.LR (0.0046875 then, 0.0070312" in said[0]  # the learning rate the linear scaling rule gave each batch
+    assert last["step"] == 2 and last["plan"] == "balanced, 4 segments" and len(model.trunk.plans) == 2
+
+
 def test_maxvit_with_several_resolutions_is_refused():
     with pytest.raises(ValueError, match="maxvit_t is built for one resolution"):
         load_config(os.path.join(ROOT, "configs", "simclr_vit_b_16.yaml"), ["MODEL.TRUNK.NAME", "maxvit_t", "DATA.CROP_SIZES", "[224, 96]", "DATA.CROP_COUNTS", "[2, 6]",

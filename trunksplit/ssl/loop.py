@@ -229,11 +229,13 @@ def _plans_said(cfg, trunk, peaks: bool = False) -> str:
     selected = checkpoint_wrapped_names(trunk)  # MODEL.ACTIVATION_CHECKPOINTING.SELECT: one segment, the blocks checkpoint themselves
     if selected:
         return f"SELECT, {len(selected)} blocks each its own checkpoint ({' '.join(selected)})"
-    plans = trunk.plans  # a cost-aware trunk's, one per crop resolution (keyed by input shape); vissl's: none stored
-    if len(plans) > 1:
-        by_size = {key[0][0][0][-1]: (p, key[3]) for key, p in plans.items()}  # each crop group's plan by its crops' size, and whether its updates are held
-        return "; ".join(f"group {k + 1} ({n} x {s}px{', updates held' if by_size[s][1] else ''}): {said(by_size[s][0])}"
-                         for k, (s, n) in enumerate(crop_groups(cfg)) if s in by_size)
+    # a cost-aware trunk's plans, one per crop group, by the group's input shape (the checkpoint's too, for
+    # another batch, where a resumed run changed it; later ones win: this run's); vissl's: none stored
+    by_shape = {(key[0][0][0][0], key[0][0][0][-1]): (p, key[3]) for key, p in trunk.plans.items()}  # (images, crop size): (plan, updates held)
+    batch, groups = cfg.TRAIN.BATCH_SIZE_PER_RANK, crop_groups(cfg)
+    found = [(k, s, n, *by_shape[n * batch, s]) for k, (s, n) in enumerate(groups) if (n * batch, s) in by_shape]
+    if len(groups) > 1 and found:
+        return "; ".join(f"group {k + 1} ({n} x {s}px{', updates held' if held else ''}): {said(plan)}" for k, s, n, plan, held in found)
     return said(trunk.plan)
 
 

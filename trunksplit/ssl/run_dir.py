@@ -102,6 +102,11 @@ def _metrics_before(path: str, step: int) -> list:
 SAME_ON_RESUME = ("MODEL.TRUNK.NAME", "METHOD.NAME", "OPTIM.NAME")
 # what the trunk's saved plans were made for: another value plans again
 PLANNED_FOR = ("MODEL.ACTIVATION_CHECKPOINTING", "TRAIN.GRADIENTS", "OPTIM.IN_BACKWARD")
+# what leaves the weights as they would be (checkpointing is exact; where files go, how often they are
+# written, how many workers load the same batches, what is evaluated): any other key changed on resume
+# trains another run from the checkpoint on, and is said
+WEIGHTS_KEEP_ACROSS = (*PLANNED_FOR, "OUTPUT_DIR", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "TRAIN.MEMORY_LIMIT", "TRAIN.DEVICE",
+                       "TRAIN.BACKWARD_BY_CROP_GROUP", "DATA.NUM_WORKERS", "EVAL", "LOGGING", "DISTRIBUTED")
 
 
 def _at(config: dict, key: str):
@@ -118,6 +123,30 @@ def _check_same_run(saved: dict, now: dict, path: str) -> None:
         if _at(saved, key) is not None and _at(saved, key) != _at(now, key):
             raise ValueError(f"--resume: {path} holds a run with {key} {_at(saved, key)}, but the config asks for {_at(now, key)}; "
                              f"resume with the same {key}, or start afresh in another OUTPUT_DIR")
+
+
+def _leaves(config: dict, prefix: str = "") -> dict:
+    """Every value of a nested config dict by its dotted key: ``{"TRAIN.STEPS": 30, ...}``."""
+    leaves = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        leaves.update(_leaves(value, dotted + ".") if isinstance(value, dict) else {dotted: value})
+    return leaves
+
+
+def _say_other_training(saved: dict, now: dict, path: str) -> None:
+    """Warn, naming each key with its two values, where the resumed run trains on with other settings
+    than the checkpoint's run (a larger TRAIN.STEPS, which stretches the schedules; another batch or
+    learning rate): it goes on, but it is no longer the run an uninterrupted one would have been. A key
+    the checkpoint's config lacks (an earlier release's) is not said."""
+    before, after = _leaves(saved), _leaves(now)
+    changed = [key for key in after if key in before and before[key] != after[key]
+               and not any(key == kept or key.startswith(kept + ".") for kept in WEIGHTS_KEEP_ACROSS)]
+    if changed:
+        said = ", ".join(f"{key} ({before[key]} then, {after[key]} now)" for key in changed)
+        warnings.warn(f"--resume: {said} changed since {path} was saved: the run goes on from its step with the new values "
+                      "(schedules run to TRAIN.STEPS as it is now), so its weights will not be those of an uninterrupted run of either config",
+                      UserWarning)
 
 
 def _plans_still_asked_for(saved: dict, now: dict, path: str) -> bool:
@@ -164,6 +193,7 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
         saved = {}
     now = yaml.safe_load(cfg.dump())  # the config as the checkpoint stores it, to compare key by key
     _check_same_run(saved, now, ckpt_path)
+    _say_other_training(saved, now, ckpt_path)
     try:
         load(cfg, state, model, optimizer)
     except RuntimeError as e:
