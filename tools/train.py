@@ -7,6 +7,7 @@
 import argparse
 import sys
 
+from trunksplit.cli.parser import warnings_as_lines
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
 
@@ -22,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.config_file, args.overrides)
-        _, last = train(cfg, resume=args.resume)
+        with warnings_as_lines():
+            cfg = load_config(args.config_file, args.overrides)
+            _, last = train(cfg, resume=args.resume)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,11 +2,13 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 import trunksplit
 from trunksplit.cli import main
+from trunksplit.cli.parser import build_parser, warnings_as_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,6 +72,22 @@ def test_plan_rejects_a_bad_shape(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--input", "2x3x64"])
     assert "8x3x224x224" in capsys.readouterr().err
+
+
+def test_a_shape_is_read_as_torch_prints_it_too():
+    for text in ("2x3x64x64", "2,3,64,64", "(2, 3, 64, 64)"):
+        assert build_parser().parse_args(["plan", "--input", text]).input == (2, 3, 64, 64), text
+    assert build_parser().parse_args(["fit", "--memory", "1GiB", "--input", "3, 64, 64"]).input == (3, 64, 64)
+
+
+def test_a_commands_warnings_print_as_one_line_each():
+    """What a command warns (an unreadable image, a torn metrics line) reads as ``warning: ...``, without the
+    library's file, line and source line; the usual form comes back after the command."""
+    usual = warnings.formatwarning("torn", UserWarning, "trunksplit/ssl/report.py", 43)
+    with warnings_as_lines():
+        assert warnings.formatwarning("skipping a.jpg", UserWarning, "trunksplit/ssl/loop.py", 272) == "warning: skipping a.jpg\n"
+        assert warnings.formatwarning("old", FutureWarning, "x.py", 1) == "warning (FutureWarning): old\n"
+    assert warnings.formatwarning("torn", UserWarning, "trunksplit/ssl/report.py", 43) == usual and "report.py:43" in usual
 
 
 def test_bench_writes_a_table_and_a_plot(tmp_path, capsys):

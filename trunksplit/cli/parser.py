@@ -6,9 +6,11 @@ draws a run's metrics.
 This module imports no torch: ``--help`` and an argument error answer in a fraction of a second. The
 module that runs a command (``COMMANDS``) is loaded once its arguments parse."""
 import argparse
+import contextlib
 import importlib
 import os
 import tempfile
+import warnings
 from typing import List, Optional
 
 from ..planning.budget import MemoryBudget, parse_memory_size
@@ -38,7 +40,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command in ("plan", "fit") and args.config_file:
         _refuse_what_the_config_says(parser, args)
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
-    return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
+    with warnings_as_lines():
+        return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
+
+
+@contextlib.contextmanager
+def warnings_as_lines():
+    """Within it, a warning prints as one line, ``warning: skipping unreadable image a.jpg``, with its kind
+    where it is not a UserWarning. A command's warnings speak to whoever runs it: Python's form adds the
+    file and line that warned and that line's source, which point into the library (or, by stacklevel, at the
+    tool's call of it), not at what to change. Recording (``pytest.warns``) is untouched: it does not format."""
+    before = warnings.formatwarning
+
+    def as_line(message, category, filename, lineno, line=None):
+        kind = "" if category is UserWarning else f" ({category.__name__})"
+        return f"warning{kind}: {message}\n"
+
+    warnings.formatwarning = as_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
 
 
 # plan's and fit's flags that a config file sets instead: given with --config-file, they would be ignored
@@ -136,8 +158,9 @@ def _add_run_parsers(sub) -> None:
 
 
 def _dims(text: str, count: int, example: str):
+    """``8x3x224x224``, or as torch prints a shape: ``8,3,224,224``, ``(8, 3, 224, 224)``."""
     try:
-        dims = tuple(int(d) for d in text.lower().split("x"))
+        dims = tuple(int(d) for d in text.strip("() ").lower().replace(",", "x").split("x"))
     except ValueError:
         dims = ()
     if len(dims) != count or min(dims) < 1:

@@ -134,6 +134,11 @@ def _leaves(config: dict, prefix: str = "") -> dict:
     return leaves
 
 
+def _value(value) -> str:
+    """A config value as a person reads it: 0.00234375, not 0.0023437500000000003 (a scaled learning rate)."""
+    return format(value, ".6g") if isinstance(value, float) else str(value)
+
+
 def _say_other_training(saved: dict, now: dict, path: str) -> None:
     """Warn, naming each key with its two values, where the resumed run trains on with other settings
     than the checkpoint's run (a larger TRAIN.STEPS, which stretches the schedules; another batch or
@@ -143,7 +148,7 @@ def _say_other_training(saved: dict, now: dict, path: str) -> None:
     changed = [key for key in after if key in before and before[key] != after[key]
                and not any(key == kept or key.startswith(kept + ".") for kept in WEIGHTS_KEEP_ACROSS)]
     if changed:
-        said = ", ".join(f"{key} ({before[key]} then, {after[key]} now)" for key in changed)
+        said = ", ".join(f"{key} ({_value(before[key])} then, {_value(after[key])} now)" for key in changed)
         warnings.warn(f"--resume: {said} changed since {path} was saved: the run goes on from its step with the new values "
                       "(schedules run to TRAIN.STEPS as it is now), so its weights will not be those of an uninterrupted run of either config",
                       UserWarning)
