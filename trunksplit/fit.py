@@ -36,6 +36,7 @@ from .planning.memory import PeakMemory, host_bytes_available
 from .planning.scaled import ScaledChain
 from .planning.sharding import RankMemory, gib, rank_memory
 from .planning.plan import SplitPlan
+from .planning.request import frozen_parameters
 from .trunk import CheckpointedTrunk, plan_key
 
 OPTIMIZERS = ("sgd", "lars", "adamw", None)
@@ -143,7 +144,7 @@ def fit(
         plan = chain.plan(batch, budget=memory - resident - margin)
         fitted = trunk(memory_budget=memory - resident - margin)
         # planned from the scaled profile: no profiling, and no allocation, at this batch
-        fitted.store_plan(plan_key([((batch, *input_shape), torch.get_default_dtype())], device), plan)
+        fitted.store_plan(plan_key([((batch, *input_shape), torch.get_default_dtype())], device, frozen=frozen_parameters(fitted.parameters())), plan)
         predicted = max(plan.predicted_peak_bytes + margin, optimizer_peak)
         if not verify:
             break

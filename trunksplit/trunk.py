@@ -12,7 +12,7 @@ from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, l
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
 from .planning.plan import SplitPlan
-from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, plan_key, planned_temporaries, updates_held
+from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, frozen_parameters, plan_key, planned_temporaries, updates_held
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
 from .planning.timing import run_eagerly
@@ -195,12 +195,12 @@ class CheckpointedTrunk(nn.Module):
 
     def key_for(self, x) -> Tuple:
         """What a cost-aware plan depends on besides the trunk: the shape and dtype of each tensor
-        in the input (a tensor, or a list, tuple or dict of them), its device, autocast, and whether
-        the call's updates in backward are held (:meth:`updates_held`)."""
+        in the input (a tensor, or a list, tuple or dict of them), its device, autocast, whether
+        the call's updates in backward are held (:meth:`updates_held`), and which parameters are frozen."""
         tensors = list(tensors_in(x))
         if not tensors:
             raise TypeError(f"a cost-aware plan measures the trunk on its input, and this {type(x).__name__} holds no tensor")
-        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device, self.updates_held())
+        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device, self.updates_held(), frozen_parameters(self.parameters()))
 
     def updates_held(self) -> bool:
         """Stepped in backward, whether updates are held now (``accumulating()``, ``holding_updates``): a call's

@@ -908,6 +908,60 @@ def test_budget_ladder_is_met_when_measured_and_tighter_never_measures_higher(gr
     assert measured == sorted(measured, reverse=True)
 
 
+def _frozen(model, parts):
+    """``model`` with the parameters of its top-level children ``parts`` frozen, as fine-tuning freezes a stem."""
+    for name, p in model.named_parameters():
+        if name.split(".")[0] in parts:
+            p.requires_grad_(False)
+    return model
+
+
+def _planned_step_peak(trunk, x):
+    """The peak of a training step of ``trunk`` on ``x``, planned before it, with the gradients its mode leaves:
+    none, or zeros (``"kept"``; a frozen parameter has none either way)."""
+    trunk.plan_for(x)
+    for p in trunk.parameters():
+        p.grad = torch.zeros_like(p) if trunk.gradients == "kept" and p.requires_grad else None
+    with PeakMemory() as mem:
+        loss_of(trunk(x)).backward()
+    return mem.peak_bytes
+
+
+def test_a_frozen_stems_plan_is_of_the_step_it_runs_and_unfreezing_plans_again():
+    """Fine-tuning with the stem, res2 and res3 frozen: units before the first that trains save nothing for
+    backward and make no gradients, so the plan predicts the step as measured (before: profiled as if they
+    trained, 9% above it). Once they train, the trunk plans again (the key holds which parameters are frozen),
+    and that plan is the measured step too (before: the frozen plan ran on, below the step it ran)."""
+    torch.manual_seed(0)
+    model = _frozen(build("resnet18"), ("conv1", "bn1", "layer1", "layer2"))
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=4, strategy="balanced")
+    x = torch.randn(2, 3, 64, 64)
+    frozen_peak = _planned_step_peak(trunk, x)
+    frozen_plan = trunk.plan
+    for p in model.parameters():
+        p.requires_grad_(True)
+    trained_peak = _planned_step_peak(trunk, x)
+    assert trunk.plan is not frozen_plan and len(trunk.plans) == 2 and trained_peak > frozen_peak
+    for plan, peak in ((frozen_plan, frozen_peak), (trunk.plan, trained_peak)):
+        assert abs(plan.predicted_peak_bytes - peak) <= 0.001 * peak, (plan.predicted_peak_bytes, peak)
+
+
+def test_a_budget_plan_of_a_frozen_stem_puts_no_region_on_it_and_is_met_as_measured():
+    """A region over frozen units before the first that trains frees nothing (they save nothing), and a
+    selective one keeps their convolutions' outputs until its recompute: once frozen units were profiled as
+    frozen, ResNet-50 with its stem and res2 frozen, budget 0.7, measured 1.43x its plan with a save_expensive
+    region from res2.0 to res3.2. No region starts before res3.0, and the budget is met as planned."""
+    torch.manual_seed(0)
+    base = _frozen(build("resnet50"), ("conv1", "bn1", "layer1"))
+    x = torch.randn(4, 3, 96, 96)
+    plain = _planned_step_peak(CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients="kept"), x)
+    trunk = CheckpointedTrunk(copy.deepcopy(base), ["flatten"], memory_budget=0.7, gradients="kept")
+    peak = _planned_step_peak(trunk, x)
+    trains = [n for n, _ in trunk.units].index("res3.0")
+    assert all(r >= trains for s in trunk.plan.segments for r, _, _ in s.regions), trunk.plan.regions
+    assert abs(trunk.plan.predicted_peak_bytes - peak) <= 0.01 * peak and peak <= 0.7 * plain * 1.01, (trunk.plan.predicted_peak_bytes, peak, plain)
+
+
 def test_gradients_allocated_by_the_step_are_part_of_its_peak():
     # torch's default zero_grad() leaves .grad None: the step allocates every gradient. A
     # model that assumed them allocated already would plan that step too optimistically.

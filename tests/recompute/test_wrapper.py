@@ -470,3 +470,35 @@ def test_dict_subclass_inputs_reach_a_wrapped_module_as_they_reach_the_plain_one
             m(make(h)).pow(2).sum().backward()
             grads.append([p.grad.clone() for p in m.parameters()])
         assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _Indexed(nn.Module):
+    """A layer that reads an index table, as Swin's attention reads its relative-position index."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+        self.register_buffer("index", torch.arange(64 * 1024) % 64)  # 512 KiB of int64
+
+    def forward(self, x):
+        return self.linear(x)[:, self.index[:64]]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_frozen_module_on_an_input_without_gradient_runs_as_it_is(reentrant):
+    """Frozen, on an input that needs no gradient (a fine-tuned trunk's stem on the images), nothing is saved
+    for backward, so nothing is checkpointed: the step's peak is the plain module's (before: the copies of its
+    buffers that a checkpoint keeps while its first forward runs were on top), and it runs once."""
+    from trunksplit import PeakMemory
+    from trunksplit.recompute.checkpoint import run_checkpointed
+
+    plain = _Indexed().requires_grad_(False)
+    x = torch.randn(8, 64)
+    with PeakMemory() as alone:
+        want = plain(x)
+    calls = []
+    plain.register_forward_hook(lambda *a: calls.append(1))
+    with PeakMemory() as checkpointed:
+        got = run_checkpointed(plain, [plain], (x,), use_reentrant=reentrant)
+    assert torch.equal(got, want) and not got.requires_grad and calls == [1]
+    assert checkpointed.peak_bytes == alone.peak_bytes, (checkpointed.peak_bytes, alone.peak_bytes)

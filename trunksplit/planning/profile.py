@@ -14,7 +14,7 @@ from ..recompute.policies import POLICIES
 from .memory import _TensorAccounting, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
 from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
-from .unit_copies import private_copy
+from .unit_copies import first_input_with_gradient, private_copy
 from .unit_measure import measure_again_where_gradients_arrive_otherwise, measure_under, measure_unit
 
 
@@ -183,8 +183,9 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     inputs = []  # the first unit's input, then each unit's as a meta tensor: see measure_again_where_gradients_arrive_otherwise
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
-    span = None  # (start, its input, private copies of its units so far) while inside a span
+    span = None  # (start, its input, private copies of its units so far, whether its input carries a gradient) while inside a span
     source = -1  # the unit that allocated the storage of the current activation
+    carries = first_input_with_gradient([u for _, u in units])  # units before it get no gradient: frozen, on the images
     device = next(iter(tensors_in(x))).device
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         h = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x)  # an inference tensor cannot enter autograd
@@ -194,13 +195,13 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             m = private_copy(unit, like=h)
             inputs.append(h if i == 0 or not isinstance(h, torch.Tensor) else torch.empty_like(h, device="meta"))
             if i in span_stop:
-                span = (i, h, [])
+                span = (i, h, [], i >= carries)
             next_h, forward = _forward_figures(m, h)
-            for key, value in {**measure_unit(m, h, input_needs_grad=i > 0, allocator=allocator), **forward}.items():
+            for key, value in {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward}.items():
                 fields[key].append(value)
             if timed:
-                fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i > 0))
-                fields["rerun_seconds"].append(rerun_seconds(m, h, i > 0, use_reentrant, own, fields["forward_seconds"][-1]))
+                fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i >= carries))
+                fields["rerun_seconds"].append(rerun_seconds(m, h, i >= carries, use_reentrant, own, fields["forward_seconds"][-1]))
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:
@@ -213,7 +214,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             h = next_h
             if progress is not None:
                 progress(units[i][0])
-        measure_again_where_gradients_arrive_otherwise([u for _, u in units], inputs, fields, allocator, device)
+        measure_again_where_gradients_arrive_otherwise([u for _, u in units], inputs, fields, allocator, device, carries)
     del fields["input_gradient"]
     plain = {k: tuple(v) for k, v in fields.items()}
     costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]),
@@ -236,13 +237,13 @@ def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, t
     """Measure a span ``(start, its input, its units)`` under each region policy into
     ``under_policy``, and where ``timings`` (the units' ``forward_seconds`` and ``rerun_seconds``
     so far) are given, time it (see :func:`~trunksplit.planning.timing.time_span`)."""
-    start, span_input, members = span
+    start, span_input, members, input_needs_grad = span
     stop = start + len(members)
     for policy, measured in under_policy.items():
-        measured[(start, stop)] = measure_under(members, span_input, start > 0, policy, allocator)
+        measured[(start, stop)] = measure_under(members, span_input, input_needs_grad, policy, allocator)
     if timings is not None:
         forward, rerun = (sum(timings[k][start:stop]) for k in ("forward_seconds", "rerun_seconds"))
-        time_span(members, span_input, start > 0, {p: m[(start, stop)] for p, m in under_policy.items()}, forward, rerun)
+        time_span(members, span_input, input_needs_grad, {p: m[(start, stop)] for p, m in under_policy.items()}, forward, rerun)
 
 
 def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:

@@ -168,11 +168,19 @@ def updates_held(params: Iterable[torch.Tensor]) -> bool:
     return any(mark.holding for mark in map(in_backward_mark, params) if mark is not None)
 
 
-def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device, held: bool = False) -> Tuple:
+def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device, held: bool = False,
+             frozen: Sequence[int] = ()) -> Tuple:
     """The key of a cost-aware plan for inputs of these (shape, dtype) on ``device``, in the
     current autocast state, ``held``: for a call whose updates in backward are held (see
-    :func:`updates_held`). What ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
+    :func:`updates_held`); ``frozen``: of a trunk whose parameters at these positions train not
+    (:func:`frozen_parameters`; a frozen stem saves nothing and has no gradients, so its plan is not
+    the plan once it trains). What ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
     tensor, so a plan for a batch too big to allocate can be stored (``fit``)."""
     device = torch.device(device).type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    return (tuple((tuple(s), d) for s, d in shapes), device, autocast, bool(held))
+    return (tuple((tuple(s), d) for s, d in shapes), device, autocast, bool(held), tuple(frozen))
+
+
+def frozen_parameters(parameters: Iterable[torch.Tensor]) -> Tuple[int, ...]:
+    """The positions of the parameters that do not require grad, in ``parameters``' order: part of a plan's key."""
+    return tuple(i for i, p in enumerate(parameters) if not p.requires_grad)

@@ -30,7 +30,7 @@ from ..recompute.compiled import CompiledUnits, compiled_apart, run_plain
 from ..recompute.policies import POLICIES
 from ..recompute.regions import run_region, run_units
 from .memory import tensors_in
-from .unit_copies import arriving_ones, private_copy, unit_input
+from .unit_copies import arriving_ones, first_input_with_gradient, private_copy, unit_input
 
 REPEATS = 2  # at least
 MIN_SECONDS, MAX_REPEATS = 0.05, 10  # short runs: repeated until they took MIN_SECONDS, at most MAX_REPEATS times
@@ -125,7 +125,7 @@ def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[in
     Runs on private copies (the model, its gradients, statistics and RNG untouched); a compiled
     function keeps the graph it traced for them, and the trunk's own units reuse it (their
     parameters are the graph's inputs), so measuring compiles nothing the first step would not."""
-    device = _device(x)
+    device, carries = _device(x), first_input_with_gradient(units)
     slower = []
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         h, at = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x), 0  # inference tensors cannot enter autograd
@@ -137,7 +137,7 @@ def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[in
             seconds = [float("inf")] * len(runs)
             for repeat in range(3):  # interleaved; the first round warms up (the compiled one compiles)
                 for i, run in enumerate(runs):
-                    t = group_step_seconds(run, layers, h, start > 0)
+                    t = group_step_seconds(run, layers, h, start >= carries)
                     if repeat:
                         seconds[i] = min(seconds[i], t)
             if seconds[0] < seconds[1]:

@@ -2,7 +2,7 @@
 model's parameters, gradients, BatchNorm statistics and hooks stay untouched), and what a copy is
 given when measured alone: its input, and the gradient arriving at its output, as in a chain."""
 import copy
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -83,6 +83,14 @@ def _unsharded_copy(module: nn.Module) -> nn.Module:
     clone._buffers = {n: None if b is None else b.detach().clone() for n, b in module._buffers.items()}
     clone._modules = {n: None if m is None else _unsharded_copy(m) for n, m in module._modules.items()}
     return clone
+
+
+def first_input_with_gradient(units: Sequence[nn.Module]) -> int:
+    """The index of the first unit whose input carries a gradient in a training step: the one after the
+    first unit with a trainable parameter. The images carry none, nor does what frozen units make of them
+    (a fine-tuned trunk's frozen stem and first stage): those units save nothing for backward, and no
+    backward runs for them. ``len(units)`` where nothing trains."""
+    return next((i + 1 for i, u in enumerate(units) if any(p.requires_grad for p in u.parameters())), len(units))
 
 
 def unit_input(h, input_needs_grad: bool):

@@ -114,7 +114,7 @@ class _UntilSavesLetGo(_TensorAccounting):
 
 
 def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], inputs: list, figures: Dict[str, list], allocator: bool,
-                                                   device: torch.device) -> None:
+                                                   device: torch.device, carries: int = 1) -> None:
     """Measure again, last unit first, each unit whose output's gradient the next unit's backward lays out
     otherwise than :func:`arriving_layout` supposed (``figures["input_gradient"]``: what each unit's backward
     gave its input), with that layout; what its own backward gives its input may change in turn, and so on
@@ -123,7 +123,8 @@ def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], i
     copies. Only the figures of :data:`BACKWARD_FIGURES` change.
 
     ``inputs``: the first unit's input, then each unit's input as a meta tensor (its shape and strides); a
-    unit is measured again on random values of that layout, as bytes do not depend on values."""
+    unit is measured again on random values of that layout, as bytes do not depend on values. ``carries``: the
+    first unit whose input carries a gradient (:func:`~trunksplit.planning.unit_copies.first_input_with_gradient`)."""
     given = figures["input_gradient"]
     for i in range(len(units) - 1, 0, -1):
         output, source = inputs[i], inputs[i - 1]
@@ -132,7 +133,7 @@ def measure_again_where_gradients_arrive_otherwise(units: Sequence[nn.Module], i
         if i > 1 and not (isinstance(source, torch.Tensor) and source.is_floating_point()):
             continue
         h = source if i == 1 else torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=device).normal_()
-        cost = measure_unit(private_copy(units[i - 1], like=h), h, input_needs_grad=i > 1, allocator=allocator, layout=given[i])
+        cost = measure_unit(private_copy(units[i - 1], like=h), h, input_needs_grad=i - 1 >= carries, allocator=allocator, layout=given[i])
         for key in BACKWARD_FIGURES:
             figures[key][i - 1] = cost[key]
         given[i - 1] = cost["input_gradient"]

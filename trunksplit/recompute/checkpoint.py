@@ -331,9 +331,9 @@ def run_checkpointed(
     non-reentrant checkpoint follows any tensor the function uses) and any output
     structure. Reentrant mode takes positional tensors only; where no input
     requires grad, torch's reentrant checkpoint would silently give the
-    parameters no gradient, so a zero-size input that requires grad is added; where no
-    parameter of ``modules`` requires grad either (a frozen stem), nothing is saved for
-    backward, and the function runs uncheckpointed.
+    parameters no gradient, so a zero-size input that requires grad is added. Where no
+    input and no parameter of ``modules`` requires grad (frozen units on the images),
+    nothing is saved for backward, and the function runs uncheckpointed, in either mode.
 
     ``keep(func, args)``, where given, picks the aten ops whose outputs are kept (as
     :func:`is_expensive` does): the others are recomputed (torch's selective
@@ -355,6 +355,9 @@ def run_checkpointed(
         return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
     if keep is not None and use_reentrant:
         raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
+    if not any(t.requires_grad for t in _flatten_tensors((args, kwargs))[1]) and not any(p.requires_grad for m in modules for p in m.parameters()):
+        # nothing here needs a gradient (a frozen stem on the images): nothing to save or recompute, so no checkpoint, nor its guard's buffer copies
+        return function(*args, **kwargs)
     # The recompute must see the inputs the forward saw. The lists, tuples and dicts that hold
     # them are copied now, for the caller may change them later (DenseNet's blocks append each
     # layer's output to the list every layer was given), and again for each call, for the
@@ -392,8 +395,6 @@ def _reentrant(run: Callable, args: Tuple, modules: Sequence[nn.Module]) -> Any:
     skeleton, tensors = _flatten_tensors(args)
     if any(t.requires_grad for t in tensors):
         return checkpoint(lambda *t: run(*_filled(skeleton, t)), *tensors, use_reentrant=True)
-    if not any(p.requires_grad for m in modules for p in m.parameters()):
-        return run(*args)  # nothing here needs a gradient (a frozen stem): nothing to save, nor to recompute
     device = tensors[0].device if tensors else None
     anchor = torch.empty(0, device=device, requires_grad=True)  # same device: torch infers the RNG device from the inputs
     return checkpoint(lambda _anchor, *t: run(*_filled(skeleton, t)), anchor, *tensors, use_reentrant=True)
