@@ -670,6 +670,9 @@ def test_select_with_a_budget_says_which_wins():
         (lambda d: None, ["TRAIN.DEVICE", "potato"], "not a device"),
         (lambda d: (d / "afile").write_text("x"), ["OUTPUT_DIR", "{d}/afile/run"], "is a file"),
         (lambda d: (d / "empty").mkdir(), ["DATA.PATH", "{d}/empty"], "holds no images"),
+        # a directory no process may write in, root's included (before: a FileNotFoundError traceback after planning)
+        pytest.param(lambda d: None, ["OUTPUT_DIR", "/proc/trunksplit-run"], r"cannot be written: making a directory in /proc fails",
+                     marks=pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no process makes a directory")),
     ],
 )
 def test_launcher_mistakes_are_clear_errors_and_write_nothing(tmp_path, setup, overrides, message):

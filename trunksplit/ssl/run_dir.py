@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -27,6 +28,10 @@ def check_output_dir(path: str, resume: bool) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"OUTPUT_DIR {path!r} cannot be created: {parent} is a file")
+    try:  # a directory made and removed: whether this process may write there (permissions, a read-only or virtual file system)
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".trunksplit-write-check-"))
+    except OSError as e:
+        raise ValueError(f"OUTPUT_DIR {path!r} cannot be written: making a directory in {parent} fails ({e.strerror}); give a directory this process may write") from None
     ckpt = os.path.join(path, CHECKPOINT)
     if not resume and os.path.exists(ckpt):
         raise ValueError(
