@@ -159,12 +159,12 @@ def _say_other_training(saved: dict, now: dict, path: str) -> None:
                       UserWarning)
 
 
-def _plans_still_asked_for(saved: dict, now: dict, path: str) -> bool:
-    """Whether the checkpoint's plans were made for this config's checkpointing; if not, say that they are made again."""
+def _plans_still_asked_for(saved: dict, now: dict, path: str, say: bool) -> bool:
+    """Whether the checkpoint's plans were made for this config's checkpointing; if not, and ``say``, say that they are made again."""
     changed = [key for key in PLANNED_FOR if _at(saved, key) != _at(now, key)]
     # a section is named, a value said as it was and is (a strategy may have set it: DDP trains TRAIN.GRADIENTS kept)
     said = [key if isinstance(_at(now, key), dict) else f"{key} ({_at(saved, key)} then, {_at(now, key)} now)" for key in changed]
-    if changed:
+    if changed and say:
         warnings.warn(f"--resume: {', '.join(said)} changed since {path} was saved: the trunk plans again for the new settings", UserWarning)
     return not changed
 
@@ -203,7 +203,8 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
         saved = {}
     now = yaml.safe_load(cfg.dump())  # the config as the checkpoint stores it, to compare key by key
     _check_same_run(saved, now, ckpt_path)
-    _say_other_training(saved, now, ckpt_path)
+    if rank == 0:  # one process says it: the config is every rank's
+        _say_other_training(saved, now, ckpt_path)
     try:
         load(cfg, state, model, optimizer)
     except RuntimeError as e:
@@ -211,10 +212,10 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
     if "scaler" in state:
         scaler.load_state_dict(state["scaler"])
     _restore_rng(state.get("rng"), rank, world, ckpt_path)
-    for key, plan in (state.get("plans") or []) if _plans_still_asked_for(saved, now, ckpt_path) else []:
+    for key, plan in (state.get("plans") or []) if _plans_still_asked_for(saved, now, ckpt_path, say=rank == 0) else []:
         model.trunk.store_plan(key, SplitPlan.from_state(plan))
     start = state["step"]
-    if start >= cfg.TRAIN.STEPS:
+    if start >= cfg.TRAIN.STEPS and rank == 0:
         warnings.warn(f"--resume: {ckpt_path} is at step {start} and TRAIN.STEPS is {cfg.TRAIN.STEPS}: nothing is left to train "
                       "(raise TRAIN.STEPS to go on)", UserWarning)
     return Resumed(start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start), dict(state.get("skipped_images") or {}))
