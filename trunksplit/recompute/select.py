@@ -152,7 +152,8 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
     if not selected:
         present = sorted({type(m).__name__ for n, m in model.named_modules() if n})
         traced = "" if "ChainUnit" not in present else (  # the model's own block classes were traced through
-            ". A traced trunk runs its model's blocks as ChainUnits, named after them (stages_0_blocks_0): select those by "
+            ". A traced trunk runs its model's blocks as ChainUnits, each named after the outermost module whose last call it "
+            "holds (stages_0_blocks_0; a stage's last block ends its stage: stages_0; the model's last: output): select those by "
             "name (by_name, SELECT.name_regex), or give the trunk a memory budget")
         raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}{traced}")
     for _, module in selected:
