@@ -172,7 +172,7 @@ def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torc
              frozen: Sequence[int] = ()) -> Tuple:
     """The key of a cost-aware plan for inputs of these (shape, dtype) on ``device``, in the
     current autocast state, ``held``: for a call whose updates in backward are held (see
-    :func:`updates_held`); ``frozen``: of a trunk whose parameters at these positions train not
+    :func:`updates_held`); ``frozen``: of a trunk whose parameters at these positions do not train
     (:func:`frozen_parameters`; a frozen stem saves nothing and has no gradients, so its plan is not
     the plan once it trains). What ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
     tensor, so a plan for a batch too big to allocate can be stored (``fit``)."""
