@@ -194,13 +194,13 @@ class CheckpointedTrunk(nn.Module):
         return self._plan
 
     def key_for(self, x) -> Tuple:
-        """What a cost-aware plan depends on besides the trunk: the shape and dtype of each tensor
-        in the input (a tensor, or a list, tuple or dict of them), its device, autocast, whether
-        the call's updates in backward are held (:meth:`updates_held`), and which parameters are frozen."""
+        """What a cost-aware plan depends on besides the trunk: the shape and dtype of each tensor in the input (a
+        tensor, or a list, tuple or dict of them), its device, autocast, whether the call's updates in backward are
+        held (:meth:`updates_held`), which parameters are frozen, and whether the input requires grad."""
         tensors = list(tensors_in(x))
         if not tensors:
             raise TypeError(f"a cost-aware plan measures the trunk on its input, and this {type(x).__name__} holds no tensor")
-        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device, self.updates_held(), frozen_parameters(self.parameters()))
+        return plan_key([(tuple(t.shape), t.dtype) for t in tensors], tensors[0].device, self.updates_held(), frozen_parameters(self.parameters()), any(t.requires_grad for t in tensors))
 
     def updates_held(self) -> bool:
         """Stepped in backward, whether updates are held now (``accumulating()``, ``holding_updates``): a call's

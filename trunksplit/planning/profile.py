@@ -185,7 +185,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
     span = None  # (start, its input, private copies of its units so far, whether its input carries a gradient) while inside a span
     source = -1  # the unit that allocated the storage of the current activation
-    carries = first_input_with_gradient([u for _, u in units])  # units before it get no gradient: frozen, on the images
+    carries = first_input_with_gradient([u for _, u in units], x)  # units before it get no gradient: frozen, on the images
     device = next(iter(tensors_in(x))).device
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         h = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x)  # an inference tensor cannot enter autograd

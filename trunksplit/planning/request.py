@@ -169,16 +169,17 @@ def updates_held(params: Iterable[torch.Tensor]) -> bool:
 
 
 def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torch.device, held: bool = False,
-             frozen: Sequence[int] = ()) -> Tuple:
+             frozen: Sequence[int] = (), input_grad: bool = False) -> Tuple:
     """The key of a cost-aware plan for inputs of these (shape, dtype) on ``device``, in the
     current autocast state, ``held``: for a call whose updates in backward are held (see
     :func:`updates_held`); ``frozen``: of a trunk whose parameters at these positions do not train
     (:func:`frozen_parameters`; a frozen stem saves nothing and has no gradients, so its plan is not
-    the plan once it trains). What ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
+    the plan once it trains); ``input_grad``: the input requires grad (then every unit passes a gradient
+    on, frozen or not). What ``CheckpointedTrunk.plan_for`` caches a plan under. It needs no
     tensor, so a plan for a batch too big to allocate can be stored (``fit``)."""
     device = torch.device(device).type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    return (tuple((tuple(s), d) for s, d in shapes), device, autocast, bool(held), tuple(frozen))
+    return (tuple((tuple(s), d) for s, d in shapes), device, autocast, bool(held), tuple(frozen), bool(input_grad))
 
 
 def frozen_parameters(parameters: Iterable[torch.Tensor]) -> Tuple[int, ...]:

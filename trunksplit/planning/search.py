@@ -183,7 +183,7 @@ def plan_from_cuts(units: Sequence[str], cuts: Cuts, feature_stops: Dict[str, in
     return annotate(SplitPlan(tuple(units), tuple(segments), strategy), model)
 
 
-def region_spans(units: Sequence[Tuple[str, nn.Module]]) -> List[Tuple[int, int]]:
+def region_spans(units: Sequence[Tuple[str, nn.Module]], x=None) -> List[Tuple[int, int]]:
     """The smallest runs of units ``[start, stop)`` that may form a region (a nested
     checkpoint): a region must neither start nor be followed by an in-place op, which
     would overwrite the input its recompute needs, or an output the
@@ -194,9 +194,10 @@ def region_spans(units: Sequence[Tuple[str, nn.Module]]) -> List[Tuple[int, int]
     gradient), so a region there frees nothing, and costs what their profiles do not show: a
     selective region keeps their convolutions' outputs until its recompute, and a recompute region
     nested in a checkpointed segment held one more activation (as measured: ResNet-50, its stem and
-    res2 frozen, 1.43x and 1.04x a budget plan)."""
+    res2 frozen, 1.43x and 1.04x a budget plan). ``x``: the input, which carries a gradient to every unit
+    where it requires grad."""
     bounds = [i for i, (_, m) in enumerate(units) if layer_splittable_before(m)] + [len(units)]
-    trains = first_input_with_gradient([m for _, m in units]) - 1  # the first unit that trains
+    trains = first_input_with_gradient([m for _, m in units], x) - 1  # the first unit that trains (or passes a gradient on)
     return [(r, s) for r, s in zip(bounds, bounds[1:]) if s > trains]
 
 
@@ -212,7 +213,7 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     ``progress(unit name)`` is called as each unit is profiled."""
     units = list(request.units)
     world_size = world_size or request.world_size
-    spans = region_spans(units) if regions else []
+    spans = region_spans(units, x) if regions else []
     device = next(iter(tensors_in(x))).device
     objective = priced_in(request.objective, device)
     timed = objective == "time"

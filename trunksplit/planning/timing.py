@@ -125,7 +125,7 @@ def faster_eagerly(units: Sequence[nn.Module], x: Any, groups: Sequence[Tuple[in
     Runs on private copies (the model, its gradients, statistics and RNG untouched); a compiled
     function keeps the graph it traced for them, and the trunk's own units reuse it (their
     parameters are the graph's inputs), so measuring compiles nothing the first step would not."""
-    device, carries = _device(x), first_input_with_gradient(units)
+    device, carries = _device(x), first_input_with_gradient(units, x)
     slower = []
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         h, at = map_tensors(lambda t: t.detach().clone() if t.is_inference() else t.detach(), x), 0  # inference tensors cannot enter autograd

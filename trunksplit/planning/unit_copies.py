@@ -85,11 +85,14 @@ def _unsharded_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
-def first_input_with_gradient(units: Sequence[nn.Module]) -> int:
-    """The index of the first unit whose input carries a gradient in a training step: the one after the
-    first unit with a trainable parameter. The images carry none, nor does what frozen units make of them
-    (a fine-tuned trunk's frozen stem and first stage): those units save nothing for backward, and no
-    backward runs for them. ``len(units)`` where nothing trains."""
+def first_input_with_gradient(units: Sequence[nn.Module], x=None) -> int:
+    """The index of the first unit whose input carries a gradient in a training step on ``x``: 0 where ``x``
+    requires grad (an input gradient: saliency, adversarial steps), else the one after the first unit with a
+    trainable parameter. Images carry none, nor does what frozen units make of them (a fine-tuned trunk's
+    frozen stem and first stage): those units save nothing for backward, and no backward runs for them.
+    ``len(units)`` where nothing trains."""
+    if any(t.requires_grad for t in tensors_in(x)):
+        return 0
     return next((i + 1 for i, u in enumerate(units) if any(p.requires_grad for p in u.parameters())), len(units))
 
 
