@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=2 tools/train.py --config-file configs/quickstart.yaml
 """
 import argparse
+import os
 import sys
 
 from trunksplit.cli.parser import warnings_as_lines
@@ -22,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_intermixed_args(argv)
+    if not args.config_file and os.environ.get("RANK", "0") == "0":  # one line, from one process under torchrun
+        print("no --config-file: training the defaults of trunksplit/ssl/config.py and the overrides given "
+              "(the quick start: --config-file configs/quickstart.yaml; all configs: configs/)", flush=True)
     try:
         with warnings_as_lines():
             cfg = load_config(args.config_file, args.overrides)

@@ -57,6 +57,13 @@ def _cli(*args):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+def test_the_launcher_without_a_config_file_says_it_trains_the_defaults(tmp_path):
+    """As detectron2's train_net, no --config-file trains the defaults; it says so first, and where the configs are."""
+    result = _cli("OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "TRAIN.STEPS", "1")
+    assert result.returncode == 0 and result.stdout.startswith("no --config-file: training the defaults of trunksplit/ssl/config.py")
+    assert "no --config-file" not in _cli("--config-file", QUICK, "OUTPUT_DIR", str(tmp_path / "quick"), *SMALL, "TRAIN.STEPS", "1").stdout
+
+
 def test_quickstart_cli_writes_finite_metrics(tmp_path):
     out = tmp_path / "run"
     result = _script("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL)
