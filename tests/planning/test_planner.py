@@ -927,14 +927,17 @@ def _planned_step_peak(trunk, x):
     return mem.peak_bytes
 
 
-def test_a_frozen_stems_plan_is_of_the_step_it_runs_and_unfreezing_plans_again():
+@pytest.mark.parametrize("gradients", GRADIENT_MODES)
+def test_a_frozen_stems_plan_is_of_the_step_it_runs_and_unfreezing_plans_again(gradients):
     """Fine-tuning with the stem, res2 and res3 frozen: units before the first that trains save nothing for
     backward and make no gradients, so the plan predicts the step as measured (before: profiled as if they
     trained, 9% above it). Once they train, the trunk plans again (the key holds which parameters are frozen),
     and that plan is the measured step too (before: the frozen plan ran on, below the step it ran)."""
     torch.manual_seed(0)
     model = _frozen(build("resnet18"), ("conv1", "bn1", "layer1", "layer2"))
-    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=4, strategy="balanced")
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=4, strategy="balanced", gradients=gradients)
+    if gradients == "in_backward":
+        optimizer_in_backward(list(trunk.parameters()), torch.optim.SGD, lr=0.1)  # no state: the first step is every step
     x = torch.randn(2, 3, 64, 64)
     frozen_peak = _planned_step_peak(trunk, x)
     frozen_plan = trunk.plan
