@@ -6,7 +6,7 @@ that batch. Every activation cost is a line in the batch (the same ops on more i
 """
 import copy
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,6 +38,7 @@ class ScaledChain:
         self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress) for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
         self.small = self._costs_for(world_size)
+        self._searched: Dict[tuple, tuple] = {}  # (batch, budget, held) -> (peak model, cuts): a fit asks each many times
 
     def _costs_for(self, world_size: int) -> List[UnitCosts]:
         return [sharded_costs(c, self.units, world_size) for c in self.unsharded] if world_size > 1 else self.unsharded
@@ -45,7 +46,7 @@ class ScaledChain:
     def sharded(self, world_size: int) -> "ScaledChain":
         """The same chain for one of ``world_size`` FSDP2 ranks, without profiling again."""
         chain = copy.copy(self)
-        chain.small = self._costs_for(world_size)
+        chain.small, chain._searched = self._costs_for(world_size), {}
         return chain
 
     def peak(self, batch: int, kind: str) -> int:
@@ -77,8 +78,11 @@ class ScaledChain:
     def _cuts(self, batch: int, budget: Optional[int] = None, held: bool = False):
         """(peak model, cuts) of the least-recompute plan within ``budget`` (None: the lowest peak), for a call whose updates in
         backward are ``held`` or not (held: its backward keeps the gradients, as ``CheckpointedTrunk`` plans it: ``"allocated"``)."""
-        peaks = self._peaks(batch, "allocated" if held else None)
-        return peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+        key = (batch, budget, held)
+        if key not in self._searched:
+            peaks = self._peaks(batch, "allocated" if held else None)
+            self._searched[key] = peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+        return self._searched[key]
 
     def lowest_peak(self, batch: int) -> int:
         """The lowest step peak any plan reaches at ``batch``."""
