@@ -8,6 +8,7 @@ FSDP2's gathered weights).
 """
 import gc
 import os
+import weakref
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -32,6 +33,7 @@ class _TensorAccounting(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live = {}  # storage id -> (weak ref, bytes)
+        self._died = []  # ids of live storages freed since the last sweep: their weak refs' callbacks, on any thread
         self.current = 0
         self.peak = 0
         self.expensive = set()  # storages created by ops that cost FLOPs ("save_expensive" keeps them)
@@ -52,14 +54,16 @@ class _TensorAccounting(TorchDispatchMode):
             self.light_flops += flop_registry[getattr(func, "overloadpacket", func)](*args, **kwargs, out_val=out)
         for t in tensors_in(out):
             storage = t.untyped_storage()
-            ref = StorageWeakRef(storage)
-            if ref.cdata not in inputs and ref.cdata not in self.live:
-                self.live[ref.cdata] = (ref, storage.nbytes())
+            key = StorageWeakRef(storage).cdata
+            if key not in inputs and key not in self.live:
+                # torch keeps a storage's Python object for as long as the storage lives, so a weak ref
+                # to it dies with the storage: deaths come to the tracker instead of it polling every storage
+                self.live[key] = (weakref.ref(storage, lambda _, key=key, died=self._died: died.append(key)), storage.nbytes())
                 self.current += storage.nbytes()
                 if is_expensive(func):
-                    self.expensive.add(ref.cdata)
+                    self.expensive.add(key)
                     if heavy:
-                        self.heavy.add(ref.cdata)
+                        self.heavy.add(key)
                 else:
                     self.cheap_bytes += storage.nbytes()
         self.peak = max(self.peak, self.current)
@@ -72,8 +76,9 @@ class _TensorAccounting(TorchDispatchMode):
         return self.current
 
     def _sweep(self):
-        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
-        for k in dead:
+        """Forget the storages freed since the last sweep; run before new ones are counted, as an id may be reused."""
+        while self._died:
+            k = self._died.pop()
             self.current -= self.live.pop(k)[1]
             self.expensive.discard(k)  # a new storage may reuse the id
             self.heavy.discard(k)
