@@ -105,3 +105,21 @@ def test_zero_is_no_budget_everywhere():
     assert MemoryBudget.parse(cfg.MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET) is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "--budget", "0"])  # a command asked for a budget: 0 is no answer
+
+
+@pytest.mark.parametrize("gradients", ["allocated", "kept"])
+def test_a_budget_of_a_few_bytes_is_refused_saying_it_was_read_as_bytes_and_how_to_write_a_percentage(gradients):
+    """``memory_budget=50`` is 50 bytes by the one rule (whole numbers are bytes); no step fits in
+    100 bytes, so the refusal says how it was read and what 50% is written as. 2048 bytes gets no such note."""
+    x = torch.randn(2, 3, 16, 16)
+    for value, noted in ((50, True), (2048, False)):
+        trunk = trunksplit.CheckpointedTrunk(_blocks(), memory_budget=value, gradients=gradients)
+        with pytest.raises(trunksplit.BudgetTooLowError) as refused:
+            trunk(x)
+        assert ("50 is read as bytes, as every whole number is: for 50% of the unsplit step write 0.5" in str(refused.value)) == noted
+        assert ("read as bytes" in str(refused.value)) == noted
+        blocks = _blocks()
+        with pytest.raises(trunksplit.BudgetTooLowError) as refused:
+            trunksplit.apply_activation_checkpointing(blocks, memory_budget=value, example_inputs=x, gradients=gradients)
+        assert ("for 50% of the unsplit step write 0.5" in str(refused.value)) == noted
+        assert not any("Checkpointed" in type(m).__name__ for m in blocks.modules())  # nothing changed

@@ -16,7 +16,9 @@ negative, NaN, infinite                     refused (``ValueError``)
 ``True``/``False``, other types             refused (``TypeError``): a bool is no size
 ==========================================  =============================================
 
-A memory *size* (``fit``'s memory) is the same with fractions and "off" refused.
+A memory *size* (``fit``'s memory) is the same with fractions and "off" refused. A budget of 2 to
+100 bytes (``memory_budget=50``, meant as 50%?) is read as bytes too, and its refusal, since no step
+fits, says so and how to write the percentage (:meth:`MemoryBudget.percent_hint`).
 """
 import math
 import re
@@ -82,6 +84,13 @@ class MemoryBudget:
     def in_bytes(self, unsplit: int) -> int:
         """The budget in bytes, a fraction taken of ``unsplit`` (the step's peak without checkpointing)."""
         return int(self.fraction * unsplit) if self.fraction is not None else self.bytes
+
+    def percent_hint(self) -> str:
+        """Where a budget of 2 to 100 bytes was most likely meant as a percentage (``memory_budget=50``),
+        a note saying how it was read and what to write; else empty. No step fits in 100 bytes."""
+        if self.bytes is not None and 1 < self.bytes <= 100:
+            return f" ({self.bytes} is read as bytes, as every whole number is: for {self.bytes}% of the unsplit step write {self.bytes / 100:g})"
+        return ""
 
     def __str__(self) -> str:
         return f"{self.fraction:g} of the unsplit step" if self.fraction is not None else format_bytes(self.bytes)

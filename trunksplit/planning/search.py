@@ -296,7 +296,7 @@ def _budget_cuts(request: PlanRequest, x, model: PeakModel, held: bool) -> Cuts:
     if cuts is None:
         smallest = model.peak(*best_plan(model, splittable, forced, max_segments=request.num_splits))
         raise BudgetTooLowError(
-            f"no plan meets the memory budget of {format_bytes(budget_bytes)}, {budget_bytes / unsplit:.2f} of the unsplit "
+            f"no plan meets the memory budget of {format_bytes(budget_bytes)}{request.budget.percent_hint()}, {budget_bytes / unsplit:.2f} of the unsplit "
             f"step's {format_bytes(unsplit)}, for input {_shapes(x)}; the smallest feasible budget is {format_bytes(smallest)}, "
             f"{smallest / unsplit:.3f} of unsplit" + (f", with at most {request.num_splits} segments" if request.num_splits else "")
             + ("; use_reentrant=False lets the planner recompute cheap ops only, which goes lower" if request.use_reentrant else "")

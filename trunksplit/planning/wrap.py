@@ -137,7 +137,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     step = _Step(model, inputs, gradients, loss_fn, UPDATE_TEMPORARIES if update_temporaries is None else update_temporaries)
     unwrapped = step.peak()
     budget = memory_budget.in_bytes(unwrapped)
-    _refuse_below_the_gradients(model, gradients, budget, unwrapped)  # before the blocks are measured: minutes on a big model
+    _refuse_below_the_gradients(model, gradients, budget, unwrapped, memory_budget.percent_hint())  # before the blocks are measured: minutes on a big model
     blocks, forward_flops = measure_blocks(model, inputs, condition)
     ladder = [[]] + _ladder(blocks)
     peaks: Dict[int, int] = {0: unwrapped}
@@ -151,7 +151,7 @@ def wrap_for_budget(model: nn.Module, memory_budget, example_inputs, gradients: 
     if k is None:
         smallest = min(peaks.values())
         raise BudgetTooLowError(
-            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
+            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)}{memory_budget.percent_hint()} ({budget / unwrapped:.2f} of the "
             f"unwrapped {format_bytes(unwrapped)}): the smallest feasible budget found is {format_bytes(smallest)} ({smallest / unwrapped:.3f} of unwrapped), "
             f"among {len(peaks)} measured wrappings of its {len(blocks)} candidate blocks",
             smallest, unwrapped)
@@ -353,13 +353,13 @@ def _updated_in_backward(params: Sequence[torch.Tensor], temporaries: float):
             h.remove()
 
 
-def _refuse_below_the_gradients(model: nn.Module, gradients: str, budget: int, unwrapped: int) -> None:
+def _refuse_below_the_gradients(model: nn.Module, gradients: str, budget: int, unwrapped: int, hint: str = "") -> None:
     """A budget below the gradients that the step allocates: no wrapping meets it, and that is known
-    from one measured step, before any block is measured."""
+    from one measured step, before any block is measured. ``hint``: :meth:`MemoryBudget.percent_hint`."""
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if gradients == "allocated" and budget < grads:
         raise BudgetTooLowError(
-            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)} ({budget / unwrapped:.2f} of the "
+            f"no wrapping of {type(model).__name__}'s blocks meets the memory budget of {format_bytes(budget)}{hint} ({budget / unwrapped:.2f} of the "
             f"unwrapped {format_bytes(unwrapped)}): the parameters' gradients, which this step allocates (gradients=\"allocated\"), are "
             f"{format_bytes(grads)} ({grads / unwrapped:.2f} of the step at this input) and no checkpoint frees them. A larger batch makes "
             "activations the larger share; gradients=\"kept\" (zero_grad(set_to_none=False)) or gradients=\"in_backward\" "
