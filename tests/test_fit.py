@@ -96,7 +96,9 @@ def test_too_little_memory_names_the_smallest_that_fits():
     assert fit(model, SHAPE, smallest, verify=False).batch_size == 1
 
 
-@pytest.mark.parametrize("bad,match", [(dict(optimizer="lamb"), "optimizer must be"), (dict(input_shape=(96, 96)), "input_shape"), (dict(memory="lots"), "memory size")])
+@pytest.mark.parametrize("bad,match", [(dict(optimizer="lamb"), "optimizer must be"), (dict(input_shape=(96, 96)), r"input_shape .*\(3, 224, 224\), got \(96, 96\)"),
+                                       (dict(input_shape=(8, 3, 96, 96)), r"one image's \(C, H, W\).* got \(8, 3, 96, 96\)"),
+                                       (dict(input_shape="3x96x96"), "got '3x96x96'"), (dict(memory="lots"), "memory size")])
 def test_bad_arguments_are_refused(bad, match):
     kwargs = {"input_shape": SHAPE, "memory": "100MiB", **bad}
     with pytest.raises(ValueError, match=match):

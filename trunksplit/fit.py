@@ -116,8 +116,8 @@ def fit(
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    if len(input_shape) != 3 or not all(isinstance(d, int) and d > 0 for d in input_shape):
-        raise ValueError(f"input_shape is one image's (C, H, W), got {tuple(input_shape)}")
+    if isinstance(input_shape, str) or len(input_shape) != 3 or not all(isinstance(d, int) and d > 0 for d in input_shape):
+        raise ValueError(f"input_shape is one image's (C, H, W), such as (3, 224, 224), got {input_shape!r}")
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
     if verify and world_size == 1:
