@@ -114,6 +114,26 @@ def test_torchs_check_fn_of_the_module_alone_selects_as_by_type_does():
     assert wrapped and list(plan.names) == wrapped and set(wrapped) <= set(_basic_block_names(model)), plan
 
 
+def test_module_classes_select_their_instances_as_by_type_does_budget_or_not():
+    """A class, or a tuple or set of them (FSDP's ``ModuleWrapPolicy({Block})`` spelling), selects as
+    ``by_type`` (before: the class was called with (name, module), and its constructor failed)."""
+    for condition in (Bottleneck, (Bottleneck,), {Bottleneck}):
+        assert apply_activation_checkpointing(torchvision.models.resnet50(), condition) == _bottleneck_names(torchvision.models.resnet50())
+    model = torchvision.models.resnet18()
+    plan = apply_activation_checkpointing(model, torchvision.models.resnet.BasicBlock, memory_budget=0.9, example_inputs=(torch.randn(2, 3, 64, 64),), gradients="kept")
+    assert plan.names and set(plan.names) <= set(_basic_block_names(model)), plan
+
+
+@pytest.mark.parametrize("bad,message", [("layer1", "got the string 'layer1': to select by name, pass by_name('layer1')"),
+                                         (nn.Linear(2, 2), "got a Linear module: to select it, pass by_name("),
+                                         ((), "module classes (by_type), got ()"), ((Bottleneck, int), "got (")])
+def test_a_string_a_module_or_no_classes_as_the_condition_are_refused_saying_what_to_pass(bad, message):
+    model = torchvision.models.resnet18()
+    with pytest.raises(TypeError, match=re.escape(message)):
+        apply_activation_checkpointing(model, bad)
+    assert not any(is_checkpoint_wrapped(m) for m in model.modules())
+
+
 def _basic_block_names(model):
     return [n for n, m in model.named_modules() if isinstance(m, torchvision.models.resnet.BasicBlock)]
 

@@ -83,9 +83,21 @@ class every_k:
 
 def as_condition(condition) -> Condition:
     """``condition`` as a ``(name, module) -> bool`` callable: torch's ``check_fn(module)`` (one
-    parameter, as ``torch.distributed.algorithms._checkpoint`` takes it) is called with the module."""
+    parameter, as ``torch.distributed.algorithms._checkpoint`` takes it) is called with the module,
+    and module classes (``Bottleneck``, or a tuple or set of them, as FSDP's ``ModuleWrapPolicy``
+    takes them) select their instances: :class:`by_type`. Sharp edge, handled: a class is callable,
+    and called with ``(name, module)`` it would be constructed from them."""
+    classes = tuple(condition) if isinstance(condition, (tuple, list, set, frozenset)) else (condition,)
+    if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes) and classes:
+        return by_type(*classes)
+    if isinstance(condition, nn.Module):  # callable, as every module is: it would be run on (name, module)
+        raise TypeError(f"condition must be a (name, module) -> bool callable or module classes, got a {type(condition).__name__} module: "
+                        f"to select it, pass by_name('<its name in named_modules()>') or by_type({type(condition).__name__})")
+    if isinstance(condition, str):
+        raise TypeError(f"condition must be a (name, module) -> bool callable or module classes, got the string {condition!r}: "
+                        f"to select by name, pass by_name({condition!r})")
     if not callable(condition):
-        raise TypeError(f"condition must be a (name, module) -> bool callable, got {condition!r}")
+        raise TypeError(f"condition must be a (name, module) -> bool callable or module classes (by_type), got {condition!r}")
     try:
         parameters = [p for p in inspect.signature(condition).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
