@@ -983,6 +983,30 @@ def test_a_budget_plan_of_a_frozen_stem_puts_no_region_on_it_and_is_met_as_measu
     assert abs(trunk.plan.predicted_peak_bytes - peak) <= 0.01 * peak and peak <= 0.7 * plain * 1.01, (trunk.plan.predicted_peak_bytes, peak, plain)
 
 
+@pytest.mark.parametrize("asked", [dict(memory_budget=0.8), dict(num_splits=4, strategy="balanced")])
+def test_a_wholly_frozen_trunk_runs_unsplit_saying_why_and_plans_again_once_it_trains(asked):
+    """A linear probe's trunk: nothing in it trains, so no backward runs through it and it saves nothing.
+    Its plan runs unsplit and says so, predicting its forward's peak as measured (before: a budget of 0.8
+    was refused as below the smallest feasible, and balanced printed 4 "checkpointed" segments that ran
+    plainly). Once it trains, it plans again and the budget is met as measured."""
+    torch.manual_seed(0)
+    plain = build("resnet18").requires_grad_(False)
+    trunk = CheckpointedTrunk(copy.deepcopy(plain), ["flatten"], gradients="kept", **asked)
+    x = torch.randn(2, 3, 64, 64)
+    trunk.plan_for(x)
+    with PeakMemory() as mem:
+        got = trunk(x)
+    assert trunk.plan.note.startswith("runs unsplit: nothing in it trains") and not any(s.checkpointed for s in trunk.plan.segments)
+    assert mem.peak_bytes <= trunk.plan.predicted_peak_bytes <= 1.01 * mem.peak_bytes, (trunk.plan.predicted_peak_bytes, mem.peak_bytes)
+    assert torch.equal(got[0], plain_features(plain, x, ["flatten"])[0])
+    trunk.requires_grad_(True)
+    peak = _planned_step_peak(trunk, x)
+    assert any(s.checkpointed for s in trunk.plan.segments) and len(trunk.plans) == 2
+    if "memory_budget" in asked:
+        whole = _planned_step_peak(CheckpointedTrunk(copy.deepcopy(plain).requires_grad_(True), ["flatten"], gradients="kept"), x)
+        assert peak <= 0.8 * whole * 1.01, (peak, whole)
+
+
 def test_gradients_allocated_by_the_step_are_part_of_its_peak():
     # torch's default zero_grad() leaves .grad None: the step allocates every gradient. A
     # model that assumed them allocated already would plan that step too optimistically.

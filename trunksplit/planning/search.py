@@ -236,11 +236,15 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None, *, he
     held (``CheckpointedTrunk.updates_held``; the request plans it as ``"allocated"``), which a refused budget says."""
     names = list(request.names)
     budgeted = request.budget is not None
-    model = model or peak_model(request, x, regions=budgeted and not request.use_reentrant)
+    trains = any(t.requires_grad for t in tensors_in(x)) or any(p.requires_grad for m in request.modules for p in m.parameters())
+    model = model or peak_model(request, x, regions=budgeted and trains and not request.use_reentrant)
     strategy = "budget" if budgeted else "balanced"
     device = next(iter(tensors_in(x))).device
     meter = meter_name(device, measured_by_allocator(request.world_size, device, compiled=request.compiled))
     unsplit = model.peak([0])
+    if not trains:  # a frozen feature extractor (a linear probe's trunk): every segment would run plainly anyway
+        why = "nothing in it trains (no parameter, nor the input, requires grad), so no backward runs through it and it saves nothing"
+        return replace(unsplit_plan(names, request.stops, strategy, unsplit, why), meter=meter)
     if budgeted and request.budget.in_bytes(unsplit) >= unsplit:
         return replace(unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step"), meter=meter)
     cuts = _budget_cuts(request, x, model, held) if budgeted else _balanced_cuts(request, model)
