@@ -1,5 +1,6 @@
 """CheckpointedTrunk: one training step equals the plain model's, exactly."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -65,6 +66,43 @@ def _count_calls(module):
     calls = []
     module.register_forward_hook(lambda *a: calls.append(1))
     return calls
+
+
+class _StemBodyPool(nn.Module):
+    """A model fx traces through its ``body`` container, calling body's layers one by one."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3)
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+
+    def forward(self, x):
+        return self.body(self.stem(x)).mean((2, 3))
+
+
+def test_hooks_on_a_module_whose_blocks_the_trunk_runs_itself_are_said_not_to_fire():
+    """A forward hook on a stage (a feature capture on ``layer2``) or on the model never fires in a trunk,
+    which runs the stage's blocks one by one: the trunk says so when built, naming them (before: silence,
+    and the capture stayed empty). Hooks on the blocks it runs fire, and warn of nothing."""
+    model, fired = build("resnet18"), []
+    model.layer2.register_forward_hook(lambda m, i, o: fired.append("layer2"))
+    model.register_forward_pre_hook(lambda m, i: fired.append("model"))
+    model.layer2[0].register_forward_hook(lambda m, i, o: fired.append("layer2.0"))
+    with pytest.warns(UserWarning, match=r"hooks on the model itself \(ResNet\), layer2 will not fire: the trunk runs the blocks inside"):
+        trunk = CheckpointedTrunk(model, ["flatten"], num_splits=2)
+    with torch.no_grad():
+        trunk(torch.randn(2, 3, 32, 32))
+    assert fired == ["layer2.0"]
+    traced = _StemBodyPool()
+    traced.body.register_forward_hook(lambda m, i, o: None)
+    with pytest.warns(UserWarning, match=r"hooks on body will not fire"):
+        CheckpointedTrunk(traced)
+    quiet = build("resnet18")
+    quiet.layer2[0].register_forward_hook(lambda m, i, o: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CheckpointedTrunk(quiet, ["flatten"], num_splits=2)
+        CheckpointedTrunk(_StemBodyPool())
 
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad"])

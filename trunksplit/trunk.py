@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .chains.names import from_source_names, source_names, to_source_names
-from .chains import FeatureBlocks, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names
+from .chains import FeatureBlocks, child_name, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names, warn_of_hooks_bypassed
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
 from .planning.plan import SplitPlan
@@ -89,7 +89,7 @@ class CheckpointedTrunk(nn.Module):
         last = list(blocks).index(next(reversed(ends)))
         self._stages = stage_names(blocks)
         self._keys = list(blocks)[: last + 1]
-        children = {_child_name(k) for k in self._keys}
+        children = {child_name(k) for k in self._keys}
         if len(children) != len(self._keys):
             raise ValueError(f"feature block names {self._keys} collide once '.' is written '_' (module names cannot hold dots)")
         self.out_feat_keys = tuple(out_feat_keys)
@@ -102,9 +102,10 @@ class CheckpointedTrunk(nn.Module):
         PlanRequest(units=(), feature_stops=tuple(ends.items()), num_splits=num_splits, strategy=strategy, budget=self.memory_budget,
                     gradients=gradients, objective=objective, use_reentrant=use_reentrant, compiled=False, world_size=1, update_temporaries=UPDATE_TEMPORARIES)  # validates, before any change
         for name in self._keys:
-            self.add_module(_child_name(name), blocks[name])
+            self.add_module(child_name(name), blocks[name])
         # trunk state_dict key -> the source model's, for model_state_dict(); names only, no reference
         self._model_keys = source_names(self, source) if source is not None else {}
+        warn_of_hooks_bypassed(source, [m for _, m in self.units])  # a hook on a stage or on the model would silently never fire
         self.register_load_state_dict_pre_hook(_load_model_names)
         self._plans: Dict[Hashable, SplitPlan] = {}
         # vissl's plan needs no measurement; cost-aware ones start from the cuts after the features
@@ -116,7 +117,7 @@ class CheckpointedTrunk(nn.Module):
     @property
     def feature_blocks(self) -> FeatureBlocks:
         """The feature blocks the trunk runs (the model's own modules), in execution order."""
-        return FeatureBlocks([(k, self._modules[_child_name(k)]) for k in self._keys], stages=self._stages & set(self._keys))
+        return FeatureBlocks([(k, self._modules[child_name(k)]) for k in self._keys], stages=self._stages & set(self._keys))
 
     @property
     def units(self) -> List[Tuple[str, nn.Module]]:
@@ -289,10 +290,6 @@ def _alone(decision):
     """A decision as this process made it: what one process, or ranks that may differ, run."""
     return decision
 
-
-def _child_name(key: str) -> str:
-    """A block's module name: traced blocks are named ``layer3.1``, and module names cannot hold dots."""
-    return key.replace(".", "_")
 
 
 def _load_model_names(trunk: "CheckpointedTrunk", state_dict, prefix: str, *args) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, Dict, Type
 
 from torch import nn
 
-from .blocks import FeatureBlocks, expand_units, feature_ends, layer_splittable_before, stage_names
+from .blocks import FeatureBlocks, child_name, expand_units, feature_ends, layer_splittable_before, stage_names, warn_of_hooks_bypassed
 from .families import TORCHVISION_FAMILIES
 from .hugging_face import hf_family
 from .traced import traced_blocks
@@ -78,4 +78,4 @@ def feature_blocks(model: nn.Module) -> FeatureBlocks:
         raise TypeError(f"feature_blocks does not know {type(model).__qualname__} and {e} Supported families: {known}.") from None
 
 
-__all__ = ["FeatureBlocks", "expand_units", "feature_blocks", "feature_ends", "layer_splittable_before", "register_trunk", "stage_names", "traced_blocks"]
+__all__ = ["FeatureBlocks", "child_name", "expand_units", "feature_blocks", "feature_ends", "layer_splittable_before", "register_trunk", "stage_names", "traced_blocks", "warn_of_hooks_bypassed"]

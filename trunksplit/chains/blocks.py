@@ -8,6 +8,7 @@ residual blocks. :class:`FeatureBlocks` says which blocks are stages;
 """
 import difflib
 import re
+import warnings
 from collections import OrderedDict
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -74,6 +75,33 @@ def expand_units(blocks: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]
         else:
             units.append((name, block))
     return units
+
+
+def child_name(key: str) -> str:
+    """A block's or unit's name as a child module's: traced blocks are named ``layer3.1``, and module names cannot hold dots."""
+    return key.replace(".", "_")
+
+
+# where nn.Module keeps the hooks its __call__ runs (forward, backward, with kwargs)
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+
+def warn_of_hooks_bypassed(model: Optional[nn.Module], units: Sequence[nn.Module]) -> None:
+    """Warn (``UserWarning``) of hooks on modules of ``model`` that hold some of ``units`` but are never called when the
+    units run one by one: the model itself, a stage whose blocks are units, a container a traced unit ran through.
+    ``model`` None (a trunk given its blocks): nothing to check.
+
+    Why: a forward hook on ``model.layer2`` (a feature capture, timm's ``FeatureHooks``) silently never fires in a
+    trunk, which runs ``layer2``'s blocks itself and never ``layer2.forward``. Hooks on the units and inside them fire."""
+    if model is None:
+        return
+    run = {id(m) for unit in units for m in unit.modules()}
+    bypassed = [name or f"the model itself ({type(m).__name__})" for name, m in model.named_modules()
+                if id(m) not in run and any(getattr(m, d, None) for d in _HOOK_DICTS) and any(id(sub) in run for sub in m.modules())]
+    if bypassed:
+        warnings.warn(f"hooks on {', '.join(bypassed)} will not fire: the trunk runs the blocks inside them itself (a stage's blocks one "
+                      "by one, a traced model's units), never calling their forward. Register them on the blocks it runs (trunk.units), "
+                      "or ask for a stage's output as a feature (out_feat_keys)", UserWarning, stacklevel=3)
 
 
 def feature_ends(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> "OrderedDict[str, int]":

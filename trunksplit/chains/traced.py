@@ -29,7 +29,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .blocks import FeatureBlocks, layer_splittable_before
+from .blocks import FeatureBlocks, child_name, layer_splittable_before
 
 class ChainUnit(fx.GraphModule):
     """One unit of a traced chain: the model's ops between two cuts. ``inplace``: its first op
@@ -101,7 +101,7 @@ def traced_blocks(model: nn.Module) -> FeatureBlocks:
     for span, source, carried in units:
         unit = _unit_module(model, span, source, carried)
         name = "output" if carried is None else _cut_name(span, nodes, taken)
-        taken.add(_as_child(name))
+        taken.add(child_name(name))
         blocks.append((name, unit))
     for name in [n for n in vars(model) if n.startswith("_tensor_constant")]:
         delattr(model, name)  # fx's tracer left its constants on the model; the units hold them now
@@ -314,7 +314,7 @@ def _is_in_place_function(fn) -> bool:
 def _cut_name(span: List[fx.Node], nodes: List[fx.Node], taken: Set[str]) -> str:
     """The outermost module whose last call falls in ``span``; else fx's name of the span's last node.
 
-    ``taken`` holds the names already given, as module names (see :func:`_as_child`): a module
+    ``taken`` holds the names already given, as module names (see :func:`child_name`): a module
     called twice (shared weights) gives fx node names such as ``shared_0`` beside the module
     name ``shared.0``, and the two must not collide as the trunk's children."""
     called = [n.target for n in span if n.op == "call_module"]
@@ -323,14 +323,10 @@ def _cut_name(span: List[fx.Node], nodes: List[fx.Node], taken: Set[str]) -> str
         parts = called[-1].split(".")
         for depth in range(1, len(parts) + 1):
             prefix = ".".join(parts[:depth])
-            if _as_child(prefix) not in taken and not any(t == prefix or t.startswith(prefix + ".") for t in later):
+            if child_name(prefix) not in taken and not any(t == prefix or t.startswith(prefix + ".") for t in later):
                 return prefix
     name = span[-1].name
-    while _as_child(name) in taken:
+    while child_name(name) in taken:
         name += "_"
     return name
 
-
-def _as_child(name: str) -> str:
-    """A unit's name as the trunk's child module name (module names cannot hold dots)."""
-    return name.replace(".", "_")
