@@ -30,7 +30,7 @@ from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard
 from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
-from .parallel import autocast_for, setup_distributed
+from .parallel import autocast_for, setup_distributed, warn_of_fp16_on_a_cpu
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .strategy import strategy_for
 
@@ -39,7 +39,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     """Train as ``cfg`` says; returns the model and, on rank 0, the last logged metrics."""
     rank, world, device = setup_distributed(cfg)
     strategy = strategy_for(cfg, rank, world, device)
-    _check_before_start(cfg, resume, device, strategy.agree)
+    _check_before_start(cfg, resume, device, strategy)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written; its images bound a step's
     cfg, fitted_plans = _batch_to_train(strategy.configured(cfg), device, strategy, resume, len(dataset) // world)
     _check_images_a_step(cfg, world, len(dataset))
@@ -84,12 +84,15 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     return model, last
 
 
-def _check_before_start(cfg, resume: bool, device, agree: Callable) -> None:
+def _check_before_start(cfg, resume: bool, device, strategy) -> None:
     """What can be refused before anything is run or written: the output directory, the logging, a bf16
-    run on a CPU whose convolutions torch computes wrong (every rank takes ``agree``'s answer)."""
+    run on a CPU whose convolutions torch computes wrong (every rank takes rank 0's answer); and, said by
+    rank 0, an fp16 run on a CPU."""
     check_output_dir(cfg.OUTPUT_DIR, resume)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
-    refuse_wrong_bf16_convolutions(cfg, device, agree)
+    refuse_wrong_bf16_convolutions(cfg, device, strategy.agree)
+    if strategy.rank == 0:
+        warn_of_fp16_on_a_cpu(cfg, device)
 
 
 def _check_images_a_step(cfg, world: int, data_set: int) -> None:

@@ -4,6 +4,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,16 @@ def autocast_for(cfg, device: torch.device):
     if not cfg.TRAIN.AUTOCAST:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.TRAIN.AUTOCAST == "bf16" else torch.float16)
+
+
+def warn_of_fp16_on_a_cpu(cfg, device: torch.device) -> None:
+    """``TRAIN.AUTOCAST fp16`` on a CPU trains, but most CPUs have no fp16 arithmetic and torch runs fp16
+    convolutions there far slower than fp32 (docs/config.md has a figure); bf16 is the CPU's fast half precision.
+    A warning, not a refusal: a CPU with fp16 units (AMX-FP16) may run it well."""
+    if cfg.TRAIN.AUTOCAST == "fp16" and device.type == "cpu":
+        warnings.warn("TRAIN.AUTOCAST fp16 on a CPU: most CPUs have no fp16 arithmetic, and torch runs fp16 convolutions there many "
+                      "times slower than fp32. bf16 is what a CPU runs fast (TRAIN.AUTOCAST bf16), or train in fp32 (TRAIN.AUTOCAST \"\")",
+                      UserWarning, stacklevel=3)
 
 
 def keep_freed_host_memory() -> bool:
