@@ -420,6 +420,15 @@ def test_simclrs_loss_of_one_image_is_zero_with_no_gradient_so_one_image_a_step_
         (["MODEL.TRUNK.OUT_FEAT_KEYS", "[4]"], "MODEL.TRUNK.OUT_FEAT_KEYS: each item must be text"),
         (["MODEL.TRUNK.OUT_FEAT_KEYS", "[res4"], "MODEL.TRUNK.OUT_FEAT_KEYS takes a list such as [res4, flatten] or one value, got '[res4'"),
         (["TRAIN.DEVICE", "None"], "TRAIN.DEVICE must be text"),
+        # the command line's values of another kind, named by key (before: yacs's "Type mismatch (<class 'int'> vs. <class 'str'>)")
+        (["TRAIN.STEPS", "five"], "TRAIN.STEPS must be a whole number (default 30), got 'five'"),
+        (["TRAIN.STEPS", "2.5"], "TRAIN.STEPS must be a whole number (default 30), got 2.5"),
+        (["OPTIM.IN_BACKWARD", "yes"], "OPTIM.IN_BACKWARD must be True or False (default False), got 'yes'"),
+        (["OPTIM.LR", "abc"], "OPTIM.LR must be a number (default 0.3), got 'abc'"),
+        (["TRAIN.GRADIENTS", "3"], "TRAIN.GRADIENTS must be allocated or kept, got '3'"),  # text: the key's own check
+        # a misspelt key, with the one meant
+        (["TRAIN.STEP", "5"], "unknown config key: TRAIN.STEP; did you mean TRAIN.STEPS?"),
+        (["OPTIMS.LR", "0.1"], "unknown config key: OPTIMS.LR; did you mean OPTIM.LR?"),
     ],
 )
 def test_values_that_would_train_nonsense_are_refused_when_the_config_loads(args, message):
@@ -605,6 +614,7 @@ def _write(path, text):
         (lambda d: str(d), [], "is a directory"),
         (lambda d: _write(d / "bad.yaml", "TRAIN: [unclosed\n"), [], "is not valid YAML"),
         (lambda d: _write(d / "child.yaml", "_BASE_: missing_base.yaml\n"), [], "missing_base.yaml does not exist"),
+        (lambda d: _write(d / "typo.yaml", "TRAIN:\n  STEP: 5\n"), [], "unknown config key in {d}/typo.yaml: TRAIN.STEP; did you mean TRAIN.STEPS?"),
         (None, ["MODEL.TRUNK.NAME", "get_model"], "torchvision has no model 'get_model'"),
         (None, ["MODEL.TRUNK.NAME", "resnet"], "torchvision has no model 'resnet'"),
         (None, ["TRAIN.LOG_EVERY", "0"], "TRAIN.LOG_EVERY must be >= 1"),
@@ -625,7 +635,7 @@ def test_config_mistakes_are_clear_errors(tmp_path, make_config, overrides, mess
     path = make_config(tmp_path) if make_config else QUICK
     with pytest.raises(ValueError) as caught:
         load_config(path, overrides)
-    assert message in str(caught.value)
+    assert message.format(d=tmp_path) in str(caught.value)
 
 
 def test_a_list_on_the_command_line_is_written_as_in_a_config_file_or_as_one_value(tmp_path):

@@ -4,6 +4,7 @@ Key names follow vissl where vissl had the concept (``MODEL.TRUNK.*``,
 ``MODEL.ACTIVATION_CHECKPOINTING.*``, ``DISTRIBUTED.MANUAL_GRADIENT_REDUCTION``).
 """
 import ast
+import difflib
 import os
 import re
 from typing import Optional, Sequence
@@ -12,7 +13,7 @@ import yaml
 from fvcore.common.config import CfgNode as CN
 
 from ..planning.budget import MemoryBudget
-from .config_checks import SELECT_KEY, check_config
+from .config_checks import SELECT_KEY, check_config, type_refusal
 
 _C = CN()
 _C.OUTPUT_DIR = "output/run"
@@ -156,7 +157,7 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
         node = cfg
         for part in key.split("."):
             if not isinstance(node, CN) or part not in node:
-                raise ValueError(f"unknown config key: {key}")
+                raise ValueError(f"unknown config key: {key}{_did_you_mean(key, cfg)}")
             node = node[part]
         if key in SIZE_KEYS:
             value = str(_size_as_float(key, value))  # "2GiB", as every entry point takes a size
@@ -164,6 +165,7 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
             value = str(float(value))  # "MEMORY_BUDGET 0" means 0.0; yacs would refuse an int for a float key
         if isinstance(node, list):
             value = repr(_as_list(key, value))
+        value = _scalar(key, node, value)
         plain += [key, value]
     try:
         cfg.merge_from_list(plain)
@@ -172,6 +174,35 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
     check_config(cfg, _C)
     cfg.freeze()
     return cfg
+
+
+def _did_you_mean(key: str, cfg: CN) -> str:
+    """``"; did you mean TRAIN.STEPS?"`` for ``TRAIN.STEP``: the closest known key, where one is close."""
+    close = difflib.get_close_matches(key, list(_full_keys(cfg)), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _full_keys(node: CN, prefix: str = ""):
+    for name, value in node.items():
+        yield from _full_keys(value, f"{prefix}{name}.") if isinstance(value, CN) else [prefix + name]
+
+
+def _scalar(key: str, default, text: str) -> str:
+    """A scalar key's value as yacs reads it (a Python literal): a text key's number as text (``TRAIN.GRADIENTS 3``
+    reaches the key's own check), another kind's value than its default's refused naming the key and the kind
+    (:func:`type_refusal`; yacs would say "Type mismatch (<class 'int'> vs. <class 'str'>)")."""
+    if isinstance(default, (CN, list, tuple)) or default is None:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    if isinstance(default, str):
+        return repr(text) if isinstance(value, (int, float)) else text
+    refusal = type_refusal(key, default, value)
+    if refusal:
+        raise ValueError(refusal)
+    return text
 
 
 def _as_list(key: str, text: str) -> Optional[list]:
@@ -206,7 +237,8 @@ def _merge_file(cfg: CN, path: str) -> None:
                 node[name] = _size_as_float(key, node[name])
         cfg.merge_from_other_cfg(CN(loaded))
     except KeyError as e:  # fvcore: "Non-existent config key: A.B"
-        raise ValueError(f"unknown config key in {path}: {str(e.args[0]).split(': ')[-1]}") from None
+        key = str(e.args[0]).split(": ")[-1]
+        raise ValueError(f"unknown config key in {path}: {key}{_did_you_mean(key, cfg)}") from None
     except FileNotFoundError as e:  # the file exists, so its _BASE_ does not
         raise ValueError(f"{path}: its _BASE_ file {e.filename or e} does not exist (a _BASE_ path is relative to the file that names it)") from None
     except yaml.YAMLError as e:

@@ -2,6 +2,7 @@
 line), every refusal a ``ValueError`` that names the key and what to write instead."""
 import math
 import warnings
+from typing import Optional
 
 import torch.distributed as dist
 from fvcore.common.config import CfgNode as CN
@@ -16,22 +17,32 @@ from .strategy import check_strategy
 SELECT_KEY = "MODEL.ACTIVATION_CHECKPOINTING.SELECT"
 
 
+_KINDS = [(bool, "True or False"), (int, "a whole number"), (float, "a number"), (str, "text"), ((list, tuple), "a list")]
+
+
+def type_refusal(key: str, default, value) -> Optional[str]:
+    """Why ``value`` cannot be ``key``'s, whose default is ``default``: a bool is True or False, a number a
+    number, text text, a list a list (a key whose default is None takes any); None where it can."""
+    kind, said = next(((k, w) for k, w in _KINDS if isinstance(default, k)), (None, ""))
+    numbers = (int, float) if kind is float else kind
+    if kind is not None and (not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool))):
+        return f"{key} must be {said} (default {default!r}), got {value!r}"
+    return None
+
+
 def _check_types(cfg: CN, defaults: CN, prefix: str = "") -> None:
-    """Every key holds a value of its default's type (yacs lets None through): a bool is True or
-    False, a number a number, text text, a list a list; a key whose default is None takes any."""
-    kinds = [(bool, "True or False"), (int, "a whole number"), (float, "a number"), (str, "text"), ((list, tuple), "a list")]
+    """Every key holds a value of its default's type (:func:`type_refusal`; yacs lets None through)."""
     for name, default in defaults.items():
         key, value = prefix + name, cfg[name]
         if isinstance(default, CN):
             if key != SELECT_KEY:  # its own check: condition_from_config
                 _check_types(value, default, key + ".")
             continue
-        kind, said = next(((k, w) for k, w in kinds if isinstance(default, k)), (None, ""))
-        numbers = (int, float) if kind is float else kind
-        if kind is not None and (not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool))):
-            raise ValueError(f"{key} must be {said} (default {default!r}), got {value!r}")
-        if kind == (list, tuple) and default:
-            _check_items(key, value, default, kinds)
+        refusal = type_refusal(key, default, value)
+        if refusal:
+            raise ValueError(refusal)
+        if isinstance(default, (list, tuple)) and default:
+            _check_items(key, value, default, _KINDS)
 
 
 def _check_items(key: str, value, default, kinds) -> None:
