@@ -129,3 +129,34 @@ def test_units_profiled_by_the_allocator_predict_the_step_the_allocator_measures
             step()
         readings.append(meter.peak_bytes)
     assert abs(predicted / min(readings) - 1) <= 0.05, (predicted, readings)
+
+
+def test_the_tensor_tracker_counts_a_storage_until_its_last_holder_lets_go_python_or_autograd_or_another_thread():
+    """Hand-counted bytes of the CPU tracker (PeakMemory off CUDA), which learns of a storage's death from a weak
+    reference to its Python object: a view keeps its base, a tensor autograd saved lives on after Python drops it
+    until backward frees it, and a storage freed on another thread is forgotten before the next op counts."""
+    from trunksplit.planning.memory import _TensorAccounting
+
+    n, f = 1000, 4
+    x = torch.randn(n, requires_grad=True)
+    tracker = _TensorAccounting()
+    with tracker:
+        a = x * 2  # n: saved by nothing (mul by a constant saves no tensor)
+        view = a[:10]
+        del a
+        held = tracker.current_bytes()  # the view holds a's whole storage
+        e = view.exp()  # saves its output for backward
+        loss = e.sum()
+        del e, view  # a's storage dies with the view; e lives on inside autograd
+        after_drop = tracker.current_bytes()
+        loss.backward()
+        after_backward = tracker.current_bytes()
+        on_thread = [torch.ones(n)]
+        freeing = threading.Thread(target=on_thread.clear)
+        freeing.start()
+        freeing.join()
+        after_thread = tracker.current_bytes()
+    assert held == n * f
+    assert after_drop == 10 * f + f  # e (10 floats, saved by exp) and the loss (one float)
+    assert after_backward == f + n * f  # the loss, and x's gradient made by backward (inside the tracker); e freed
+    assert after_thread == after_backward  # the ones made and freed on another thread: forgotten
