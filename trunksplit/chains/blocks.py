@@ -82,8 +82,18 @@ def child_name(key: str) -> str:
     return key.replace(".", "_")
 
 
-# where nn.Module keeps the hooks its __call__ runs (forward, backward, with kwargs)
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+# where nn.Module keeps the hooks its __call__ runs (forward, backward, with kwargs): see hook_dicts
+HOOK_DICT_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+
+def hook_dicts(module: nn.Module) -> List[dict]:
+    """The dicts that hold ``module``'s own hooks.
+
+    torch has no public call that says whether a module has hooks, or that removes them
+    without their handles: these are the dicts ``register_forward_hook`` and friends fill
+    (private attributes of ``nn.Module``), named here and nowhere else."""
+    return [hooks for hooks in (getattr(module, name, None) for name in HOOK_DICT_NAMES) if hooks is not None]
 
 
 def warn_of_hooks_bypassed(model: Optional[nn.Module], units: Sequence[nn.Module]) -> None:
@@ -97,7 +107,7 @@ def warn_of_hooks_bypassed(model: Optional[nn.Module], units: Sequence[nn.Module
         return
     run = {id(m) for unit in units for m in unit.modules()}
     bypassed = [name or f"the model itself ({type(m).__name__})" for name, m in model.named_modules()
-                if id(m) not in run and any(getattr(m, d, None) for d in _HOOK_DICTS) and any(id(sub) in run for sub in m.modules())]
+                if id(m) not in run and any(hook_dicts(m)) and any(id(sub) in run for sub in m.modules())]
     if bypassed:
         warnings.warn(f"hooks on {', '.join(bypassed)} will not fire: the trunk runs the blocks inside them itself (a stage's blocks one "
                       "by one, a traced model's units), never calling their forward. Register them on the blocks it runs (trunk.units), "

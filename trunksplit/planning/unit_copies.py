@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..recompute.checkpoint import map_tensors
-from ..recompute.stages import HOOK_DICT_NAMES, hook_dicts
+from ..chains.blocks import HOOK_DICT_NAMES, hook_dicts
 from .memory import tensors_in
 
 
@@ -52,7 +52,7 @@ def _drop_hooks(module: nn.Module) -> None:
     """Remove the module hooks that ``deepcopy`` carried over to a private copy.
 
     A user's hook (logging, feature capture) must not fire on the profiler's
-    copies (see :func:`trunksplit.recompute.stages.hook_dicts`)."""
+    copies (see :func:`trunksplit.chains.blocks.hook_dicts`)."""
     for hooks in hook_dicts(module):
         hooks.clear()
 

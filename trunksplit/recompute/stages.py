@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.node import map_arg
 
+from ..chains.blocks import hook_dicts
 from .checkpoint import run_checkpointed
 from .wrapper import is_checkpoint_wrapped
 
@@ -271,19 +272,6 @@ def _aliases(node: fx.Node) -> List[fx.Node]:
         node = node.all_input_nodes[0]
         found.append(node)
     return found
-
-
-def hook_dicts(module: nn.Module) -> List[dict]:
-    """The dicts that hold ``module``'s own hooks.
-
-    torch has no public call that says whether a module has hooks, or that removes them
-    without their handles: these are the dicts ``register_forward_hook`` and friends fill
-    (private attributes of ``nn.Module``), read here and nowhere else."""
-    return [hooks for hooks in (getattr(module, name, None) for name in HOOK_DICT_NAMES) if hooks is not None]
-
-
-HOOK_DICT_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -42,12 +42,12 @@ def _check_types(cfg: CN, defaults: CN, prefix: str = "") -> None:
         if refusal:
             raise ValueError(refusal)
         if isinstance(default, (list, tuple)) and default:
-            _check_items(key, value, default, _KINDS)
+            _check_items(key, value, default)
 
 
-def _check_items(key: str, value, default, kinds) -> None:
+def _check_items(key: str, value, default) -> None:
     """A list's items are of the kind of its default's (CROP_SIZES numbers, OUT_FEAT_KEYS names, CROP_SCALES lists)."""
-    kind, said = next((k, w) for k, w in kinds if isinstance(default[0], k))
+    kind, said = next((k, w) for k, w in _KINDS if isinstance(default[0], k))
     numbers = (int, float) if kind in (int, float) else kind
     if any(not isinstance(v, numbers) or (kind is not bool and isinstance(v, bool)) for v in value):
         raise ValueError(f"{key}: each item must be {said} (default {list(default)!r}), got {list(value)!r}")
