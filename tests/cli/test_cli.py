@@ -162,6 +162,27 @@ def test_bench_data_names_the_recipes_it_has(capsys):
     assert "no recipe 'moco'" in capsys.readouterr().err
 
 
+def test_bench_data_takes_a_recipe_file_and_says_where_names_come_from_when_installed_from_a_wheel(tmp_path, monkeypatch, capsys):
+    """An install from a wheel has no configs/recipes: a name is refused saying so (it crashed on the missing
+    folder), before any JPEG is written; a YAML path runs anywhere."""
+    import shutil
+
+    from trunksplit.cli import bench_data
+
+    recipe = shutil.copy(os.path.join(bench_data.RECIPES, "simclr.yaml"), tmp_path / "mine.yaml")
+    monkeypatch.setattr(bench_data, "RECIPES", str(tmp_path / "site-packages" / "configs" / "recipes"))
+    monkeypatch.setattr(bench_data, "write_jpegs", lambda *a: pytest.fail("images written before the recipes were checked"))
+    assert main(["bench-data", "--recipes", "simclr", "--workers", "0", "--steps", "1", "--batch", "2", "--jpegs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no recipe 'simclr'" in err and "configs/recipes/ in a clone" in err and "give a recipe's YAML path" in err
+    assert main(["bench-data", "--recipes", str(tmp_path / "nope.yaml"), "--workers", "0", "--steps", "1", "--batch", "2", "--folder", str(tmp_path)]) == 2
+    assert "nope.yaml does not exist" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert main(["bench-data", "--recipes", str(recipe), "--workers", "0", "--steps", "1", "--batch", "2", "--jpegs", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "mine.yaml" in line]
+    assert len(rows) == 2 and all(float(r.strip("|").split("|")[2]) > 0 for r in rows)
+
+
 def test_plan_for_one_of_several_fsdp_ranks_prints_the_breakdown(capsys):
     assert main(["plan", "--arch", "resnet18", "--input", "2x3x64x64", "--strategy", "balanced", "--splits", "3"]) == 0
     single = capsys.readouterr().out

@@ -2,8 +2,8 @@
 
     trunksplit bench-data [--recipes simclr swav dino] [--workers 0 1 2 4] [--steps 4] [--batch 16] [--folder DIR]
 
-For each recipe (``configs/recipes/<name>.yaml``: its crops and augmentations, at their
-published sizes) it runs the launcher's own loader (:func:`trunksplit.ssl.data.step_loader`)
+For each recipe (``configs/recipes/<name>.yaml`` of a clone, or a YAML file's path: its crops and
+augmentations, at their published sizes) it runs the launcher's own loader (:func:`trunksplit.ssl.data.step_loader`)
 over the embedded synthetic images and over a folder of JPEG files (``--folder``, an
 ImageFolder root; without it, ``--jpegs`` synthetic images are written as JPEGs to a
 temporary folder first, so decoding is measured too). The figure is images per second over
@@ -28,11 +28,27 @@ from ..ssl.data import SyntheticImages, image_dataset, step_loader
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "recipes")
 
 
-def images_per_second(recipe: str, workers: int, steps: int, batch: int, folder: str = "") -> float:
-    """The recipe's pipeline at ``workers`` loader processes: images (all their crops) per second."""
+def recipe_path(recipe: str) -> str:
+    """The YAML file of ``recipe``: a path as given, a name in the clone's ``configs/recipes``.
+
+    Sharp edge: the recipes live in the repository, not in the package, so an install from a
+    wheel has no names to look up; the refusal says to give a file's path."""
+    if recipe.endswith((".yaml", ".yml")) or os.sep in recipe:
+        if not os.path.isfile(recipe):
+            raise ValueError(f"recipe file {recipe} does not exist")
+        return recipe
+    if not os.path.isdir(RECIPES):
+        raise ValueError(f"no recipe {recipe!r}: recipe names are the files of configs/recipes/ in a clone of trunksplit, and this install "
+                         f"has none ({RECIPES}); give a recipe's YAML path instead (--recipes path/to/simclr.yaml)")
     path = os.path.join(RECIPES, f"{recipe}.yaml")
     if not os.path.isfile(path):
-        raise ValueError(f"no recipe {recipe!r}: {path} does not exist (the recipes are {', '.join(sorted(f[:-5] for f in os.listdir(RECIPES)))})")
+        raise ValueError(f"no recipe {recipe!r}: {path} does not exist (the recipes are {', '.join(sorted(f[:-5] for f in os.listdir(RECIPES) if f.endswith('.yaml')))}, or give a YAML file's path)")
+    return path
+
+
+def images_per_second(path: str, workers: int, steps: int, batch: int, folder: str = "") -> float:
+    """The pipeline of the recipe at ``path`` (:func:`recipe_path`) at ``workers`` loader processes: images (all
+    their crops) per second."""
     warmup = max(1, workers)
     # synthetic images cost nothing to have: as many as a step takes (a step holds each image once)
     cfg = load_config(path, ["DATA.PATH", folder, "DATA.NUM_WORKERS", str(workers), "TRAIN.BATCH_SIZE_PER_RANK", str(batch), "TRAIN.STEPS", str(steps + warmup),
@@ -60,11 +76,12 @@ def write_jpegs(root: str, count: int, size: int) -> str:
 
 def run_data_benchmark(recipes: Sequence[str], workers: Sequence[int], steps: int, batch: int, folder: str, jpegs: int) -> List[list]:
     """Rows of (source, recipe, images/s at each worker count); printed as a table."""
+    paths = [recipe_path(r) for r in recipes]  # every name checked before any image is written
     if not folder and batch > jpegs:
         raise ValueError(f"--batch {batch} is more images than --jpegs {jpegs} writes (a step holds each image once): give --jpegs {batch} or more")
     with tempfile.TemporaryDirectory() as scratch:
         sources = [("synthetic", ""), ("jpeg folder", folder or write_jpegs(scratch, jpegs, 256))]
-        rows = [[source, recipe, *(images_per_second(recipe, w, steps, batch, path) for w in workers)]
-                for source, path in sources for recipe in recipes]
+        rows = [[source, recipe, *(images_per_second(recipe_file, w, steps, batch, images) for w in workers)]
+                for source, images in sources for recipe, recipe_file in zip(recipes, paths)]
     print(tabulate(rows, headers=["images from", "recipe", *(f"images/s, {w} workers" for w in workers)], floatfmt=".1f", tablefmt="github"))
     return rows

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench_data_parser(sub) -> None:
     d = sub.add_parser("bench-data", help="images/s of each SSL recipe's input pipeline at several loader worker counts")
-    d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml")
+    d.add_argument("--recipes", nargs="+", default=["simclr", "swav", "dino"], help="names of configs/recipes/*.yaml (a clone's), or YAML files' paths")
     d.add_argument("--workers", type=_non_negative, nargs="+", default=[0, 1, 2, 4], help="DataLoader worker counts, one table column each")
     d.add_argument("--steps", type=_positive, default=8, help="timed steps per run, after one untimed step per worker")
     d.add_argument("--batch", type=_positive, default=16, help="images per step")
