@@ -11,11 +11,12 @@ from .chains.names import from_source_names, source_names, to_source_names
 from .chains import FeatureBlocks, child_name, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names, warn_of_hooks_bypassed
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
-from .planning.plan import SplitPlan
+from .planning.plan import SplitPlan, plain_where_frozen
 from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, frozen_parameters, plan_key, planned_temporaries, updates_held
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
 from .planning.timing import run_eagerly
+from .planning.unit_copies import units_without_gradient
 from .planning.vissl import vissl_plan
 from .recompute.compiled import CompiledUnits, default_compile_options, eager_region, eager_segment, run_plain, run_units_apart
 from .recompute.regions import run_units
@@ -130,8 +131,7 @@ class CheckpointedTrunk(nn.Module):
         return self.strategy != "vissl" or self.memory_budget is not None
 
     def plan_request(self, held: Optional[bool] = None) -> PlanRequest:
-        """What the planner is asked for a call made now, or one whose updates are ``held`` or not
-        (:meth:`updates_held`: planned as ``"allocated"``; see :class:`trunksplit.planning.request.PlanRequest`)."""
+        """What the planner is asked for a call made now, or one whose updates are ``held`` or not (:meth:`updates_held`)."""
         units = tuple(self.units)
         held = self.updates_held() if held is None else held and self.gradients == "in_backward"
         return PlanRequest(units=units, feature_stops=tuple(self._ends.items()), num_splits=self.num_splits, strategy=self.strategy,
@@ -155,6 +155,8 @@ class CheckpointedTrunk(nn.Module):
         if self._plan is self._fixed_plan and self.cost_aware:
             kind = "budget" if self.memory_budget is not None else "balanced"
             return replace(self._plan, strategy=kind, note=f"not planned yet: the first training forward measures the {kind} plan, or plan_for(x) for inputs like x")
+        if self._plan is self._fixed_plan:  # vissl's, as it runs on images
+            return plain_where_frozen(self._plan, units_without_gradient([m for _, m in self.units]))
         return self._plan
 
     @property
@@ -186,7 +188,7 @@ class CheckpointedTrunk(nn.Module):
         key = self.key_for(x)
         if key not in self._plans:
             held = self.updates_held()
-            plan = self.agreement(plan_trunk(self.plan_request(held), x, held=held)) if self.cost_aware else self._fixed_plan
+            plan = self.agreement(plan_trunk(self.plan_request(held), x, held=held)) if self.cost_aware else plain_where_frozen(self._fixed_plan, units_without_gradient([m for _, m in self.units], x))
             if self._compiled is not None:
                 self._compiled.eager[key] = run_eagerly(self._compiled, [m for _, m in self.units], plan.segments, x, self.agreement)
                 plan = replace(plan, compiled=True)
@@ -255,8 +257,7 @@ class CheckpointedTrunk(nn.Module):
 
     @property
     def update_temporaries(self) -> float:
-        """``gradients="in_backward"``: tensors of a parameter's size one update allocates (set by
-        :func:`trunksplit.optimizer_in_backward`, measured); a change replans."""
+        """In backward: tensors of a parameter's size an update allocates (:func:`trunksplit.optimizer_in_backward` measures it); a change replans."""
         return self._update_temporaries
 
     @update_temporaries.setter

@@ -1007,6 +1007,31 @@ def test_a_wholly_frozen_trunk_runs_unsplit_saying_why_and_plans_again_once_it_t
         assert peak <= 0.8 * whole * 1.01, (peak, whole)
 
 
+@pytest.mark.parametrize("strategy,input_grad", [("vissl", False), ("balanced", False), ("balanced", True)])
+def test_the_plan_says_which_segments_run_again_in_backward_under_a_frozen_stem(strategy, input_grad):
+    """Segments among the frozen units before the first that trains save nothing, so they run once:
+    the table said "checkpointed: yes" for them. Each segment's label is held to what ran, counted by
+    forward pre-hooks on its units (a checkpointed segment's run twice; a forward hook would miss the
+    recompute's last unit, which torch stops once it has what backward needs); an input that requires grad
+    reaches every unit, and then every cut segment runs again."""
+    torch.manual_seed(0)
+    model = _frozen(build("resnet18"), ("conv1", "bn1", "layer1", "layer2"))
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=6, strategy=strategy, gradients="kept")
+    calls = {}
+    for name, unit in trunk.units:
+        unit.register_forward_pre_hook(lambda m, i, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    for p in trunk.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    x = torch.randn(2, 3, 64, 64, requires_grad=input_grad)
+    loss_of(trunk(x)).backward()
+    plan = trunk.plan
+    ran = [{calls[n] for n in plan.units[s.start : s.stop]} for s in plan.segments]
+    assert [{2} if s.checkpointed else {1} for s in plan.segments] == ran, (str(plan), ran)
+    plain = [s for s in plan.segments[:-1] if not s.checkpointed]
+    assert bool(plain) != input_grad and any(s.checkpointed for s in plan.segments), str(plan)
+    assert all(s.recompute_flops in (0, None) for s in plain) and ("no gradient reaches conv1 .. res3.1 (frozen)" in plan.note) != input_grad
+
+
 def test_gradients_allocated_by_the_step_are_part_of_its_peak():
     # torch's default zero_grad() leaves .grad None: the step allocates every gradient. A
     # model that assumed them allocated already would plan that step too optimistically.

@@ -5,7 +5,7 @@ A plan cuts the trunk's chain of units into contiguous segments (see
 runs of units checkpointed again inside it (see :mod:`trunksplit.recompute.regions`).
 """
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from tabulate import tabulate
@@ -112,6 +112,19 @@ class SplitPlan:
         if self.compiled:
             text += "\ncompiled (trunk.compile()): each unit one graph inside eager checkpoints, the last segment's selective regions one graph each"
         return text
+
+
+def plain_where_frozen(plan: SplitPlan, frozen: int) -> SplitPlan:
+    """``plan`` as it runs where no gradient reaches its first ``frozen`` units
+    (:func:`trunksplit.planning.unit_copies.units_without_gradient`): a segment among them saves
+    nothing for backward, so it runs plainly and recomputes nothing, and the table says so."""
+    plain = [s for s in plan.segments if s.checkpointed and s.stop <= frozen]
+    if not plain:
+        return plan
+    segments = tuple(replace(s, checkpointed=False, recompute_flops=s.recompute_flops and 0, recompute_bytes=s.recompute_bytes and 0)
+                     if s in plain else s for s in plan.segments)
+    why = f"{', '.join(s.name for s in plain)} run{'s' if len(plain) == 1 else ''} plainly: no gradient reaches {plan.units[0]} .. {plan.units[frozen - 1]} (frozen), so {'it saves' if len(plain) == 1 else 'they save'} nothing for backward"
+    return replace(plan, segments=segments, note="\n".join(filter(None, [plan.note, why])))
 
 
 def policy_counts(regions: Sequence[Tuple[int, int, str]]) -> str:

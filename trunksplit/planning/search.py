@@ -18,11 +18,11 @@ from torch import nn
 
 from ..chains.blocks import layer_splittable_before
 from .memory import meter_name, tensors_in
-from .unit_copies import first_input_with_gradient
+from .unit_copies import first_input_with_gradient, units_without_gradient
 from .costs import NOTHING, Cost, add_costs
 from .peak import PeakModel
 from .budget import BudgetTooLowError, format_bytes
-from .plan import Segment, SplitPlan
+from .plan import Segment, SplitPlan, plain_where_frozen
 from .profile import profile_units
 from .request import PlanRequest, priced_in
 from .sharding import measured_by_allocator, per_rank
@@ -251,7 +251,7 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None, *, he
     plan = plan_from_cuts(names, cuts, request.stops, strategy, model)
     if not budgeted and plan.predicted_peak_bytes > unsplit:
         plan = unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
-    return replace(plan, meter=meter)
+    return replace(plain_where_frozen(plan, units_without_gradient(request.modules, x)), meter=meter)
 
 
 def unsplit_plan(units: Sequence[str], feature_stops: Dict[str, int], strategy: str, unsplit: int, why: str) -> SplitPlan:

@@ -93,7 +93,17 @@ def first_input_with_gradient(units: Sequence[nn.Module], x=None) -> int:
     ``len(units)`` where nothing trains."""
     if any(t.requires_grad for t in tensors_in(x)):
         return 0
-    return next((i + 1 for i, u in enumerate(units) if any(p.requires_grad for p in u.parameters())), len(units))
+    return min(units_without_gradient(units) + 1, len(units))
+
+
+def units_without_gradient(units: Sequence[nn.Module], x=None) -> int:
+    """How many units lead the chain that no gradient reaches in a training step on ``x`` (``None``: images):
+    the frozen units before the first one with a trainable parameter, none where ``x`` requires grad,
+    all where nothing trains. They save nothing for backward, so a segment among them runs plainly
+    (:func:`trunksplit.recompute.checkpoint.run_checkpointed`)."""
+    if any(t.requires_grad for t in tensors_in(x)):
+        return 0
+    return next((i for i, u in enumerate(units) if any(p.requires_grad for p in u.parameters())), len(units))
 
 
 def unit_input(h, input_needs_grad: bool):
