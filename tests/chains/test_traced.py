@@ -2,6 +2,7 @@
 import copy
 import io
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, PeakMemory, feature_blocks
+from trunksplit.planning.plan import SplitPlan
 
 from reference import loss_of
 from zoo import ResidualNet, TinyViT
@@ -378,3 +380,59 @@ def test_tensors_the_forward_builds_are_neither_buffers_nor_state_dict_entries()
     want.sum().backward()
     got.sum().backward()
     assert torch.equal(want, got) and torch.equal(reference.conv.weight.grad, model.conv.weight.grad)
+
+
+def _entered(model, x, units=()):
+    """Modules entered, in order, by pre-hooks on all of ``model``'s modules, while ``model(x)`` runs; with
+    ``units`` (a trunk's, run one by one) each call is tagged with the unit running it."""
+    calls, running = [], [None]
+    hooks = [m.register_forward_pre_hook(lambda m, i, n=n: calls.append((n, running[0]))) for n, m in model.named_modules() if n]
+    for i, (_, unit) in enumerate(units):
+        hooks.append(unit.register_forward_pre_hook(lambda m, a, i=i: running.__setitem__(0, i)))
+    with torch.no_grad():
+        for (_, unit) in units:
+            x = unit(x)
+        if not units:
+            model(x)
+    for h in hooks:
+        h.remove()
+    return calls
+
+
+def _timm_vit():
+    return pytest.importorskip("timm").create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2)  # timm is optional
+
+
+@pytest.mark.parametrize("build", [_untraced_resnet18, _timm_vit])
+def test_a_traced_plan_names_where_each_segment_begins_as_the_model_runs(build):
+    """A traced unit is named where it ends: a ResNet block's body ``layer1.1.bn2``, ViT's second half of a
+    block ``blocks.1``. The table read "layer1.1.bn2 .. layer2" for a segment from layer1.1 to layer2's end.
+    It now begins each segment where its first unit begins. The reference is the plain model's own calls
+    (pre-hooks on every module, containers included): a unit begins at the first module entered after the
+    previous unit's last call, e.g. ``layer1.1`` entered before ``layer1.1.conv1``, timm ViT's ``norm2`` (which fx
+    traces through) before its ``mlp``."""
+    torch.manual_seed(0)
+    model = build().eval()
+    trunk = CheckpointedTrunk(model, num_splits=4).eval()
+    x = torch.randn(1, 3, 32, 32)
+    plain = [n for n, _ in _entered(model, x)]
+    by_unit = _entered(model, x, trunk.units)  # the modules the units call: in plain's order, without what fx traced through
+    at, j = [], 0
+    for n, _ in by_unit:
+        j = plain.index(n, j)
+        at.append(j)
+        j += 1
+    checked = 0
+    for i, (unit_name, _) in enumerate(trunk.units):
+        mine = [p for p, (_, u) in zip(at, by_unit) if u == i]
+        previous = [p for p, (_, u) in zip(at, by_unit) if u == i - 1]
+        if not mine or not previous:
+            continue  # it or the one before calls no module (fx names a unit of functions), or it is the first
+        assert trunk.plan.begins[i] == plain[previous[-1] + 1], (unit_name, trunk.plan.begins[i], plain[previous[-1] : mine[0] + 1])
+        checked += 1
+    assert checked >= 8 and any(b != n for b, (n, _) in zip(trunk.plan.begins, trunk.units))
+    state = trunk.plan.state()  # what a checkpoint holds; one saved before begins were kept still loads
+    assert SplitPlan.from_state(state) == trunk.plan
+    assert SplitPlan.from_state({k: v for k, v in state.items() if k != "begins"}) == replace(trunk.plan, begins=())
+    first = trunk.plan.segments[1]
+    assert str(trunk.plan).count(f"| {trunk.plan.begins[first.start]} .. {trunk.plan.units[first.stop - 1]} ") == 1

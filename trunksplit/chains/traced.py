@@ -23,7 +23,7 @@ unit's *input* somewhere inside the unit (not as its first op) is not detected.
 import contextlib
 import inspect
 import operator
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -309,6 +309,29 @@ def _is_in_place_function(fn) -> bool:
     underscore writes its first argument, as an in-place method does."""
     name = getattr(fn, "__name__", "")
     return name.endswith("_") and not name.endswith("__")
+
+
+def begin_names(units: Sequence[Tuple[str, nn.Module]]) -> List[str]:
+    """Where each unit of a chain begins, for a plan's table: a traced unit is named after the cut that
+    ends it (:func:`_cut_name`), so timm's ResNet block body ``layer1.1.bn2`` begins at ``layer1.1``, and
+    ViT's second half of a block ``blocks.1`` at ``blocks.1.norm2``: the outermost module whose first call
+    the unit holds, else fx's name of its first op. Any other unit begins where it is named."""
+    used_before: Set[str] = set()
+    begins = []
+    for name, unit in units:
+        nodes = [n for n in unit.graph.nodes if n.op not in ("placeholder", "output")] if isinstance(unit, ChainUnit) else []
+        # the modules the unit calls or reads a weight of (timm's LayerNorm is traced through: norm2's weight)
+        used = [n.target if n.op == "call_module" else n.target.rpartition(".")[0] for n in nodes if n.op in ("call_module", "get_attr")]
+        used = [u for u in used if u]
+        ops = [n for n in nodes if n.op != "get_attr"]
+        begin = ops[0].name if ops else name
+        if used:
+            parts = used[0].split(".")
+            prefixes = [".".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
+            begin = next((p for p in prefixes if not any(u == p or u.startswith(p + ".") for u in used_before)), used[0])
+        used_before.update(used)
+        begins.append(begin)
+    return begins
 
 
 def _cut_name(span: List[fx.Node], nodes: List[fx.Node], taken: Set[str]) -> str:

@@ -43,6 +43,11 @@ class SplitPlan:
     note: str = ""  # why the plan is what it is, where that is not obvious ("runs unsplit: ...")
     compiled: bool = False  # run by a trunk.compile()d trunk: each unit compiled inside eager checkpoints
     meter: str = ""  # what the predicted peaks count (memory.meter_name): the figure to compare them with
+    begins: Tuple[str, ...] = ()  # where each unit begins (chains.begin_names), where a unit is named where it ends; () names
+
+    def span(self, start: int, stop: int) -> str:
+        """Units ``[start, stop)`` for a reader, ``"layer1.1 .. layer2"``: from where the first begins to the last's name."""
+        return f"{(self.begins or self.units)[start]} .. {self.units[stop - 1]}" if stop > start else "-"
 
     @property
     def names(self) -> List[str]:
@@ -63,7 +68,7 @@ class SplitPlan:
     @classmethod
     def from_state(cls, state: dict) -> "SplitPlan":
         segments = tuple(Segment(**{**s, "regions": tuple(tuple(r) for r in s["regions"])}) for s in state["segments"])
-        return cls(**{**state, "units": tuple(state["units"]), "segments": segments})
+        return cls(**{**state, "units": tuple(state["units"]), "begins": tuple(state.get("begins", ())), "segments": segments})
 
     @property
     def regions(self) -> List[Tuple[int, int, str]]:
@@ -83,8 +88,7 @@ class SplitPlan:
         regions = self.regions
         rows = []
         for s in self.segments:
-            first, last = (self.units[s.start], self.units[s.stop - 1]) if len(s) else ("-", "-")
-            row = [s.name, f"{first} .. {last}", len(s), "yes" if s.checkpointed else "no"]
+            row = [s.name, self.span(s.start, s.stop), len(s), "yes" if s.checkpointed else "no"]
             if regions:
                 row.append(policy_counts(s.regions) or "-")
             if with_costs:
@@ -106,7 +110,7 @@ class SplitPlan:
         if self.note:
             text += f"\n{self.note}"
         for policy in POLICIES.values():
-            chosen = [self.units[r] if s - r == 1 else f"{self.units[r]}..{self.units[s - 1]}" for r, s, p in regions if p == policy.name]
+            chosen = [self.units[r] if s - r == 1 else self.span(r, s).replace(" .. ", "..") for r, s, p in regions if p == policy.name]
             if chosen:
                 text += f"\n{policy.name} regions ({policy.description}): " + " ".join(chosen)
         if self.compiled:
@@ -123,7 +127,7 @@ def plain_where_frozen(plan: SplitPlan, frozen: int) -> SplitPlan:
         return plan
     segments = tuple(replace(s, checkpointed=False, recompute_flops=s.recompute_flops and 0, recompute_bytes=s.recompute_bytes and 0)
                      if s in plain else s for s in plan.segments)
-    why = f"{', '.join(s.name for s in plain)} run{'s' if len(plain) == 1 else ''} plainly: no gradient reaches {plan.units[0]} .. {plan.units[frozen - 1]} (frozen), so {'it saves' if len(plain) == 1 else 'they save'} nothing for backward"
+    why = f"{', '.join(s.name for s in plain)} run{'s' if len(plain) == 1 else ''} plainly: no gradient reaches {plan.span(0, frozen)} (frozen), so {'it saves' if len(plain) == 1 else 'they save'} nothing for backward"
     return replace(plan, segments=segments, note="\n".join(filter(None, [plan.note, why])))
 
 

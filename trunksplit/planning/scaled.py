@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..chains.traced import begin_names
 from .memory import meter_name
 from .peak import PeakModel
 from .profile import UnitCosts, profile_units
@@ -28,6 +29,7 @@ class ScaledChain:
         self.request = request = trunk.plan_request()
         self.trunk = trunk
         self.names = list(request.names)
+        self.begins = tuple(begin_names(request.units))  # for its plans' tables
         self.units = list(request.modules)
         self.splittable = request.splittable
         self.forced = request.forced
@@ -115,7 +117,7 @@ class ScaledChain:
         """The least-recompute plan at ``batch`` whose peak fits ``budget`` (where none does, or for None: the lowest-peak plan),
         for a call whose updates in backward are ``held`` or not."""
         peaks, cuts = self._chosen(batch, budget, held)
-        return replace(plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks), meter=self.meter)
+        return replace(plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks), meter=self.meter, begins=self.begins)
 
 
 

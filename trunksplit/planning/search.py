@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..chains.blocks import layer_splittable_before
+from ..chains.traced import begin_names
 from .memory import meter_name, tensors_in
 from .unit_copies import first_input_with_gradient, units_without_gradient
 from .costs import NOTHING, Cost, add_costs
@@ -244,14 +245,15 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None, *, he
     unsplit = model.peak([0])
     if not trains:  # a frozen feature extractor (a linear probe's trunk): every segment would run plainly anyway
         why = "nothing in it trains (no parameter, nor the input, requires grad), so no backward runs through it and it saves nothing"
-        return replace(unsplit_plan(names, request.stops, strategy, unsplit, why), meter=meter)
-    if budgeted and request.budget.in_bytes(unsplit) >= unsplit:
-        return replace(unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step"), meter=meter)
-    cuts = _budget_cuts(request, x, model, held) if budgeted else _balanced_cuts(request, model)
-    plan = plan_from_cuts(names, cuts, request.stops, strategy, model)
-    if not budgeted and plan.predicted_peak_bytes > unsplit:
-        plan = unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
-    return replace(plain_where_frozen(plan, units_without_gradient(request.modules, x)), meter=meter)
+        plan = unsplit_plan(names, request.stops, strategy, unsplit, why)
+    elif budgeted and request.budget.in_bytes(unsplit) >= unsplit:
+        plan = unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step")
+    else:
+        cuts = _budget_cuts(request, x, model, held) if budgeted else _balanced_cuts(request, model)
+        plan = plain_where_frozen(plan_from_cuts(names, cuts, request.stops, strategy, model), units_without_gradient(request.modules, x))
+        if not budgeted and plan.predicted_peak_bytes > unsplit:
+            plan = unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
+    return replace(plan, meter=meter, begins=tuple(begin_names(request.units)))
 
 
 def unsplit_plan(units: Sequence[str], feature_stops: Dict[str, int], strategy: str, unsplit: int, why: str) -> SplitPlan:

@@ -13,6 +13,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 from torch import nn
 
 from ..chains.blocks import expand_units, feature_ends, layer_splittable_before
+from ..chains.traced import begin_names
 from .plan import Segment, SplitPlan
 
 
@@ -106,4 +107,4 @@ def vissl_plan(blocks: Mapping[str, nn.Module], out_feat_keys: Sequence[str], nu
     units = expand_units(blocks)
     segs = vissl_segments([layer_splittable_before(m) for _, m in units], feature_ends(blocks, out_feat_keys), num_splits)
     segs[-1] = replace(segs[-1], checkpointed=False)
-    return SplitPlan(tuple(n for n, _ in units), tuple(segs), "vissl")
+    return SplitPlan(tuple(n for n, _ in units), tuple(segs), "vissl", begins=tuple(begin_names(units)))
