@@ -13,7 +13,9 @@ import torch
 from ..chains.traced import begin_names
 from .memory import meter_name
 from .peak import PeakModel
+from .plan import plain_where_frozen
 from .profile import UnitCosts, profile_units
+from .unit_copies import units_without_gradient
 from .search import best_plan, plan_from_cuts
 from .sharding import measured_by_allocator, sharded_costs
 
@@ -117,7 +119,8 @@ class ScaledChain:
         """The least-recompute plan at ``batch`` whose peak fits ``budget`` (where none does, or for None: the lowest-peak plan),
         for a call whose updates in backward are ``held`` or not."""
         peaks, cuts = self._chosen(batch, budget, held)
-        return replace(plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks), meter=self.meter, begins=self.begins)
+        plan = plain_where_frozen(plan_from_cuts(self.names, cuts, self.request.stops, "budget", peaks), units_without_gradient(self.units))
+        return replace(plan, meter=self.meter, begins=self.begins)
 
 
 
