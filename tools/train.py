@@ -11,6 +11,7 @@ import sys
 from trunksplit.cli.parser import warnings_as_lines
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
+from trunksplit.ssl.run_dir import interrupted_note
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +27,7 @@ def main(argv=None) -> int:
     if not args.config_file and os.environ.get("RANK", "0") == "0":  # one line, from one process under torchrun
         print("no --config-file: training the defaults of trunksplit/ssl/config.py and the overrides given "
               "(the quick start: --config-file configs/quickstart.yaml; all configs: configs/)", flush=True)
+    cfg = None
     try:
         with warnings_as_lines():
             cfg = load_config(args.config_file, args.overrides)
@@ -33,6 +35,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: where the run can go on from, not a traceback
+        if cfg is not None and os.environ.get("RANK", "0") == "0":
+            print(f"\n{interrupted_note(cfg.OUTPUT_DIR, cfg.TRAIN.CHECKPOINT_EVERY)}", file=sys.stderr)
+        return 130
     if last is not None:
         chance = last["chance_loss"]
         learned = f" ({last['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" if chance else ""

@@ -87,6 +87,28 @@ def test_quickstart_cli_writes_finite_metrics(tmp_path):
     assert f"loss {rows[-1]['loss']:.4f} ({rows[-1]['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" in result.stdout
 
 
+def test_ctrl_c_says_which_step_a_resume_continues_from_and_no_process_prints_a_traceback(tmp_path):
+    """Ctrl-C reaches every process of the terminal's group, the loader's workers too. The run printed
+    its KeyboardInterrupt traceback; it now says what its checkpoint holds (read back here by torch.load)
+    and exits 130, as a shell reports an interrupted command, and no worker prints one either."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = ["--config-file", QUICK, "OUTPUT_DIR", str(out), *SMALL, "DATA.NUM_WORKERS", "1", "TRAIN.STEPS", "100000", "TRAIN.CHECKPOINT_EVERY", "2"]
+    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as a terminal's job
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.1)
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    assert run.returncode == 130 and saved >= 2, err
+    assert f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
 def test_the_side_by_side_line_says_why_it_reads_below_a_step_that_holds_a_teacher():
     """Both copies run the student under a stand-in loss; DINO's step also holds its loss and teacher
     (the run says what its step holds: below, vissl's all-reduce on two ranks)."""
