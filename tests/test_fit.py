@@ -225,7 +225,7 @@ def test_costs_scaled_to_a_profiled_batch_are_that_batchs_costs(monkeypatch):
     from trunksplit.planning.scaled import PROFILE_BATCHES, ScaledChain, scaled_costs
 
     monkeypatch.setattr(sharding, "reduce_scatter_copies", lambda: 1)  # as under a gloo process group
-    chain = ScaledChain(CheckpointedTrunk(torchvision.models.resnet18(num_classes=10), num_splits=3, strategy="balanced"), (3, 32, 32), torch.device("cpu")).sharded(2)
+    chain = ScaledChain(CheckpointedTrunk(torchvision.models.resnet18(num_classes=10), num_splits=3, strategy="balanced").plan_request(), (3, 32, 32), torch.device("cpu")).sharded(2)
     assert chain.small[0].reduce_scatter_copies == 1
     for batch, costs in zip(PROFILE_BATCHES, chain.small):
         assert scaled_costs(chain.small, batch) == costs

@@ -124,10 +124,10 @@ def fit(
         check_host_room(memory, device, "memory", "predict only (verify=False; trunksplit fit --no-verify)")
 
     trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, priced := named_optimizer(optimizer), device)
-    chain = ScaledChain(trunk(), input_shape, device, world_size, progress)
+    chain = ScaledChain((profiled := trunk()).plan_request(), input_shape, device, world_size, progress)
     rank = rank_memory(model, chain.units, world_size, optimizer, 0, gradients)
     resident = rank.resident
-    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(chain.trunk, priced), chain.full_grad_bytes)
+    optimizer_peak = optimizer_step_peak(rank, optimizer_step_transient(profiled, priced), chain.full_grad_bytes)
 
     def total(batch: int) -> int:
         return resident + max(chain.lowest_peak(batch), optimizer_peak)
@@ -185,8 +185,9 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     counted for each world size. A prediction: nothing runs sharded here."""
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
-    base = ScaledChain(trunk_maker(feature_blocks(model), None, None, gradients, False, named_optimizer(optimizer), device)(), input_shape, device)
-    transient = optimizer_step_transient(base.trunk, named_optimizer(optimizer))
+    profiled = trunk_maker(feature_blocks(model), None, None, gradients, False, named_optimizer(optimizer), device)()
+    base = ScaledChain(profiled.plan_request(), input_shape, device)
+    transient = optimizer_step_transient(profiled, named_optimizer(optimizer))
     rows = []
     for n in world_sizes:
         chain = base.sharded(n)

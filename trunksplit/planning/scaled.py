@@ -15,6 +15,7 @@ from .memory import meter_name
 from .peak import PeakModel
 from .plan import plain_where_frozen
 from .profile import UnitCosts, profile_units
+from .request import PlanRequest
 from .unit_copies import units_without_gradient
 from .search import best_plan, plan_from_cuts
 from .sharding import measured_by_allocator, sharded_costs
@@ -26,10 +27,9 @@ class ScaledChain:
     """A trunk's units profiled at two small batches (:data:`PROFILE_BATCHES`) and planned at
     any batch from costs scaled linearly (see :func:`_scaled`), for one of ``world_size`` ranks."""
 
-    def __init__(self, trunk, input_shape: Sequence[int], device: torch.device, world_size: int = 1,
+    def __init__(self, request: PlanRequest, input_shape: Sequence[int], device: torch.device, world_size: int = 1,
                  progress: Optional[Callable[[str], None]] = None):
-        self.request = request = trunk.plan_request()
-        self.trunk = trunk
+        self.request = request  # a trunk's (CheckpointedTrunk.plan_request)
         self.names = list(request.names)
         self.begins = tuple(begin_names(request.units))  # for its plans' tables
         self.units = list(request.modules)
@@ -66,14 +66,14 @@ class ScaledChain:
         peaks = self._peaks(batch)
         starts = self._fixed_starts(kind) if kind != "trunksplit" else None
         if starts is None:
-            cuts = best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
-            starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits)).starts
+            cuts = best_plan(peaks, self.splittable, self.forced, max_segments=self.request.num_splits, budget=budget)
+            starts = (cuts or best_plan(peaks, self.splittable, self.forced, max_segments=self.request.num_splits)).starts
         return peaks.peak(starts), peaks.total_recompute(starts) / max(1, sum(peaks.costs.flops))
 
     def _peaks(self, batch: int, gradients: Optional[str] = None) -> PeakModel:
         """The trunk's peak model at ``batch``, for its gradient mode or ``gradients``."""
-        return PeakModel(costs=scaled_costs(self.small, batch), feature_units=self.features, gradients=gradients or self.trunk.gradients,
-                         update_temporaries=self.trunk.update_temporaries, reentrant=self.trunk.use_reentrant)
+        return PeakModel(costs=scaled_costs(self.small, batch), feature_units=self.features, gradients=gradients or self.request.gradients,
+                         update_temporaries=self.request.update_temporaries, reentrant=self.request.use_reentrant)
 
     def _fixed_starts(self, kind: str) -> List[int]:
         """Segment starts of "every unit" (a cut before each unit that may start a segment) or "none"."""
@@ -85,7 +85,7 @@ class ScaledChain:
         key = (batch, budget, held)
         if key not in self._searched:
             peaks = self._peaks(batch, "allocated" if held else None)
-            self._searched[key] = peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.trunk.num_splits, budget=budget)
+            self._searched[key] = peaks, best_plan(peaks, self.splittable, self.forced, max_segments=self.request.num_splits, budget=budget)
         return self._searched[key]
 
     def lowest_peak(self, batch: int) -> int:

@@ -188,7 +188,7 @@ class _StepPrediction:
         for size in sorted({s for s, _ in self.groups}, reverse=True):
             say(f"profiling the trunk's units at {size}px, two small batches")
             with autocast_for(cfg, device):  # as the run's trunk runs: a bf16 step holds other tensors than an fp32 one
-                self.chains[size] = ScaledChain(self.make(), (3, size, size), device, world)
+                self.chains[size] = ScaledChain(self.make().plan_request(), (3, size, size), device, world)
         # what a trunk call finds made by the calls whose backward ran before its own: the gradients (allocated), or,
         # stepped in backward, the gradients held for the last group's update (grouped) or their parts waiting in autograd's
         # buffers until the first call's part arrives (whole)
