@@ -12,7 +12,7 @@ from .chains import FeatureBlocks, child_name, expand_units, feature_blocks, fea
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
 from .planning.plan import SplitPlan, plain_where_frozen
-from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, frozen_parameters, plan_key, planned_temporaries, updates_held
+from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, frozen_parameters, plan_key, planned_temporaries, updates_held, warn_of_many_plans
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
 from .planning.timing import run_eagerly
@@ -93,9 +93,7 @@ class CheckpointedTrunk(nn.Module):
         children = {child_name(k) for k in self._keys}
         if len(children) != len(self._keys):
             raise ValueError(f"feature block names {self._keys} collide once '.' is written '_' (module names cannot hold dots)")
-        self.out_feat_keys = tuple(out_feat_keys)
-        self.num_splits = num_splits
-        self.strategy = strategy
+        self.out_feat_keys, self.num_splits, self.strategy = tuple(out_feat_keys), num_splits, strategy
         self.memory_budget: Optional[MemoryBudget] = MemoryBudget.parse(memory_budget)
         self.use_reentrant = bool(use_reentrant)
         self.gradients, self.objective, self._ends = gradients, objective, ends
@@ -193,6 +191,7 @@ class CheckpointedTrunk(nn.Module):
                 self._compiled.eager[key] = run_eagerly(self._compiled, [m for _, m in self.units], plan.segments, x, self.agreement)
                 plan = replace(plan, compiled=True)
             self._plans[key] = plan
+            warn_of_many_plans(len(self._plans))
         self._plan = self._plans[key]  # what print(trunk.plan) shows, planned up front or not
         return self._plan
 

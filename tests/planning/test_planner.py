@@ -983,6 +983,24 @@ def test_a_budget_plan_of_a_frozen_stem_puts_no_region_on_it_and_is_met_as_measu
     assert abs(trunk.plan.predicted_peak_bytes - peak) <= 0.01 * peak and peak <= 0.7 * plain * 1.01, (trunk.plan.predicted_peak_bytes, peak, plain)
 
 
+def test_a_trunk_planning_for_ever_new_shapes_says_so_once():
+    """Each new input shape is profiled before its step: inputs of many sizes (detection, multi-scale)
+    paid that silently at every new size. The 16th plan warns, once; vissl's plans are never measured."""
+    blocks = OrderedDict(a=nn.Conv2d(3, 4, 3, padding=1), b=nn.ReLU(), c=nn.Conv2d(4, 4, 3, padding=1), d=nn.Flatten())
+    trunk = CheckpointedTrunk(blocks, num_splits=2, strategy="balanced")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for batch in range(1, 19):
+            trunk(torch.randn(batch, 3, 4, 4))
+            assert len(trunk.plans) == batch and len(said) == (batch >= 16), (batch, [str(w.message) for w in said])
+    assert "planned for 16 inputs of different shapes" in str(said[0].message) and "strategy='vissl'" in str(said[0].message)
+    vissl = CheckpointedTrunk(blocks, num_splits=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for batch in range(1, 19):
+            vissl(torch.randn(batch, 3, 4, 4))
+
+
 @pytest.mark.parametrize("asked", [dict(memory_budget=0.8), dict(num_splits=4, strategy="balanced")])
 def test_a_wholly_frozen_trunk_runs_unsplit_saying_why_and_plans_again_once_it_trains(asked):
     """A linear probe's trunk: nothing in it trains, so no backward runs through it and it saves nothing.

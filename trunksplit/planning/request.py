@@ -4,6 +4,7 @@ Planning is a function of a request and an example input (:func:`trunksplit.plan
 the request carries everything of the trunk that a plan depends on, so the planner never
 reaches back into the trunk that asked.
 """
+import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
@@ -185,3 +186,17 @@ def plan_key(shapes: Sequence[Tuple[Tuple[int, ...], torch.dtype]], device: torc
 def frozen_parameters(parameters: Iterable[torch.Tensor]) -> Tuple[int, ...]:
     """The positions of the parameters that do not require grad, in ``parameters``' order: part of a plan's key."""
     return tuple(i for i, p in enumerate(parameters) if not p.requires_grad)
+
+
+MANY_PLANS = 16  # plans one trunk makes before it says that each new input shape is measured again
+
+
+def warn_of_many_plans(count: int) -> None:
+    """Said once, as a trunk makes its :data:`MANY_PLANS`-th plan: each new :func:`plan_key` (a shape, a
+    batch, a dtype) profiles the trunk before its step, which inputs of ever new sizes (detection,
+    multi-scale training, a last batch of each size) pay again and again, silently."""
+    if count == MANY_PLANS:
+        # stacklevel: the user's trunk(x), past plan_for, torch.compiler.disable's wrapper, forward and nn.Module's two call frames
+        warnings.warn(f"this trunk has planned for {count} inputs of different shapes (trunk.plans): each new one is measured before "
+                      "its step, a profile of every unit. Inputs of many sizes plan once with strategy='vissl' (no measurement), "
+                      "or once per size when padded or resized to a few sizes", UserWarning, stacklevel=7)
