@@ -61,7 +61,7 @@ def interrupted_note(output_dir: str, checkpoint_every: int) -> str:
     try:
         step = int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
     except Exception:  # none written yet, or not readable: nothing to resume from
-        return f"interrupted before the first checkpoint (TRAIN.CHECKPOINT_EVERY {checkpoint_every}): {output_dir} holds nothing to resume"
+        return f"interrupted before the first checkpoint (TRAIN.CHECKPOINT_EVERY {checkpoint_every}): {output_dir} holds nothing to resume, and the same command starts afresh"
     return f"interrupted: {path} holds step {step}; add --resume to continue from it"
 
 
