@@ -107,7 +107,7 @@ def test_ctrl_c_says_which_step_a_resume_continues_from_and_no_process_prints_a_
     assert run.returncode == 130 and saved >= 2, err
     assert f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    from trunksplit.ssl.run_dir import interrupted_note  # before the first checkpoint: nothing to resume, a folder a new run takes
+    from trunksplit.ssl.run_dir import interrupted_note  # a run stopped before its first checkpoint
 
     assert "holds nothing to resume, and the same command starts afresh" in interrupted_note(str(tmp_path / "new"), 10)
 
