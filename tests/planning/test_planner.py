@@ -1065,6 +1065,8 @@ def test_gradients_allocated_by_the_step_are_part_of_its_peak():
         CheckpointedTrunk(build("resnet18"), gradients="none")
     with pytest.raises(ValueError, match=r"objective must be one of \('auto', 'time', 'flops'\), got 'speed'"):
         CheckpointedTrunk(build("resnet18"), objective="speed")
+    with pytest.raises(ValueError, match=r"use_reentrant is True or False, got 'no'"):  # bool("no") is True: it trained reentrant
+        CheckpointedTrunk(build("resnet18"), use_reentrant="no")
 
 
 class _Counting(nn.Module):

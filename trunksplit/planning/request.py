@@ -110,6 +110,8 @@ class PlanRequest:
             raise ValueError(f"num_splits must be an integer >= 1 or None, got {self.num_splits!r}")
         if self.gradients not in GRADIENT_MODES:
             raise ValueError(f"gradients must be one of {GRADIENT_MODES} (how zero_grad leaves them, or the optimizer stepped in backward), got {self.gradients!r}")
+        if not isinstance(self.use_reentrant, bool):  # "no" or "False" from a string would read as True
+            raise ValueError(f"use_reentrant is True or False, got {self.use_reentrant!r}")
         if self.use_reentrant and self.gradients == "in_backward":  # each reentrant segment's backward is its own: a gradient arrives in parts
             raise ValueError("use_reentrant=True cannot step an optimizer in backward exactly: a parameter used by several segments or "
                              "trunk calls gets its gradient in parts, and would be updated on each; use use_reentrant=False")
