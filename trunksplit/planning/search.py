@@ -237,7 +237,8 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None, *, he
     held (``CheckpointedTrunk.updates_held``; the request plans it as ``"allocated"``), which a refused budget says."""
     names = list(request.names)
     budgeted = request.budget is not None
-    trains = any(t.requires_grad for t in tensors_in(x)) or any(p.requires_grad for m in request.modules for p in m.parameters())
+    frozen = units_without_gradient(request.modules, x)  # the leading units no gradient reaches: all where nothing trains
+    trains = frozen < len(names)
     model = model or peak_model(request, x, regions=budgeted and trains and not request.use_reentrant)
     strategy = "budget" if budgeted else "balanced"
     device = next(iter(tensors_in(x))).device
@@ -250,7 +251,7 @@ def plan_trunk(request: PlanRequest, x, model: Optional[PeakModel] = None, *, he
         plan = unsplit_plan(names, request.stops, strategy, unsplit, "the budget is at or above the unsplit step")
     else:
         cuts = _budget_cuts(request, x, model, held) if budgeted else _balanced_cuts(request, model)
-        plan = plain_where_frozen(plan_from_cuts(names, cuts, request.stops, strategy, model), units_without_gradient(request.modules, x))
+        plan = plain_where_frozen(plan_from_cuts(names, cuts, request.stops, strategy, model), frozen)
         if not budgeted and plan.predicted_peak_bytes > unsplit:
             plan = unsplit_plan(names, request.stops, strategy, unsplit, f"every cut is predicted above the unsplit step (the best: {plan.predicted_peak_bytes / unsplit:.4f} of it)")
     return replace(plan, meter=meter, begins=tuple(begin_names(request.units)))
