@@ -6,12 +6,13 @@
 """
 import argparse
 import os
+import signal
 import sys
 
 from trunksplit.cli.parser import warnings_as_lines
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
-from trunksplit.ssl.run_dir import interrupted_note
+from trunksplit.ssl.stopping import Stopped, interrupted_note
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +36,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: where the run can go on from, not a traceback
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: where the run can go on from, not a traceback
         if cfg is not None and os.environ.get("RANK", "0") == "0":
             print(f"\n{interrupted_note(cfg.OUTPUT_DIR, cfg.TRAIN.CHECKPOINT_EVERY)}", file=sys.stderr)
-        return 130
+        return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     if last is not None:
         chance = last["chance_loss"]
         learned = f" ({last['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" if chance else ""

@@ -16,6 +16,7 @@ import torchvision
 from torchvision.transforms.v2 import functional as TF
 
 from .augment import Distortion, augment, crop_distortions
+from .stopping import ignore_interrupts
 
 
 SYNTHETIC_KINDS = ("fields", "stripes")
@@ -173,7 +174,7 @@ def step_loader(dataset, cfg, rank: int, world: int, start: int, pin_memory: boo
     workers = num_workers(cfg)
     return torch.utils.data.DataLoader(
         StepViews(dataset, cfg, rank, world), batch_size=None, sampler=range(start, cfg.TRAIN.STEPS), num_workers=workers,
-        pin_memory=pin_memory, persistent_workers=workers > 0, prefetch_factor=2 if workers else None,
+        pin_memory=pin_memory, persistent_workers=workers > 0, prefetch_factor=2 if workers else None, worker_init_fn=ignore_interrupts,
         # its own generator: the loader draws its workers' base seed when its iterator starts, and from
         # torch's global generator that draw would shift the model's dropout and stochastic depth
         # after a resume (the views themselves never use it)

@@ -32,6 +32,7 @@ from .data import IMAGE_EXTENSIONS, read_image
 from .dino import build_ssl_model
 from .parallel import autocast_for
 from .run_dir import CHECKPOINT, load_checkpoint, load_sharded_model
+from .stopping import ignore_interrupts
 
 EVAL_CROP_FRACTION = 0.875  # the centre crop's share of the resized image (ImageNet's 224 of 256)
 BATCH = 64  # images per forward while extracting features
@@ -87,7 +88,7 @@ def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: to
     n = len(dataset)
     per_rank = math.ceil(n / world)
     mine = [min(i, n - 1) for i in range(rank, per_rank * world, world)]  # padded with the last image
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=BATCH, num_workers=workers,
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=BATCH, num_workers=workers, worker_init_fn=ignore_interrupts,
                                          generator=torch.Generator().manual_seed(0))  # no draw from the global generator
     modes = [(m, m.training) for m in trunk.modules()]
     trunk.eval()

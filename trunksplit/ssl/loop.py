@@ -32,6 +32,7 @@ from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_fp16_on_a_cpu
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
+from .stopping import StopSignals, stop_between_steps, stop_if_asked
 from .strategy import strategy_for
 
 
@@ -59,25 +60,25 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     if monitor is not None and start == 0:  # the untrained point each kNN curve starts from
         _log_untrained_knn(log, _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0 or not sys.stderr.isatty(), desc="train")  # a log file: plain lines
-    batches = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda"))
-    last = None  # skipped: unreadable file -> times it was skipped
-    for step in bar:
-        set_schedules(cfg, optimizer, step)
-        rule = _stabilisers(cfg, model, optimizer, step)
-        crops, data = _next_step_views(batches, device, skipped)
-        evaluating = monitor is not None and monitor.due(step + 1, cfg.TRAIN.STEPS)
-        logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1 or evaluating
-        start_time = time.perf_counter()
-        with strategy.meter(wrapped) if logging else contextlib.nullcontext() as mem:
-            loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler, lambda: strategy.accumulating(wrapped)))
-        _stop_unless_finite(cfg, loss, step, world, scaler)
-        _optimizer_step(cfg, model, optimizer, scaler, step, device, rule)
-        seconds = time.perf_counter() - start_time
-        _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
-        if evaluating:
-            data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
-        if logging and rank == 0:
-            last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
+    batches, last = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda")), None
+    with stop_between_steps(say=rank == 0) as signals:  # Ctrl-C, SIGTERM: every rank stops between the same two steps
+        for step in bar:
+            crops, data = _next_step_views(batches, device, skipped, signals)
+            stop_if_asked(strategy.largest(signals.signum), step, start, lambda: _save_checkpoint(cfg, strategy, model, optimizer, scaler, step, skipped, now=True))
+            rule = _begin_step(cfg, model, optimizer, step)
+            evaluating = monitor is not None and monitor.due(step + 1, cfg.TRAIN.STEPS)
+            logging = step % cfg.TRAIN.LOG_EVERY == 0 or step == cfg.TRAIN.STEPS - 1 or evaluating
+            start_time = time.perf_counter()
+            with strategy.meter(wrapped) if logging else contextlib.nullcontext() as mem:
+                loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler, lambda: strategy.accumulating(wrapped)))
+            _stop_unless_finite(cfg, loss, step, world, scaler)
+            _optimizer_step(cfg, model, optimizer, scaler, step, device, rule)
+            seconds = time.perf_counter() - start_time
+            _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
+            if evaluating:
+                data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
+            if logging and rank == 0:
+                last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
     if last is not None:
         _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy, world)
@@ -138,10 +139,12 @@ def _build_model(cfg, device, fitted_plans: list) -> SSLModel:
     return model
 
 
-def _stabilisers(cfg, model, optimizer, step: int):
-    """DINO's stabilisers for this step (``gradient_rule``), run on each reduced gradient before its
-    update: stepped in backward, handed to the optimizer now, before backward (returns None); else
-    returned, for the optimizer step after backward."""
+def _begin_step(cfg, model, optimizer, step: int):
+    """Set this step's schedules (learning rate, weight decay), and DINO's stabilisers for it
+    (``gradient_rule``), run on each reduced gradient before its update: stepped in backward,
+    handed to the optimizer now, before backward (returns None); else returned, for the optimizer
+    step after backward."""
+    set_schedules(cfg, optimizer, step)
     rule = gradient_rule(cfg, model, step)
     if not cfg.OPTIM.IN_BACKWARD:
         return rule
@@ -265,12 +268,19 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
     return seconds
 
 
-def _next_step_views(batches, device, skipped: dict):
+def _next_step_views(batches, device, skipped: dict, signals: StopSignals):
     """The next step's crops on ``device``, and what the metrics row says of the data: the seconds
     the step waited on the loader, and the unreadable files skipped so far (``skipped`` counts
-    them; each is named in a warning the first time)."""
+    them; each is named in a warning the first time). None for the crops where the loader failed
+    after a stop signal reached this process (a scheduler's SIGTERM ends the loader's workers too):
+    the run stops before this step."""
     waited = time.perf_counter()
-    views, unreadable = next(batches)
+    try:
+        views, unreadable = next(batches)
+    except Exception:
+        if not signals.signum:
+            raise
+        return None, {}
     crops = [c.to(device, non_blocking=True) for c in views]
     for name in unreadable:
         if name not in skipped:
@@ -301,9 +311,9 @@ def _log_row(cfg, log: MetricsLog, bar, step: int, loss, optimizer, seconds: flo
     return row
 
 
-def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, skipped: dict) -> None:
-    """Every ``TRAIN.CHECKPOINT_EVERY`` steps, and after the last."""
-    if steps_done % cfg.TRAIN.CHECKPOINT_EVERY and steps_done != cfg.TRAIN.STEPS:
+def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, skipped: dict, now: bool = False) -> None:
+    """Every ``TRAIN.CHECKPOINT_EVERY`` steps, after the last, and ``now`` (a run stopping)."""
+    if steps_done % cfg.TRAIN.CHECKPOINT_EVERY and steps_done != cfg.TRAIN.STEPS and not now:
         return
     rng = rng_states(strategy.world)  # every rank's: stochastic depth and dropout draw from them
     meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng, "skipped_images": dict(skipped),

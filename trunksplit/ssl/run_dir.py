@@ -54,17 +54,6 @@ def load_checkpoint(path: str, reader: str = "--resume") -> dict:
     return state
 
 
-def interrupted_note(output_dir: str, checkpoint_every: int) -> str:
-    """What a run stopped by Ctrl-C leaves to continue from: the step its last checkpoint holds, read
-    without loading the weights (``mmap``), or that it saved none yet."""
-    path = os.path.join(output_dir, CHECKPOINT)
-    try:
-        step = int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
-    except Exception:  # none written yet, or not readable: nothing to resume from
-        return f"interrupted before the first checkpoint (TRAIN.CHECKPOINT_EVERY {checkpoint_every}): {output_dir} holds nothing to resume, and the same command starts afresh"
-    return f"interrupted: {path} holds step {step}; add --resume to continue from it"
-
-
 def save_atomically(obj, path: str) -> None:
     """Write to a temporary file beside ``path``, then rename: a crash never leaves half a checkpoint.
 

@@ -61,6 +61,14 @@ class Strategy:
         """What every rank runs of what one decided alone (a plan, a fitted batch, eager units): rank 0's."""
         return rank0_decides(decision) if self.world > 1 else decision
 
+    def largest(self, value: float) -> float:
+        """The largest of every rank's ``value``: what one rank saw that all must act on (a stop signal)."""
+        if self.world == 1:
+            return value
+        largest = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return largest.item()
+
     def wrap(self, cfg, model: nn.Module) -> nn.Module:
         """The model as the step calls it; its trunk's decisions agreed across ranks."""
         model.trunk.agreement = self.agree

@@ -1,0 +1,110 @@
+"""Stopping a training run between steps, where ``--resume`` continues it exactly.
+
+Ctrl-C (SIGINT) and SIGTERM (a scheduler preempting the job; torchrun passes either on to its
+ranks) ask the loop to stop once the step it is in is done. Every rank stops between the same two
+steps (the loop agrees on it before each step, one all-reduce of a number) and writes a checkpoint
+there first. A second signal stops at once, from the last checkpoint written.
+
+Why not Python's own KeyboardInterrupt: it is raised wherever the signal lands, and one that
+lands in a callback (a tensor's finaliser) is printed and dropped, so the run goes on; under
+torchrun the rank whose interrupt was dropped then waits in a collective on one that has exited,
+and fails with the transport's error, not a note on where to resume.
+"""
+import contextlib
+import os
+import signal
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+from .run_dir import CHECKPOINT
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HANDLED = (*STOP_SIGNALS, signal.SIGCHLD)  # SIGCHLD: see StopSignals.handle
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped between steps, as a signal asked: its checkpoint holds ``step``; a launcher
+    exits with ``128 + signum``, as a shell reports a command the signal ended."""
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.step, self.signum = step, signum
+
+
+class StopSignals:
+    """The first stop signal this process received (``signum``, 0 while none): the loop reads it
+    after each step. A second signal raises KeyboardInterrupt where it lands."""
+
+    def __init__(self, say: bool):
+        self.signum = 0
+        self._say = say
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        # A scheduler (SLURM) signals every process of the job, the data loader's workers too; torch's
+        # loader then raises, from its SIGCHLD handler, that a worker was killed, wherever the step is.
+        # The run fetches no further batch: stop watching the workers (restored on leaving the block).
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if self._say:  # os.write: a handler may land inside a print
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping once this step is done and saved "
+                        "(Ctrl-C again stops at once, from the last checkpoint)\n".encode())
+
+
+@contextlib.contextmanager
+def stop_between_steps(say: bool) -> Iterator[StopSignals]:
+    """SIGINT and SIGTERM handled as :class:`StopSignals` inside the block, the handlers before it
+    restored after it. ``say``: this process prints that it is stopping (rank 0). Signal handlers
+    belong to the main thread: in another, nothing is installed and the signals act as before.
+
+        with stop_between_steps(rank == 0) as signals:
+            for step in steps:
+                if signals.signum:  # under several processes: the largest of every rank's
+                    save(step)  # the steps done
+                    raise Stopped(step, signals.signum)
+                ...
+    """
+    signals = StopSignals(say)
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+    before = {s: signal.getsignal(s) for s in HANDLED}
+    for s in STOP_SIGNALS:
+        signal.signal(s, signals.handle)
+    try:
+        yield signals
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+
+
+def stop_if_asked(signum: int, step: int, start: int, save: Callable[[], None]) -> None:
+    """Between two steps, with ``step`` steps done: where ``signum`` (the largest of every rank's
+    stop signal, 0 for none) is set, stop here, after ``save()`` (unless this run has done no step:
+    the checkpoint it resumed from holds them). Every rank takes the same ``signum``, so that none
+    is left waiting in the next step's collectives for one that has left."""
+    if signum:
+        if step > start:
+            save()
+        raise Stopped(step, int(signum))
+
+
+def ignore_interrupts(worker_id: int) -> None:
+    """A data loader's ``worker_init_fn``: Ctrl-C in a terminal reaches the loader's workers too,
+    and a worker it ended would fail the batch the stopping step still waits on. The loader stops
+    its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def interrupted_note(output_dir: str, checkpoint_every: int) -> str:
+    """What an interrupted run leaves to continue from: the step its last checkpoint holds, read
+    without loading the weights (``mmap``), or that it saved none yet."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    try:
+        step = int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:  # none written yet, or not readable: nothing to resume from
+        return f"interrupted before the first checkpoint (TRAIN.CHECKPOINT_EVERY {checkpoint_every}): {output_dir} holds nothing to resume, and the same command starts afresh"
+    return f"interrupted: {path} holds step {step}; add --resume to continue from it"
