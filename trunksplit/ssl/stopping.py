@@ -35,7 +35,7 @@ class Stopped(KeyboardInterrupt):
 
 class StopSignals:
     """The first stop signal this process received (``signum``, 0 while none): the loop reads it
-    after each step. A second signal raises KeyboardInterrupt where it lands."""
+    before each step. A second signal raises KeyboardInterrupt where it lands."""
 
     def __init__(self, say: bool):
         self.signum = 0
@@ -47,7 +47,8 @@ class StopSignals:
         self.signum = signum
         # A scheduler (SLURM) signals every process of the job, the data loader's workers too; torch's
         # loader then raises, from its SIGCHLD handler, that a worker was killed, wherever the step is.
-        # The run fetches no further batch: stop watching the workers (restored on leaving the block).
+        # The run stops before its next step (a fetch that fails now stops it there): stop watching the
+        # workers (restored on leaving the block).
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if self._say:  # os.write: a handler may land inside a print
             os.write(2, f"\n{signal.Signals(signum).name}: stopping once this step is done and saved "
