@@ -55,6 +55,26 @@ def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpeg
     assert not torch.equal(other_rank[0][0][0], _batches(cfg, 0, rank=0, world=2)[0][0][0])  # ranks see other images
 
 
+def test_a_ctrl_c_that_reaches_the_loaders_workers_fails_no_batch(jpegs):
+    """A terminal's Ctrl-C reaches the loader's workers too; one it ended would fail the batch the
+    stopping run's step waits on (torch: 'DataLoader worker exited unexpectedly'). They ignore it: the
+    steps after the signal are those of a loader never signalled."""
+    import multiprocessing
+    import signal
+    import time
+
+    cfg = load_config(QUICK, ["DATA.PATH", str(jpegs), "TRAIN.STEPS", "4", "DATA.NUM_WORKERS", "1", *SMALL])
+    batches = iter(step_loader(image_dataset(cfg), cfg, 0, 1, 0, pin_memory=False))
+    got = [next(batches)]
+    workers = multiprocessing.active_children()
+    assert len(workers) == 1
+    os.kill(workers[0].pid, signal.SIGINT)
+    time.sleep(0.5)  # a worker it ends is gone by now
+    got += list(batches)
+    assert [names for _, names in got] == [names for _, names in _batches(cfg, 0)]
+    assert all(torch.equal(x, y) for (a, _), (b, _) in zip(got, _batches(cfg, 0)) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("n,batch,world", [(10, 2, 2), (11, 3, 1), (12, 2, 3)])
 def test_no_step_holds_an_image_twice_and_an_epoch_draws_each_image_at_most_once(n, batch, world):
     """Each epoch is a shuffle of the data set cut into whole steps, its remainder left out (a DataLoader's
