@@ -141,6 +141,26 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     run_processes(_stopped_on_one_rank, 2, (str(tmp_path),))
 
 
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_stops_both_ranks_after_the_same_step_saved(tmp_path):
+    """What a terminal's Ctrl-C does: SIGINT to torchrun's group, which torchrun passes on to each
+    rank (they run in sessions of their own). Rank 0 printed gloo's 'Connection closed by peer'
+    traceback, where rank 1 had left first, and nothing was saved past the last periodic checkpoint."""
+    out = tmp_path / "run"
+    args = ["--config-file", QUICK, "OUTPUT_DIR", str(out), *SMALL, "TRAIN.STEPS", "100000", "TRAIN.CHECKPOINT_EVERY", "1000"]
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", os.path.join(ROOT, "tools", "train.py"),
+                            *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 240
+    while time.monotonic() < deadline and run.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.1)
+    os.killpg(run.pid, signal.SIGINT)
+    said, _ = run.communicate(timeout=120)
+    saved, logged = torch.load(out / "checkpoint.pt", weights_only=True)["step"], json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert saved == logged >= 3, (saved, logged, said)
+    assert said.count(f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it") == 1, said
+    assert "[rank" not in said and "Connection closed" not in said, said  # torchrun's own SignalException is torchrun's
+
+
 def test_a_second_signal_stops_at_once_and_the_handlers_before_the_run_come_back():
     """The first signal only asks (the run finishes its step); the second raises where it lands, as
     Ctrl-C does without trunksplit, for a step that does not end (a hung collective, a slow loader)."""

@@ -12,7 +12,6 @@ import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from ..in_backward import holding_updates, update_temporaries, updates_of_this_rank_alone
@@ -71,7 +70,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             start_time = time.perf_counter()
             with strategy.meter(wrapped) if logging else contextlib.nullcontext() as mem:
                 loss = strategy.forward_backward(wrapped, lambda: _forward_backward(cfg, wrapped, model, crops, step, autocast, scaler, lambda: strategy.accumulating(wrapped)))
-            _stop_unless_finite(cfg, loss, step, world, scaler)
+            _stop_unless_finite(cfg, loss, step, strategy.largest, scaler)
             _optimizer_step(cfg, model, optimizer, scaler, step, device, rule)
             seconds = time.perf_counter() - start_time
             _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
@@ -380,16 +379,14 @@ def whole_step_loss(cfg, model, outputs, crops, step: int) -> torch.Tensor:
     return dino_step_loss(cfg, model, outputs, crops[: cfg.DATA.CROP_COUNTS[0]], step)
 
 
-def _stop_unless_finite(cfg, loss: torch.Tensor, step: int, world: int, scaler) -> None:
+def _stop_unless_finite(cfg, loss: torch.Tensor, step: int, largest: Callable[[float], float], scaler) -> None:
     """A NaN or infinite loss stops the run before the optimizer step, so the last checkpoint
     stays the last good one. fp16 is exempt: its grad scaler skips such steps by design. Every
-    rank stops together (one rank's NaN must not leave the others waiting in a collective)."""
+    rank stops together (``largest``: over every rank; one rank's NaN must not leave the others
+    waiting in a collective)."""
     if scaler.is_enabled():
         return
-    bad = (~torch.isfinite(loss)).float().reshape(1)
-    if world > 1:
-        dist.all_reduce(bad)
-    if bad.item():
+    if largest(float(not torch.isfinite(loss).all())):
         raise ValueError(
             f"the loss at step {step + 1} is not finite ({float(loss)} on this rank): training stopped before the optimizer "
             f"step, and {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} holds the last good state. Lower OPTIM.LR, or raise "
