@@ -63,6 +63,40 @@ def test_a_device_this_machine_lacks_is_said_before_any_work(tmp_path, capsys, d
     assert os.listdir(tmp_path / "bench") == []  # made by the argument check (writable?), nothing written in it
 
 
+def test_ctrl_c_during_a_command_says_it_stopped_not_where(monkeypatch, capsys):
+    """A real SIGINT, as a terminal's Ctrl-C sends it, while ``fit`` profiles: one line and the shell's code
+    for SIGINT (130), not a traceback into whichever library line was running."""
+    import signal
+
+    class InterruptedWhileProfiling:  # stderr, as a log file: a terminal's Ctrl-C arrives as fit says its phase
+        def __init__(self, err):
+            self.err, self.said, self.sent = err, "", False
+
+        def write(self, text):
+            self.err.write(text)
+            self.said += text
+            if "\nprofiling units at two batches: " in self.said and self.said.endswith("\n") and not self.sent:
+                self.sent = True  # its line said, the profiling under way
+                signal.raise_signal(signal.SIGINT)
+            return len(text)
+
+        def __getattr__(self, name):
+            return getattr(self.err, name)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a command
+    try:
+        monkeypatch.setattr(sys, "stderr", InterruptedWhileProfiling(sys.stderr))
+        rc = main(["fit", "--arch", "resnet18", "--input", "3x32x32", "--memory", "300MiB"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C reached the caller of trunksplit's main as a KeyboardInterrupt")
+    finally:
+        signal.signal(signal.SIGINT, before)
+        monkeypatch.undo()
+    said = capsys.readouterr()
+    assert rc == 130 and said.err.splitlines()[-1] == "interrupted: trunksplit fit stopped before it finished and kept nothing; run it again", said.err
+    assert "Traceback" not in said.err and said.out == "", said  # no batch said as fitting
+
+
 def test_plan_rejects_an_unknown_arch(capsys):
     assert main(["plan", "--arch", "resnet9000", "--input", "2x3x64x64"]) == 2
     assert "resnet9000" in capsys.readouterr().err

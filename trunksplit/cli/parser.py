@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import sys
 import tempfile
 import warnings
 from typing import List, Optional
@@ -40,8 +41,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command in ("plan", "fit") and args.config_file:
         _refuse_what_the_config_says(parser, args)
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
-    with warnings_as_lines():
-        return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
+    try:
+        with warnings_as_lines():
+            return getattr(runner, "run_" + args.command.replace("-", "_"))(args)
+    except KeyboardInterrupt:  # Ctrl-C: a traceback would only say which line was running
+        print(f"interrupted: trunksplit {args.command} stopped before it finished and kept nothing; run it again", file=sys.stderr)
+        return 130  # a shell's code for a command ended by SIGINT
 
 
 @contextlib.contextmanager
