@@ -14,7 +14,8 @@ from PIL import Image
 
 from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.knn import KnnMonitor, knn_accuracy
+from trunksplit.ssl import knn, loop
+from trunksplit.ssl.knn import KnnMonitor, extract_features, knn_accuracy
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.report import read_run, report_figure
 
@@ -311,6 +312,71 @@ def test_an_evaluation_that_fails_leaves_the_steps_checkpoint_saved(tmp_path, fo
     with pytest.raises(RuntimeError, match="the evaluation broke"):
         train(cfg)
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3  # the last step's, saved before evaluating
+
+
+def _stopped_in_an_evaluation(rank, world_size, out, folders):
+    """Rank 1 alone receives SIGINT at its second batch of the kNN evaluation after step 2 (4 images a
+    batch: 6 a rank). Both ranks leave the evaluation at the same batch and stop after step 2, saved."""
+    import signal
+
+    from trunksplit.ssl.stopping import Stopped
+
+    knn.BATCH, until, seen = 4, loop.until_stopped, []
+
+    def signalled_at_the_second(batches, signals, largest):
+        for batch in until(batches, signals, largest):
+            seen.append(batch)
+            if rank == 1 and len(seen) == 2:
+                signal.raise_signal(signal.SIGINT)
+            yield batch
+
+    loop.until_stopped = signalled_at_the_second  # this spawned process's copy of the loop
+    cfg = load_config(QUICK, [*SMALL, "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "10", "OUTPUT_DIR", out,
+                              "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"], "EVAL.KNN.EVERY_STEPS", "2"])
+    with pytest.raises(Stopped) as stopped:
+        train(cfg)
+    assert (stopped.value.step, stopped.value.signum, len(seen)) == (2, signal.SIGINT, 2)
+
+
+def test_a_signal_during_an_evaluation_stops_the_run_at_once_saved_on_every_rank(tmp_path, folders):
+    """A kNN evaluation over a data set can outlast a scheduler's grace period (SLURM's KillWait, 30 s),
+    and the job is then killed unsaved: a stop signal ran the whole evaluation first. The run now leaves
+    it between two batches, every rank at the same one, and saves the step; its row has no accuracy."""
+    out = tmp_path / "run"
+    run_processes(_stopped_in_an_evaluation, 2, (str(out), folders))
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "knn_top1" in r] == [0] and rows[-1]["step"] == 2
+
+
+def test_an_evaluation_whose_loader_workers_a_sigterm_ended_stops_and_does_not_fail(folders, monkeypatch):
+    """A scheduler's SIGTERM ends the kNN loader's workers with the run: the batches they still owed
+    failed the evaluation (torch: 'DataLoader worker (pid(s) ...) exited unexpectedly'), a traceback
+    and exit 1, nothing saved. After a stop signal such a fetch leaves the evaluation."""
+    import multiprocessing
+    import signal
+
+    from trunksplit.ssl.model import build_model
+    from trunksplit.ssl.stopping import EvaluationStopped, stop_between_steps, until_stopped
+
+    monkeypatch.setattr(knn, "BATCH", 4)
+    others = {p.pid for p in multiprocessing.active_children()}  # an earlier test's loader may still be shutting down
+    trunk, fetched = build_model(load_config(QUICK, SMALL)).trunk, []
+
+    def ended_with_its_workers(loader, signals):
+        for batch in until_stopped(loader, signals, lambda signum: signum):  # one process: its own signal
+            fetched.append(batch)
+            if len(fetched) == 1:  # the job's SIGTERM: to each worker, then to the run
+                for worker in [p for p in multiprocessing.active_children() if p.pid not in others]:
+                    os.kill(worker.pid, signal.SIGTERM)
+                    worker.join(5)
+                signal.raise_signal(signal.SIGTERM)
+            yield batch
+
+    with stop_between_steps(say=False) as signals:
+        with pytest.raises(EvaluationStopped):
+            extract_features(trunk, _monitor(folders).train, torch.device("cpu"), workers=1, batches=lambda loader: ended_with_its_workers(loader, signals))
+    assert len(fetched) == 1
 
 
 def _ranks_with_monitor(rank, world_size, out, folders, strategy):

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 import PIL.Image
 import torch
@@ -79,12 +79,15 @@ def labelled_folder(root: str, key: str) -> torchvision.datasets.DatasetFolder:
 
 @torch.no_grad()
 def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: torch.device, workers: int = 0,
-                     rank: int = 0, world: int = 1, autocast=None, progress: bool = False) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
+                     rank: int = 0, world: int = 1, autocast=None, progress: bool = False, batches: Callable[[Iterable], Iterable] = iter,
+                     ) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
     """(features, labels, unreadable files) of every image of ``dataset``, in its order: the trunk's
     last feature, flattened, L2-normalised, float32 on ``device``. Each of ``world`` ranks runs the
     same number of forwards (every rank's share padded to the largest, as FSDP2's collectives
     need) and the shares are gathered. ``trunk`` is run in eval mode and left in its mode.
-    ``progress``: a bar on stderr (the offline command; the training loop has its own)."""
+    ``progress``: a bar on stderr (the offline command; the training loop has its own). ``batches``
+    turns the loader into the batches run (a training run's: until a stop signal,
+    :func:`~trunksplit.ssl.stopping.until_stopped`)."""
     n = len(dataset)
     per_rank = math.ceil(n / world)
     mine = [min(i, n - 1) for i in range(rank, per_rank * world, world)]  # padded with the last image
@@ -94,7 +97,8 @@ def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: to
     trunk.eval()
     parts, labels = [], []
     try:
-        for images, batch_labels, _ in tqdm(loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress or not sys.stderr.isatty()):  # a log: no \r lines
+        bar = tqdm(loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress or not sys.stderr.isatty())  # a log: no \r lines
+        for images, batch_labels, _ in batches(bar):
             with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
                 feature = trunk(images.to(device))[-1]
             parts.append(F.normalize(feature.flatten(1).float(), dim=1))
@@ -157,12 +161,13 @@ class KnnMonitor:
         """Evaluate after this many steps: every ``EVERY_STEPS``, and at the end."""
         return steps_done == total or (self.every > 0 and steps_done % self.every == 0)
 
-    def evaluate(self, trunk, device, workers: int = 0, rank: int = 0, world: int = 1, autocast=None, progress: bool = False) -> Dict[str, float]:
+    def evaluate(self, trunk, device, workers: int = 0, rank: int = 0, world: int = 1, autocast=None, progress: bool = False,
+                 batches: Callable[[Iterable], Iterable] = iter) -> Dict[str, float]:
         """The kNN accuracies of ``trunk``'s features, the same on every rank; the global random state
-        as it was (the training run's draws do not move)."""
+        as it was (the training run's draws do not move). ``batches``: as :func:`extract_features`'s."""
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            train = extract_features(trunk, self.train, device, workers, rank, world, autocast, progress)
-            val = extract_features(trunk, self.val, device, workers, rank, world, autocast, progress)
+            train = extract_features(trunk, self.train, device, workers, rank, world, autocast, progress, batches)
+            val = extract_features(trunk, self.val, device, workers, rank, world, autocast, progress, batches)
         for name in train[2] + val[2]:
             warnings.warn(f"kNN evaluation: skipping unreadable image {name}", UserWarning, stacklevel=2)
         (tf, tl, _), (vf, vl, _) = train, val

@@ -31,7 +31,7 @@ from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_fp16_on_a_cpu
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
-from .stopping import StopSignals, stop_between_steps, stop_if_asked
+from .stopping import EvaluationStopped, StopSignals, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
 
 
@@ -74,8 +74,8 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             _optimizer_step(cfg, model, optimizer, scaler, step, device, rule)
             seconds = time.perf_counter() - start_time
             _save_checkpoint(cfg, strategy, model, optimizer, scaler, step + 1, skipped)  # first: an evaluation never costs the training
-            if evaluating:
-                data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
+            if evaluating:  # cut short by a stop signal: none, and the run stops before its next step
+                data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast, signals))
             if logging and rank == 0:
                 last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     strategy.finish(wrapped, model)
@@ -151,12 +151,17 @@ def _begin_step(cfg, model, optimizer, step: int):
     return None
 
 
-def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast) -> dict:
+def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast, signals: Optional[StopSignals] = None) -> dict:
     """The kNN accuracies of the trunk as the checkpoint holds it (every rank with rank 0's BatchNorm
-    statistics: each rank moves its own, and evaluates in eval mode with them), and the seconds they took."""
+    statistics: each rank moves its own, and evaluates in eval mode with them), and the seconds they took;
+    none where a stop signal reached a rank (``signals``) before the evaluation was done."""
     start = time.perf_counter()
     strategy.finish(wrapped, model)
-    accuracies = monitor.evaluate(model.trunk, device, num_workers(cfg), strategy.rank, strategy.world, autocast)
+    batches = iter if signals is None else lambda loader: until_stopped(loader, signals, strategy.largest)
+    try:
+        accuracies = monitor.evaluate(model.trunk, device, num_workers(cfg), strategy.rank, strategy.world, autocast, batches=batches)
+    except EvaluationStopped:
+        return {}
     return {**accuracies, "knn_seconds": time.perf_counter() - start}
 
 

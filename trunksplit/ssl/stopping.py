@@ -14,7 +14,7 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -33,6 +33,10 @@ class Stopped(KeyboardInterrupt):
         self.step, self.signum = step, signum
 
 
+class EvaluationStopped(Exception):
+    """An evaluation left between two of its batches: a stop signal reached a rank (:func:`until_stopped`)."""
+
+
 class StopSignals:
     """The first stop signal this process received (``signum``, 0 while none): the loop reads it
     before each step. A second signal raises KeyboardInterrupt where it lands."""
@@ -48,8 +52,10 @@ class StopSignals:
         # A scheduler (SLURM) signals every process of the job, the data loader's workers too; torch's
         # loader then raises, from its SIGCHLD handler, that a worker was killed, wherever the step is.
         # The run stops before its next step (a fetch that fails now stops it there): stop watching the
-        # workers (restored on leaving the block).
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # workers (restored on leaving the block). A Python handler that does nothing, not SIG_DFL: a
+        # SIGCHLD already pending would find no Python handler, and Python prints "Signal 17 ignored
+        # due to race condition" as an error.
+        signal.signal(signal.SIGCHLD, _unwatched)
         if self._say:  # os.write: a handler may land inside a print
             os.write(2, f"\n{signal.Signals(signum).name}: stopping once this step is done and saved "
                         "(Ctrl-C again stops at once, from the last checkpoint)\n".encode())
@@ -91,6 +97,35 @@ def stop_if_asked(signum: int, step: int, start: int, save: Callable[[], None]) 
         if step > start:
             save()
         raise Stopped(step, int(signum))
+
+
+def _unwatched(signum: int, frame) -> None:
+    """SIGCHLD once the run is stopping: a loader's worker that ended is no error now."""
+
+
+def until_stopped(batches: Iterable, signals: StopSignals, largest: Callable[[float], float]) -> Iterator:
+    """``batches``, until a stop signal reaches any rank: then :class:`EvaluationStopped`. An evaluation
+    (kNN over a data set can take minutes) must not keep a stopping run past its scheduler's grace
+    period (SLURM's KillWait: 30 s by default), after which the job is killed unsaved. The ranks agree
+    before each batch (``largest``: the largest of every rank's number), so all leave at the same one;
+    a fetch that fails after a signal (a scheduler's SIGTERM ends the loader's workers too) leaves
+    too. Every rank must be given as many batches.
+
+        for images in until_stopped(loader, signals, strategy.largest): ...
+    """
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception:
+            if not signals.signum:
+                raise
+            batch = None
+        if largest(signals.signum):
+            raise EvaluationStopped
+        yield batch
 
 
 def ignore_interrupts(worker_id: int) -> None:
