@@ -379,6 +379,37 @@ def test_an_evaluation_whose_loader_workers_a_sigterm_ended_stops_and_does_not_f
     assert len(fetched) == 1
 
 
+def test_a_dino_run_is_evaluated_by_its_teacher_as_dinos_own_knn_does(tmp_path, folders, capsys):
+    """DINO reports its teacher, and its eval_knn.py reads the teacher by default (--checkpoint_key
+    teacher): the monitor and the offline command read it too. The reference: the checkpoint's teacher
+    trunk run image by image, and the hand-written kNN."""
+    import torch.nn.functional as F
+
+    from trunksplit.ssl.dino import build_ssl_model
+
+    out = tmp_path / "run"
+    dino = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.HEAD.OUTPUT_DIM", "16", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]",
+            "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "METHOD.DINO.TEACHER_MOMENTUM", "0.5", "OPTIM.LR", "3.0", "TRAIN.STEPS", "3"]
+    cfg = load_config(QUICK, [*SMALL, *dino, "OUTPUT_DIR", str(out), "EVAL.KNN.TRAIN_PATH", folders["random_train"], "EVAL.KNN.VAL_PATH", folders["random_val"]])
+    _, last = train(cfg)
+    model = build_ssl_model(cfg)
+    model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=False)["model"])
+    monitor = KnnMonitor(cfg)
+
+    def reference(trunk):
+        trunk.eval()
+        with torch.no_grad():
+            read = [[(F.normalize(trunk(image[None])[-1].flatten(1), dim=1)[0], label) for image, label, _ in images] for images in (monitor.train, monitor.val)]
+        (train_f, train_l), (val_f, val_l) = [(torch.stack([f for f, _ in r]), torch.tensor([label for _, label in r])) for r in read]
+        return _reference_knn(train_f, train_l, val_f, val_l, len(COLOURS), cfg.EVAL.KNN.K, cfg.EVAL.KNN.TEMPERATURE)
+
+    teacher = reference(model.teacher.trunk)  # the student's, reference(model.trunk), read 0.000 top-1 against 0.048 (2026-11-29)
+    assert (last["knn_top1"], last["knn_top5"]) == pytest.approx(teacher), (last, teacher)
+    capsys.readouterr()
+    assert main(["knn", str(out), "--train", folders["random_train"], "--val", folders["random_val"]]) == 0
+    assert f"at step 3: top-1 {teacher[0]:.4f}, top-5 {teacher[1]:.4f}" in capsys.readouterr().out
+
+
 def _ranks_with_monitor(rank, world_size, out, folders, strategy):
     train(load_config(QUICK, [*SMALL, "TRAIN.STEPS", "2", "OUTPUT_DIR", out, "DISTRIBUTED.STRATEGY", strategy,
                               "EVAL.KNN.TRAIN_PATH", folders["train"], "EVAL.KNN.VAL_PATH", folders["val"]]))

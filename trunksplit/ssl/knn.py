@@ -143,6 +143,12 @@ def knn_accuracy(train_features: torch.Tensor, train_labels: torch.Tensor, val_f
     return out
 
 
+def evaluated_trunk(model: torch.nn.Module) -> torch.nn.Module:
+    """The trunk whose features the kNN evaluation reads: DINO's teacher's, the model DINO reports and
+    its eval_knn.py reads by default (``--checkpoint_key teacher``); otherwise the trunk trained."""
+    return (model.teacher if model.teacher is not None else model).trunk
+
+
 class KnnMonitor:
     """The launcher's kNN evaluation of ``EVAL.KNN`` (train and validation folders, checked when it is
     made: before anything is written)."""
@@ -209,4 +215,4 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
             model.load_state_dict(state["model"])
         step = state["step"]
     device = torch.device(device)
-    return step, monitor.evaluate(model.to(device).trunk, device, autocast=autocast_for(cfg, device), progress=True)  # as the monitor ran
+    return step, monitor.evaluate(evaluated_trunk(model.to(device)), device, autocast=autocast_for(cfg, device), progress=True)  # as the monitor ran

@@ -21,7 +21,7 @@ from ..planning.plan import SplitPlan
 from ..recompute.wrapper import checkpoint_wrapped_names
 from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import image_dataset, num_workers, step_loader, step_views
-from .knn import KnnMonitor
+from .knn import KnnMonitor, evaluated_trunk
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
 from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step, held_calls
@@ -152,14 +152,14 @@ def _begin_step(cfg, model, optimizer, step: int):
 
 
 def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast, signals: Optional[StopSignals] = None) -> dict:
-    """The kNN accuracies of the trunk as the checkpoint holds it (every rank with rank 0's BatchNorm
-    statistics: each rank moves its own, and evaluates in eval mode with them), and the seconds they took;
+    """The kNN accuracies of the evaluated trunk (DINO's teacher's) as the checkpoint holds it (rank 0's BatchNorm
+    statistics on every rank: each moves its own, and evaluates in eval mode with them), and the seconds they took;
     none where a stop signal reached a rank (``signals``) before the evaluation was done."""
     start = time.perf_counter()
     strategy.finish(wrapped, model)
     batches = iter if signals is None else lambda loader: until_stopped(loader, signals, strategy.largest)
     try:
-        accuracies = monitor.evaluate(model.trunk, device, num_workers(cfg), strategy.rank, strategy.world, autocast, batches=batches)
+        accuracies = monitor.evaluate(evaluated_trunk(model), device, num_workers(cfg), strategy.rank, strategy.world, autocast, batches=batches)
     except EvaluationStopped:
         return {}
     return {**accuracies, "knn_seconds": time.perf_counter() - start}
