@@ -76,6 +76,30 @@ def test_a_ctrl_c_that_reaches_the_loaders_workers_fails_no_batch(jpegs):
     assert all(torch.equal(x, y) for (a, _), (b, _) in zip(got, _batches(cfg, 0)) for x, y in zip(a, b))
 
 
+def test_a_fetch_that_a_schedulers_sigterm_failed_stops_the_run_before_that_step(jpegs):
+    """A scheduler's SIGTERM ends the loader's workers with the run: the batches they still owed fail
+    (torch: 'DataLoader worker ... exited unexpectedly'), and the run died with a traceback, unsaved.
+    After a stop signal, such a fetch gives no crops: the loop stops before that step, saved (the
+    whole launcher under a real group SIGTERM: the slow tier's test_train.py)."""
+    import multiprocessing
+    import signal
+
+    from trunksplit.ssl.loop import _next_step_views
+    from trunksplit.ssl.stopping import stop_between_steps
+
+    cfg = load_config(QUICK, ["DATA.PATH", str(jpegs), "TRAIN.STEPS", "4", "DATA.NUM_WORKERS", "1", *SMALL])
+    others = {p.pid for p in multiprocessing.active_children()}  # an earlier test's loader may still be shutting down
+    batches = iter(step_loader(image_dataset(cfg), cfg, 0, 1, 0, pin_memory=False))  # as the loop: before its handlers
+    with stop_between_steps(say=False) as signals:
+        crops, _ = _next_step_views(batches, torch.device("cpu"), {}, signals)
+        assert len(crops) == 2
+        for worker in [p for p in multiprocessing.active_children() if p.pid not in others]:  # the job's SIGTERM: the worker, then the run
+            os.kill(worker.pid, signal.SIGTERM)
+            worker.join(5)
+        signal.raise_signal(signal.SIGTERM)
+        assert _next_step_views(batches, torch.device("cpu"), {}, signals) == (None, {})
+
+
 @pytest.mark.parametrize("n,batch,world", [(10, 2, 2), (11, 3, 1), (12, 2, 3)])
 def test_no_step_holds_an_image_twice_and_an_epoch_draws_each_image_at_most_once(n, batch, world):
     """Each epoch is a shuffle of the data set cut into whole steps, its remainder left out (a DataLoader's

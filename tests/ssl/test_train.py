@@ -90,6 +90,7 @@ def test_quickstart_cli_writes_finite_metrics(tmp_path):
     assert f"loss {rows[-1]['loss']:.4f} ({rows[-1]['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" in result.stdout
 
 
+@pytest.mark.slow  # 5-17 s; its parts in the fast suite: a failed fetch (test_data.py), one rank of two (below), the resume
 def test_a_schedulers_sigterm_stops_the_run_after_its_step_saved_and_no_process_prints_a_traceback(tmp_path):
     """A scheduler's SIGTERM (SLURM's preemption) reaches every process of the job, the loader's workers
     too: torch's loader raised that a worker was killed, and nothing was saved. The run now finishes the
