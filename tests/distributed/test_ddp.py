@@ -314,7 +314,7 @@ def _fitted_ddp_total(rank, world_size, out, gradients):
             json.dump(sum(storages.values()) + buckets + mem.peak_bytes, f)
 
 
-@pytest.mark.parametrize("gradients", ["kept", "allocated"])
+@pytest.mark.parametrize("gradients", ["kept", pytest.param("allocated", marks=pytest.mark.slow)])  # allocated: slow, for the fast suite's time
 def test_fit_as_its_docstring_tells_a_ddp_user_fits_the_ddp_step(tmp_path, gradients):
     import json
 
