@@ -69,6 +69,7 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_run_instead(tmp_path, capsys
     assert "torch sees no GPU" in out.err and "--device cpu" in out.err and out.out == ""
 
 
+@pytest.mark.slow  # 6 s; the fast suite keeps the quick check above (issue 49's), the GPU session runs this script whole
 def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_memory(capsys):
     """tools/eager_overhead.py (docs/gpu.md, docs/benchmarks.md): eight steps per budget; the budget plans
     meet the budget as measured, the cuts alone keep more, the time plan says what it predicted, and the
