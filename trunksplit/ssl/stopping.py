@@ -3,7 +3,8 @@
 Ctrl-C (SIGINT) and SIGTERM (a scheduler preempting the job; torchrun passes either on to its
 ranks) ask the loop to stop once the step it is in is done. Every rank stops between the same two
 steps (the loop agrees on it before each step, one all-reduce of a number) and writes a checkpoint
-there first. A second signal stops at once, from the last checkpoint written.
+there first. An evaluation between two steps (kNN) is left between two of its batches
+(:func:`until_stopped`). A second signal stops at once, from the last checkpoint written.
 
 Why not Python's own KeyboardInterrupt: it is raised wherever the signal lands, and one that
 lands in a callback (a tensor's finaliser) is printed and dropped, so the run goes on; under
