@@ -31,7 +31,7 @@ from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_fp16_on_a_cpu
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
-from .stopping import EvaluationStopped, StopSignals, stop_between_steps, stop_if_asked, until_stopped
+from .stopping import EvaluationStopped, StopSignals, next_unless_stopping, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
 
 
@@ -279,12 +279,10 @@ def _next_step_views(batches, device, skipped: dict, signals: StopSignals):
     after a stop signal reached this process (a scheduler's SIGTERM ends the loader's workers too):
     the run stops before this step."""
     waited = time.perf_counter()
-    try:
-        views, unreadable = next(batches)
-    except Exception:
-        if not signals.signum:
-            raise
+    fetched = next_unless_stopping(batches, signals)
+    if fetched is None:
         return None, {}
+    views, unreadable = fetched
     crops = [c.to(device, non_blocking=True) for c in views]
     for name in unreadable:
         if name not in skipped:

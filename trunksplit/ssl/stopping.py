@@ -117,16 +117,26 @@ def until_stopped(batches: Iterable, signals: StopSignals, largest: Callable[[fl
     batches = iter(batches)
     while True:
         try:
-            batch = next(batches)
+            batch = next_unless_stopping(batches, signals)
         except StopIteration:
             return
-        except Exception:
-            if not signals.signum:
-                raise
-            batch = None
         if largest(signals.signum):
             raise EvaluationStopped
         yield batch
+
+
+def next_unless_stopping(batches: Iterator, signals: StopSignals):
+    """The next of ``batches``, or None where fetching it failed after a stop signal reached this process:
+    a scheduler's SIGTERM ends a data loader's workers too, and the batches they still owed fail. A
+    failure without a signal is raised; so is the end of ``batches`` (StopIteration)."""
+    try:
+        return next(batches)
+    except StopIteration:
+        raise
+    except Exception:
+        if not signals.signum:
+            raise
+        return None
 
 
 def ignore_interrupts(worker_id: int) -> None:
