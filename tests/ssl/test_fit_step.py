@@ -80,6 +80,7 @@ def test_the_fitted_batchs_whole_step_fills_the_memory_limit_without_passing_it(
     assert 1 < budget < LIMIT  # the trunk's share, in bytes, saved with the batch (a resume trains with both)
 
 
+@pytest.mark.slow  # 10-11 s: the fast suite keeps the fitted DINO step under DDP and the grouped fit (below)
 def test_a_fitted_bf16_run_stepped_in_backward_trains_the_plans_its_fit_checked(tmp_path, monkeypatch):
     """Four defects, each failing this run. The fit profiled the trunk without the run's autocast and keyed
     its plans so: under bf16 its checks measured far above its line (1 image per rank was fitted) and the
