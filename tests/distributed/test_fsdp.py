@@ -102,6 +102,7 @@ def sharded(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("fsdp_sharded")  # one worker runs the fixture's ranks (11-17 s) once for every case
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_gradients_equal_one_process_accumulating_every_micro_batch(sharded, case):
     name, how, _ = CASES[case]

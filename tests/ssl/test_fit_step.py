@@ -71,6 +71,7 @@ def fitted(tmp_path_factory):
     return run
 
 
+@pytest.mark.xdist_group("fitted")  # the module fixture's runs, made once on one worker
 @pytest.mark.parametrize("method", ["dino", pytest.param("swav", marks=pytest.mark.slow), pytest.param("simclr", marks=pytest.mark.slow)])  # slow: the same fit as dino's, one crop group or two
 def test_the_fitted_batchs_whole_step_fills_the_memory_limit_without_passing_it(fitted, method):
     """Head, loss, teacher and every crop group counted: the step as the run measures it lands in
@@ -98,6 +99,7 @@ def test_a_fitted_bf16_run_stepped_in_backward_trains_the_plans_its_fit_checked(
     assert planned_again == []
 
 
+@pytest.mark.xdist_group("fitted")  # the module fixture's runs, made once on one worker
 def test_backward_by_crop_group_fits_more_images_than_the_whole_step(fitted):
     """One group's activations alive at a time: more images per rank in the same memory, each run within it."""
     grouped, grouped_total, _ = fitted("dino", True)
@@ -148,6 +150,7 @@ def test_crop_groups_are_the_trunk_calls_of_a_step():
     assert crop_groups(cfg) == [(32, 3), (16, 4)]  # consecutive crops of one size are one trunk call
 
 
+@pytest.mark.xdist_group("fitted")  # the module fixture's runs, made once on one worker
 def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(fitted, capsys):
     """``trunksplit fit --config-file`` prints the images per rank, each group's plan, and a line per
     phase on stderr (not a terminal here); the launcher then trains with that batch."""
