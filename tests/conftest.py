@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import torch
@@ -12,6 +13,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // _workers))
+
+# The stop tests test a command a terminal runs: SIGINT handled by Python. A suite started from a
+# script with `&` (no job control) inherits SIGINT ignored, as do its workers and their children,
+# and a run keeps an ignored signal ignored; the test of that case sets it itself.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -174,6 +174,35 @@ def test_a_second_signal_stops_at_once_and_the_handlers_before_the_run_come_back
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_a_signal_ignored_as_the_run_began_stays_ignored_and_sigterm_still_stops_it(tmp_path, monkeypatch):
+    """``python tools/train.py ... &`` in a script (no job control) and ``nohup`` start the run with SIGINT
+    ignored, so that a Ctrl-C meant for the script's foreground command does not reach it. The run took
+    SIGINT over and stopped at that Ctrl-C; now it trains on, as Python leaves such a process alone."""
+    update, updates = loop._optimizer_step, []
+
+    def update_then_interrupt(*args):
+        updates.append(update(*args))
+        if len(updates) == 2:
+            signal.raise_signal(signal.SIGINT)  # the script's Ctrl-C reaches its whole process group
+
+    monkeypatch.setattr(loop, "_optimizer_step", update_then_interrupt)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        try:
+            train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), "TRAIN.STEPS", "3", *SMALL]))
+        except Stopped as stopped:  # a KeyboardInterrupt: uncaught, it would end the test session
+            pytest.fail(f"the ignored SIGINT stopped the run: {stopped}")
+        assert len(updates) == 3 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["step"] == 3
+        with stop_between_steps(say=False) as signals:  # a scheduler's SIGTERM still asks such a run to stop
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGTERM)
+            assert signals.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_child_that_ends_as_the_run_stops_is_no_error(monkeypatch):
     """SIGTERM reaches a job's every process: a loader worker's SIGCHLD can be pending as the stop
     signal's handler stops watching the workers. Python found no handler for it then, and printed

@@ -66,7 +66,10 @@ class StopSignals:
 def stop_between_steps(say: bool) -> Iterator[StopSignals]:
     """SIGINT and SIGTERM handled as :class:`StopSignals` inside the block, the handlers before it
     restored after it. ``say``: this process prints that it is stopping (rank 0). Signal handlers
-    belong to the main thread: in another, nothing is installed and the signals act as before.
+    belong to the main thread: in another, nothing is installed and the signals act as before. A
+    signal ignored as the block begins stays ignored: a shell starts ``cmd &`` of a script (no job
+    control) and ``nohup`` that way, so that a Ctrl-C meant for the script's foreground command does
+    not reach it (Python keeps it so too; SIGTERM still stops such a run).
 
         with stop_between_steps(rank == 0) as signals:
             for step in steps:
@@ -81,7 +84,8 @@ def stop_between_steps(say: bool) -> Iterator[StopSignals]:
         return
     before = {s: signal.getsignal(s) for s in HANDLED}
     for s in STOP_SIGNALS:
-        signal.signal(s, signals.handle)
+        if before[s] != signal.SIG_IGN:
+            signal.signal(s, signals.handle)
     try:
         yield signals
     finally:
