@@ -13,6 +13,7 @@ optimizer's step is not part of either. ``--plot`` draws each step's live tensor
 ops (unsplit trunk, whole and grouped), so the picture shows where the memory goes.
 ``--in-backward``: both steps with the recipe's optimizer stepped in backward (``OPTIM.IN_BACKWARD``;
 grouped, every group but the last holds its updates), its state made by a first step.
+``--bf16``: both forwards under bf16 autocast (``TRAIN.AUTOCAST bf16``).
 """
 import argparse
 import contextlib
@@ -32,6 +33,7 @@ from trunksplit.ssl.dino import build_ssl_model
 from trunksplit.ssl.grouped import grouped_step
 from trunksplit.ssl.loop import whole_step_loss
 from trunksplit.ssl.optim import optimizer_of
+from trunksplit.ssl.parallel import autocast_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {"dino": "configs/recipes/dino.yaml", "swav": "configs/recipes/swav.yaml"}
@@ -52,12 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default="", help="where to draw the memory over one step, whole and grouped (a PNG)")
     p.add_argument("--in-backward", action="store_true", help="step the recipe's optimizer in backward (OPTIM.IN_BACKWARD)")
+    p.add_argument("--bf16", action="store_true", help="the forwards under bf16 autocast (TRAIN.AUTOCAST bf16)")
     return p
 
 
 def _setup(method: str, plan: str, args):
     cfg = load_config(os.path.join(ROOT, RECIPES[method]), ["MODEL.TRUNK.NAME", args.arch, "TRAIN.BATCH_SIZE_PER_RANK", str(args.batch), *PLANS[plan],
-                                                              "OPTIM.IN_BACKWARD", str(args.in_backward)])
+                                                              "OPTIM.IN_BACKWARD", str(args.in_backward), "TRAIN.AUTOCAST", "bf16" if args.bf16 else ""])
     torch.manual_seed(0)
     model = build_ssl_model(cfg).to(args.device)
     g = torch.Generator().manual_seed(0)
@@ -67,10 +70,13 @@ def _setup(method: str, plan: str, args):
 
 
 def _step(cfg, model, crops, grouped: bool) -> None:
+    autocast = autocast_for(cfg, crops[0].device)  # as the launcher: the forward under it, the backward after it
     if grouped:
-        grouped_step(cfg, model, model, crops, 0, contextlib.nullcontext(), lambda part: part.backward(), contextlib.nullcontext)
+        grouped_step(cfg, model, model, crops, 0, autocast, lambda part: part.backward(), contextlib.nullcontext)
     else:
-        whole_step_loss(cfg, model, model(crops), crops, 0).backward()
+        with autocast:
+            loss = whole_step_loss(cfg, model, model(crops), crops, 0)
+        loss.backward()
     model.zero_grad(set_to_none=True)
 
 
