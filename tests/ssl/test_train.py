@@ -175,7 +175,7 @@ def test_a_second_signal_stops_at_once_and_the_handlers_before_the_run_come_back
 
 
 def test_a_signal_ignored_as_the_run_began_stays_ignored_and_sigterm_still_stops_it(tmp_path, monkeypatch):
-    """``python tools/train.py ... &`` in a script (no job control) and ``nohup`` start the run with SIGINT
+    """``python tools/train.py ... &`` in a script (a shell without job control) starts the run with SIGINT
     ignored, so that a Ctrl-C meant for the script's foreground command does not reach it. The run took
     SIGINT over and stopped at that Ctrl-C; now it trains on, as Python leaves such a process alone."""
     update, updates = loop._optimizer_step, []

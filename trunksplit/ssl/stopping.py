@@ -67,8 +67,8 @@ def stop_between_steps(say: bool) -> Iterator[StopSignals]:
     """SIGINT and SIGTERM handled as :class:`StopSignals` inside the block, the handlers before it
     restored after it. ``say``: this process prints that it is stopping (rank 0). Signal handlers
     belong to the main thread: in another, nothing is installed and the signals act as before. A
-    signal ignored as the block begins stays ignored: a shell starts ``cmd &`` of a script (no job
-    control) and ``nohup`` that way, so that a Ctrl-C meant for the script's foreground command does
+    signal ignored as the block begins stays ignored: a shell starts a script's ``cmd &`` (no job
+    control) with SIGINT ignored, so that a Ctrl-C meant for the script's foreground command does
     not reach it (Python keeps it so too; SIGTERM still stops such a run).
 
         with stop_between_steps(rank == 0) as signals:
