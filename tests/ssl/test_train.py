@@ -363,6 +363,23 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monk
     assert steps == [1, 2, 3, 4] and last["step"] == 4
 
 
+@pytest.mark.parametrize("saved, resumed", [(False, True), pytest.param(True, False, marks=pytest.mark.slow)])  # slow: DINO's way back
+def test_a_run_resumed_with_its_optimizer_stepped_in_backward_or_no_longer_trains_the_uninterrupted_weights(tmp_path, monkeypatch, saved, resumed):
+    """OPTIM.IN_BACKWARD changed on --resume (a run moved to a smaller GPU steps in backward) plans the trunk
+    again and warns of nothing else: the optimizer's state carries over, and the weights are the
+    uninterrupted run's, bit for bit (SimCLR into stepping in backward; DINO, teacher and all, out of it)."""
+    overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL, *([] if resumed else DINO_SMALL)]
+    straight, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides, "OPTIM.IN_BACKWARD", str(saved)]))
+    _interrupt_at_step_3(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides, "OPTIM.IN_BACKWARD", str(saved)]), monkeypatch)
+    with pytest.warns(UserWarning) as said:
+        moved, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides, "OPTIM.IN_BACKWARD", str(resumed)]), resume=True)
+    resume_warnings = [str(w.message) for w in said if str(w.message).startswith("--resume")]
+    assert resume_warnings == [f"--resume: OPTIM.IN_BACKWARD ({saved} then, {resumed} now) changed since {tmp_path / 'b' / 'checkpoint.pt'} "
+                               "was saved: the trunk plans again for the new settings"], resume_warnings
+    for (name, a), (_, b) in zip(straight.state_dict().items(), moved.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_a_run_stopped_by_a_signal_resumes_to_the_uninterrupted_runs_weights(tmp_path, monkeypatch):
     """The checkpoint a stop writes between two steps (none periodic here) is the state a run of
     those steps ends in: resumed, the run ends where one never stopped does, bit for bit."""
