@@ -160,6 +160,30 @@ def test_lossless_files_decode_to_their_exact_pixels_through_decode_image_or_pil
     assert read_image(str(tmp_path / "wide.png"), 20).shape == (3, 20, 20)
 
 
+def test_a_torchvision_without_its_deprecated_decoders_reads_every_file_through_pil(tmp_path, jpegs, monkeypatch):
+    """torchvision 0.29 deprecated ``torchvision.io.decode_image`` (TorchCodec supersedes it). Where a
+    release has removed it, every file is read through PIL, to the pixels torchvision gave (PNG exactly,
+    JPEG within a level: two libjpeg builds), the odd files too; before, every read failed
+    (AttributeError), and the loader's skipping of unreadable files did not catch it."""
+    import torchvision
+    from PIL import Image
+
+    Image.fromarray((torch.rand(24, 24, 3, generator=torch.Generator().manual_seed(4)) * 255).to(torch.uint8).numpy()).save(tmp_path / "a.png")
+    files = [str(tmp_path / "a.png"), *(str(jpegs / "cats" / f"{i}.jpg") for i in range(5))]
+    _odd_files(tmp_path / "odd")
+    with Image.open(tmp_path / "odd" / "odd" / "animated.jpg") as gif:  # its first frame, as PIL opens it
+        first = torch.from_numpy(numpy.asarray(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
+    by_torchvision = [read_image(f, 24) for f in files]
+    monkeypatch.delattr(torchvision.io, "decode_image")
+    by_pil = [read_image(f, 24) for f in files]
+    assert torch.equal(by_pil[0], by_torchvision[0])
+    assert all((a - b).abs().max() <= 1 / 255 + 1e-6 for a, b in zip(by_pil[1:], by_torchvision[1:]))
+    dataset = image_dataset(load_config(QUICK, ["DATA.PATH", str(tmp_path / "odd"), "DATA.IMAGE_SIZE", "40"]))
+    images = {os.path.basename(dataset.name(i)): dataset[i] for i in range(len(dataset))}
+    assert (images["animated.jpg"] - first).abs().max() < 1e-6  # an animated GIF's first frame, as before
+    assert [os.path.basename(dataset.name(i)) for i in dataset.unreadable] == ["bomb.bmp"]
+
+
 def _odd_files(root):
     """A folder of the files scraped sets hold: an animated GIF named .jpg, a .gif, and a
     decompression bomb (a tiny BMP that claims 30000x30000 pixels), beside two plain JPEGs."""

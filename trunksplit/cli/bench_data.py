@@ -18,8 +18,8 @@ import tempfile
 import time
 from typing import List, Sequence
 
+import PIL.Image
 import torch
-import torchvision
 from tabulate import tabulate
 
 from ..ssl.config import load_config
@@ -70,7 +70,9 @@ def write_jpegs(root: str, count: int, size: int) -> str:
     os.makedirs(os.path.join(root, "images"), exist_ok=True)
     images = SyntheticImages(count, size)
     for i in range(count):
-        torchvision.io.write_jpeg((images[i] * 255).round().to(torch.uint8), os.path.join(root, "images", f"{i:05d}.jpg"), quality=90)
+        # PIL, not torchvision.io.write_jpeg: torchvision 0.29 deprecated its encoders
+        pixels = (images[i] * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+        PIL.Image.fromarray(pixels).save(os.path.join(root, "images", f"{i:05d}.jpg"), quality=90)
     return root
 
 

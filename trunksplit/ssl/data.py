@@ -7,7 +7,7 @@ what shards the data across ranks without a sampler's state.
 import functools
 import math
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -79,15 +79,28 @@ def read_image(path: str, size: int) -> torch.Tensor:
     """``path`` as a ``[3, size, size]`` float tensor in [0, 1]: decoded, shorter side resized to
     ``size``, centre-cropped. JPEG, PNG, GIF and WebP are decoded by ``torchvision.io.decode_image``
     (libjpeg-turbo and libpng, in the loader's worker, no PIL image in between); other formats
-    ImageFolder lists (BMP, TIFF, ...) go through PIL. A file neither can read raises."""
-    try:
-        image = torchvision.io.decode_image(path, mode=torchvision.io.ImageReadMode.RGB)
-    except RuntimeError:  # a format decode_image does not know, or a corrupt file: PIL decides which
+    ImageFolder lists (BMP, TIFF, ...) go through PIL, as does every file where torchvision has no
+    decoder. A file neither can read raises."""
+    image = _torchvision_decoded(path)
+    if image is None:
         image = TF.pil_to_tensor(torchvision.datasets.folder.pil_loader(path))
     if image.ndim == 4:  # an animated GIF (even one named .jpg): its first frame, as PIL opens it
         image = image[0]
     image = TF.center_crop(TF.resize(image, size, antialias=True), [size, size])
     return TF.to_dtype(image, torch.float32, scale=True)
+
+
+def _torchvision_decoded(path: str) -> Optional[torch.Tensor]:
+    """``path`` decoded by torchvision as an RGB uint8 tensor, or None where torchvision cannot: a
+    format it does not know or a corrupt file (PIL then decides which), or a torchvision without the
+    decoder. torchvision 0.29 deprecated its image decoders (TorchCodec supersedes them): the release
+    that removes them leaves every file to PIL, not every read failing."""
+    if not hasattr(torchvision.io, "decode_image") or not hasattr(torchvision.io, "ImageReadMode"):
+        return None
+    try:
+        return torchvision.io.decode_image(path, mode=torchvision.io.ImageReadMode.RGB)
+    except RuntimeError:
+        return None
 
 
 class _ImagesOnly(torch.utils.data.Dataset):
