@@ -231,7 +231,8 @@ def test_under_fsdp2_a_grouped_step_keeps_each_groups_gradients_sharded(tmp_path
 
 
 def _recipe_block(heading: str) -> str:
-    page = open(os.path.join(ROOT, "docs", "integrations.md")).read()
+    with open(os.path.join(ROOT, "docs", "integrations.md")) as f:
+        page = f.read()
     return page.split(f"## {heading}", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 

@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -455,7 +456,7 @@ def test_two_ddp_processes_stepped_in_backward_train_the_standard_weights(tmp_pa
 
 
 def _snapshot(folder):
-    return {p: open(os.path.join(folder, p), "rb").read() for p in sorted(os.listdir(folder))} if os.path.isdir(folder) else None
+    return {p: pathlib.Path(folder, p).read_bytes() for p in sorted(os.listdir(folder))} if os.path.isdir(folder) else None
 
 
 @pytest.mark.parametrize(
