@@ -793,6 +793,9 @@ def _write(path, text):
         (lambda d: _write(d / "typo.yaml", "TRAIN:\n  STEP: 5\n"), [], "unknown config key in {d}/typo.yaml: TRAIN.STEP; did you mean TRAIN.STEPS?"),
         (None, ["MODEL.TRUNK.NAME", "get_model"], "torchvision has no model 'get_model'"),
         (None, ["MODEL.TRUNK.NAME", "resnet"], "torchvision has no model 'resnet'"),
+        (None, ["TRAIN.STEPS=3"], "TRAIN.STEPS=3: overrides are KEY VALUE pairs with a space between, as in detectron2: TRAIN.STEPS 3"),
+        (None, ["OUTPUT_DIR", "/tmp/a=b", "OPTIM.LR=0.1", "TRAIN.STEPS=3"], "OPTIM.LR=0.1: overrides are KEY VALUE pairs"),  # a value may hold one
+        (None, ["TRAIN.STEPS"], "overrides come in KEY VALUE pairs; got an odd count: ['TRAIN.STEPS']"),
         (None, ["TRAIN.LOG_EVERY", "0"], "TRAIN.LOG_EVERY must be >= 1"),
         (None, ["TRAIN.CHECKPOINT_EVERY", "0"], "TRAIN.CHECKPOINT_EVERY must be >= 1"),
         (None, ["DATA.NUM_IMAGES", "0"], "DATA.NUM_IMAGES must be >= 1"),

@@ -147,6 +147,10 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
     cfg = default_config()
     if path:
         _merge_file(cfg, path)
+    for key in overrides[0::2]:  # hydra's (vissl's command line) KEY=VALUE: shifted, it would pair a key with the next key
+        if "=" in key:
+            name, value = key.split("=", 1)
+            raise ValueError(f"{key}: overrides are KEY VALUE pairs with a space between, as in detectron2: {name} {value}")
     if len(overrides) % 2:
         raise ValueError(f"overrides come in KEY VALUE pairs; got an odd count: {list(overrides)}")
     plain = []
