@@ -973,6 +973,46 @@ def _fsdp_run(rank, world_size, out, interrupt, resume_only=False, extra=()):
         torch.save(full, os.path.join(out, "full.pt"))
 
 
+def _fsdp_two_steps(rank, world_size, out):
+    train(load_config(QUICK, ["OUTPUT_DIR", out, "DISTRIBUTED.STRATEGY", "fsdp", "TRAIN.STEPS", "2", *SMALL]))
+
+
+def test_an_fsdp_run_goes_on_in_one_process_from_its_shards_read_whole(tmp_path, monkeypatch):
+    """A sharded (FSDP2) checkpoint resumed in one process (or under DDP) is read whole: DCP reshards on
+    load. It was refused ("resume with the DISTRIBUTED.STRATEGY it was trained with", which needs two or
+    more processes), so a run that lost its second GPU could not go on. The model and optimizer state
+    loaded are the shards as torch's own converter reads them; the run trains on, and its whole
+    checkpoint replaces the shards."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from trunksplit.in_backward import standard_optimizer
+
+    out = tmp_path / "run"
+    out.mkdir()
+    run_processes(_fsdp_two_steps, 2, (str(out),))
+    dcp_to_torch_save(out / "sharded" / "step_2", tmp_path / "shards.pt")
+    want = torch.load(tmp_path / "shards.pt", weights_only=False)
+    loaded, real = {}, strategy.Strategy.load
+
+    def load_and_keep(self, cfg, state, model, optimizer):
+        real(self, cfg, state, model, optimizer)
+        slots = get_optimizer_state_dict(model, standard_optimizer(optimizer))["state"]  # the live tensors: the next step updates them
+        loaded.update(model={k: v.clone() for k, v in model.state_dict().items()},
+                      optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
+
+    monkeypatch.setattr(strategy.Strategy, "load", load_and_keep)
+    with pytest.warns(UserWarning, match="saved by 2 processes and resumes on 1"):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL]), resume=True)
+    assert loaded["model"].keys() == want["model"].keys()
+    for name, value in want["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+    assert want["optimizer"]["state"] and loaded["optimizer"].keys() == want["optimizer"]["state"].keys()
+    for name, slots in want["optimizer"]["state"].items():
+        assert all(torch.equal(loaded["optimizer"][name][slot], value) for slot, value in slots.items()), name
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3 and not (out / "sharded").exists()
+
+
 @pytest.mark.slow  # two 2-process runs: about 20 s on 2 cores
 def test_fsdp_runs_resume_from_sharded_checkpoints_to_the_uninterrupted_weights(tmp_path):
     (tmp_path / "a").mkdir()

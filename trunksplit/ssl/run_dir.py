@@ -280,9 +280,11 @@ def save_sharded(cfg, model, optimizer, meta: dict, rank: int, world: int) -> No
 
 
 def load_sharded(path: str, model, optimizer) -> None:
+    """A sharded checkpoint's model and optimizer state, into ``model`` sharded or whole: DCP reshards
+    on load, to another world size or to whole tensors (an FSDP2 run going on in one process or under DDP)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -290,7 +292,16 @@ def load_sharded_model(path: str, model) -> None:
     """The model's part of a sharded checkpoint, into a whole (unsharded) model in one process:
     DCP reshards on load, here to one rank (``trunksplit knn`` of an FSDP2 run)."""
     state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process": what is meant
-        dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
     set_model_state_dict(model, state["model"])
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # "... load in a single process": what is meant
+        dcp.load(state, checkpoint_id=path)
+
+
+def drop_shards(out: str) -> None:
+    """Remove ``out``'s shard directories: a whole checkpoint was written over the sharded one that named them."""
+    shutil.rmtree(os.path.join(out, SHARDED), ignore_errors=True)

@@ -24,7 +24,7 @@ from ..in_backward import standard_optimizer
 from ..planning.memory import PeakMemory, ProfiledPeak
 from .fit_step import RankLayout
 from .optim import keep_gradients
-from .run_dir import CHECKPOINT, load_sharded, save_atomically, save_sharded
+from .run_dir import CHECKPOINT, drop_shards, load_sharded, save_atomically, save_sharded
 
 NAMES = ("ddp", "fsdp")  # DISTRIBUTED.STRATEGY
 
@@ -103,14 +103,16 @@ class Strategy:
         """Write the run's checkpoint (every rank calls it)."""
         if self.rank == 0:
             save_atomically({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **meta}, os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
+            drop_shards(cfg.OUTPUT_DIR)  # an FSDP2 run's, which this one went on from: the checkpoint no longer names them
         if self.world > 1:
             dist.barrier()
 
     def load(self, cfg, state: dict, model, optimizer) -> None:
-        """Load a checkpoint's model and optimizer state, refusing one another strategy wrote."""
+        """Load a checkpoint's model and optimizer state: a whole one, or an FSDP2 run's shards, read
+        whole (DCP reshards on load): an FSDP2 run goes on in one process or under DDP."""
         if "sharded" in state:
-            raise ValueError(f"--resume: {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} is a sharded (fsdp) checkpoint; "
-                             "resume with the DISTRIBUTED.STRATEGY it was trained with")
+            load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, standard_optimizer(optimizer))
+            return
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
