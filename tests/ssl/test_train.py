@@ -314,7 +314,7 @@ def test_two_processes_end_with_identical_weights_equal_to_the_saved_ones(tmp_pa
     assert ("vissl's all-reduce (every gradient flattened at once)" in last["step_also_holds"]) == manual
     assert (extra >= 0.9 * run["gradient_bytes"]) == manual, (extra, run["gradient_bytes"])
     if not manual:  # resumed on one process: said, with what changes (the batch, the scaled rate, the random streams)
-        with pytest.warns(UserWarning, match=r"saved by 2 processes and resumes on 1: each step's batch is 1/2 of what it was \(and OPTIM.LR with it"):
+        with pytest.warns(UserWarning, match=r"saved by 2 processes and resumes on 1: each step's batch is 1 x TRAIN.BATCH_SIZE_PER_RANK where it was 2 x \(and OPTIM.LR with it"):
             _, resumed = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path), "TRAIN.STEPS", "3", *SMALL]), resume=True)
         assert resumed["step"] == 3 and math.isfinite(resumed["loss"])
 
@@ -1011,6 +1011,53 @@ def test_an_fsdp_run_goes_on_in_one_process_from_its_shards_read_whole(tmp_path,
     for name, slots in want["optimizer"]["state"].items():
         assert all(torch.equal(loaded["optimizer"][name][slot], value) for slot, value in slots.items()), name
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3 and not (out / "sharded").exists()
+
+
+def _fsdp_from_a_whole_checkpoint(rank, world_size, out):
+    """Resume a one-process run under FSDP2; rank 0 keeps the state loaded, gathered whole by torch."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from trunksplit.in_backward import standard_optimizer
+
+    real, whole = strategy.FSDP.load, StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def load_and_keep(self, cfg, state, model, optimizer):
+        real(self, cfg, state, model, optimizer)
+        loaded = {"model": get_model_state_dict(model, options=whole),  # collectives: every rank gathers, rank 0 keeps
+                  "optimizer": get_optimizer_state_dict(model, standard_optimizer(optimizer), options=whole)}
+        if rank == 0:
+            torch.save({"model": loaded["model"], "optimizer": loaded["optimizer"]["state"]}, os.path.join(out, "loaded.pt"))
+
+    strategy.FSDP.load = load_and_keep  # this spawned process's copy
+    train(load_config(QUICK, ["OUTPUT_DIR", out, "DISTRIBUTED.STRATEGY", "fsdp", "TRAIN.STEPS", "3", *SMALL]), resume=True)
+
+
+def test_a_one_process_run_goes_on_under_fsdp_its_whole_checkpoint_sharded_on_load(tmp_path, monkeypatch):
+    """A whole checkpoint (one process or DDP) resumed under FSDP2: every rank reads it and keeps its
+    shards. It was refused, so a run could not move to FSDP2 as its model outgrew one device. The state
+    loaded, gathered whole, is the one process's as torch names it; the run trains on, sharded."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    out, saved = tmp_path / "run", {}
+    real = strategy.Strategy.save
+
+    def save_and_keep(self, cfg, model, optimizer, meta):
+        real(self, cfg, model, optimizer, meta)
+        slots = get_optimizer_state_dict(model, optimizer)["state"]  # torch's names for torch.optim's places
+        saved.update(model={k: v.clone() for k, v in model.state_dict().items()},
+                     optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
+
+    monkeypatch.setattr(strategy.Strategy, "save", save_and_keep)
+    train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL]))
+    run_processes(_fsdp_from_a_whole_checkpoint, 2, (str(out),))
+    loaded = torch.load(out / "loaded.pt", weights_only=False)
+    assert loaded["model"].keys() == saved["model"].keys()
+    for name, value in saved["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+    assert saved["optimizer"] and loaded["optimizer"].keys() == saved["optimizer"].keys()
+    for name, slots in saved["optimizer"].items():
+        assert all(torch.equal(loaded["optimizer"][name][slot], value) for slot, value in slots.items()), name
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["sharded"] == os.path.join("sharded", "step_3")
 
 
 @pytest.mark.slow  # two 2-process runs: about 20 s on 2 cores

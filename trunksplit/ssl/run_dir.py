@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from ..planning.plan import SplitPlan
 
@@ -249,9 +250,11 @@ def _restore_rng(states, rank: int, world: int, path: str) -> None:
     if not states:
         return  # a checkpoint of an earlier release: the generators start from SEED, as they did
     if len(states) != world:
-        warnings.warn(f"{path} was saved by {len(states)} processes and resumes on {world}: each step's batch is {world}/{len(states)} of what "
-                      "it was (and OPTIM.LR with it, where OPTIM.LR_BATCH_SIZE scales it), and the random number generators "
-                      "start afresh, so stochastic depth and dropout draw other masks than an uninterrupted run", UserWarning)
+        if rank == 0:  # one process says it: every rank's is the same
+            saved = f"{len(states)} process" + ("es" if len(states) > 1 else "")
+            warnings.warn(f"{path} was saved by {saved} and resumes on {world}: each step's batch is {world} x TRAIN.BATCH_SIZE_PER_RANK where "
+                          f"it was {len(states)} x (and OPTIM.LR with it, where OPTIM.LR_BATCH_SIZE scales it), and the random number "
+                          "generators start afresh, so stochastic depth and dropout draw other masks than an uninterrupted run", UserWarning)
         return
     torch.set_rng_state(states[rank]["cpu"])
     if "cuda" in states[rank] and torch.cuda.is_available():
@@ -286,6 +289,20 @@ def load_sharded(path: str, model, optimizer) -> None:
     state = {"model": model_state, "optimizer": optim_state}
     _dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_whole_into_shards(state: dict, model, optimizer) -> None:
+    """A whole checkpoint's model and optimizer state into a sharded (FSDP2) model: every rank reads
+    the whole file and keeps its shards (a one-process or DDP run going on under FSDP2). torch.optim
+    keys its state by a parameter's place in the param groups, torch's state-dict helpers by name: the
+    places are this optimizer's, built as the checkpoint's was (same model and optimizer, checked)."""
+    names = {p: n for n, p in model.named_parameters()}
+    by_place = dict(enumerate(names[p] for group in optimizer.param_groups for p in group["params"]))
+    saved = state["optimizer"]
+    optim_state = {"state": {by_place[i]: slots for i, slots in saved["state"].items()},
+                   "param_groups": [{**group, "params": [by_place[i] for i in group["params"]]} for group in saved["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def load_sharded_model(path: str, model) -> None:

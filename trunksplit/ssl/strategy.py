@@ -24,7 +24,7 @@ from ..in_backward import standard_optimizer
 from ..planning.memory import PeakMemory, ProfiledPeak
 from .fit_step import RankLayout
 from .optim import keep_gradients
-from .run_dir import CHECKPOINT, drop_shards, load_sharded, save_atomically, save_sharded
+from .run_dir import CHECKPOINT, drop_shards, load_sharded, load_whole_into_shards, save_atomically, save_sharded
 
 NAMES = ("ddp", "fsdp")  # DISTRIBUTED.STRATEGY
 
@@ -245,9 +245,9 @@ class FSDP(Strategy):
         dist.barrier()
 
     def load(self, cfg, state, model, optimizer):
-        if "sharded" not in state:
-            raise ValueError(f"--resume: {os.path.join(cfg.OUTPUT_DIR, CHECKPOINT)} is a whole (ddp) checkpoint; "
-                             "resume with the DISTRIBUTED.STRATEGY it was trained with")
+        if "sharded" not in state:  # a one-process or DDP run's: read whole by every rank, each keeping its shards
+            load_whole_into_shards(state, model, standard_optimizer(optimizer))
+            return
         load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, standard_optimizer(optimizer))
 
     def finish(self, wrapped, model):
