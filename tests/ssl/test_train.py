@@ -1060,6 +1060,26 @@ def test_a_one_process_run_goes_on_under_fsdp_its_whole_checkpoint_sharded_on_lo
     assert torch.load(out / "checkpoint.pt", weights_only=True)["sharded"] == os.path.join("sharded", "step_3")
 
 
+def test_a_whole_checkpoint_whose_optimizer_groups_differ_is_refused_before_anything_loads():
+    """Moving to FSDP2, torch.optim's places are named by this run's optimizer: groups of other sizes
+    (OPTIM.EXCLUDE_BIAS_AND_NORM changed) would give one parameter another's momentum (a shape error
+    steps later, or silently wrong where the shapes agree). Refused as torch.optim refuses it, naming the key."""
+    from trunksplit.ssl.run_dir import load_whole_into_shards
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    one_group = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 3)).sum().backward()
+    one_group.step()
+    state = {"model": {k: v + 1 for k, v in model.state_dict().items()}, "optimizer": one_group.state_dict()}
+    weights, bias_and_norm = [model[0].weight], [model[0].bias, *model[1].parameters()]
+    two_groups = torch.optim.SGD([{"params": weights}, {"params": bias_and_norm, "weight_decay": 0.0}], lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape("optimizer has parameter groups of [4] parameters, this run's [1, 3]; resume with the "
+                                                   "config it was trained with (OPTIM.EXCLUDE_BIAS_AND_NORM)")):
+        load_whole_into_shards(state, model, two_groups)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not two_groups.state
+
+
 @pytest.mark.slow  # two 2-process runs: about 20 s on 2 cores
 def test_fsdp_runs_resume_from_sharded_checkpoints_to_the_uninterrupted_weights(tmp_path):
     (tmp_path / "a").mkdir()

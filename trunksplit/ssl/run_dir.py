@@ -296,9 +296,13 @@ def load_whole_into_shards(state: dict, model, optimizer) -> None:
     the whole file and keeps its shards (a one-process or DDP run going on under FSDP2). torch.optim
     keys its state by a parameter's place in the param groups, torch's state-dict helpers by name: the
     places are this optimizer's, built as the checkpoint's was (same model and optimizer, checked)."""
+    saved = state["optimizer"]
+    sizes = ([len(group["params"]) for group in saved["param_groups"]], [len(group["params"]) for group in optimizer.param_groups])
+    if sizes[0] != sizes[1]:  # as torch.optim's load_state_dict refuses it: the places would name other parameters
+        raise ValueError(f"--resume: the checkpoint's optimizer has parameter groups of {sizes[0]} parameters, this run's {sizes[1]}; "
+                         "resume with the config it was trained with (OPTIM.EXCLUDE_BIAS_AND_NORM)")
     names = {p: n for n, p in model.named_parameters()}
     by_place = dict(enumerate(names[p] for group in optimizer.param_groups for p in group["params"]))
-    saved = state["optimizer"]
     optim_state = {"state": {by_place[i]: slots for i, slots in saved["state"].items()},
                    "param_groups": [{**group, "params": [by_place[i] for i in group["params"]]} for group in saved["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state,
