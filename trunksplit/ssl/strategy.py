@@ -248,7 +248,7 @@ class FSDP(Strategy):
         if "sharded" not in state:  # a one-process or DDP run's: read whole by every rank, each keeping its shards
             load_whole_into_shards(state, model, standard_optimizer(optimizer))
             return
-        load_sharded(os.path.join(cfg.OUTPUT_DIR, state["sharded"]), model, standard_optimizer(optimizer))
+        super().load(cfg, state, model, optimizer)  # the shards, resharded to this world
 
     def finish(self, wrapped, model):
         broadcast_buffers(model)
