@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: where the run can go on from, not a traceback
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: where the run can go on from, not a traceback
         if cfg is not None and os.environ.get("RANK", "0") == "0":
             print(f"\n{interrupted_note(cfg.OUTPUT_DIR, cfg.TRAIN.CHECKPOINT_EVERY)}", file=sys.stderr)
         return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)

@@ -55,10 +55,11 @@ def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpeg
     assert not torch.equal(other_rank[0][0][0], _batches(cfg, 0, rank=0, world=2)[0][0][0])  # ranks see other images
 
 
-def test_a_ctrl_c_that_reaches_the_loaders_workers_fails_no_batch(jpegs):
-    """A terminal's Ctrl-C reaches the loader's workers too; one it ended would fail the batch the
-    stopping run's step waits on (torch: 'DataLoader worker exited unexpectedly'). They ignore it: the
-    steps after the signal are those of a loader never signalled."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"])
+def test_a_ctrl_c_or_hang_up_that_reaches_the_loaders_workers_fails_no_batch(jpegs, signame):
+    """A terminal's Ctrl-C, and its hang-up (an ssh connection dropped), reach the loader's workers too;
+    one they ended would fail the batch the stopping run's step waits on (torch: 'DataLoader worker
+    exited unexpectedly'). They ignore both: the steps after the signal are those of a loader never signalled."""
     import multiprocessing
     import signal
     import time
@@ -69,7 +70,7 @@ def test_a_ctrl_c_that_reaches_the_loaders_workers_fails_no_batch(jpegs):
     got = [next(batches)]
     workers = [p for p in multiprocessing.active_children() if p.pid not in others]
     assert len(workers) == 1
-    os.kill(workers[0].pid, signal.SIGINT)
+    os.kill(workers[0].pid, getattr(signal, signame))
     time.sleep(0.5)  # a worker it ends is gone by now
     got += list(batches)
     assert [names for _, names in got] == [names for _, names in _batches(cfg, 0)]

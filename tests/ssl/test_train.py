@@ -1,12 +1,15 @@
 """tools/train.py end to end: metrics, two processes, resume, and clear errors that change nothing."""
 import contextlib
+import errno
 import importlib.util
 import io
 import json
 import math
 import os
 import pathlib
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -25,7 +28,7 @@ from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop
 from trunksplit import trunk as trunk_module
 from trunksplit.ssl.loop import train
-from trunksplit.ssl.stopping import Stopped, stop_between_steps
+from trunksplit.ssl.stopping import StopSignals, Stopped, stop_between_steps
 from trunksplit.ssl.fit_step import fitted_batch
 from trunksplit.ssl.model import build_trunk
 from trunksplit.ssl import strategy
@@ -173,6 +176,58 @@ def test_a_second_signal_stops_at_once_and_the_handlers_before_the_run_come_back
             signal.raise_signal(signal.SIGINT)
             time.sleep(1)  # a signal's Python handler runs between bytecodes: here at once
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_hang_up_asks_the_run_to_stop_once_and_the_gone_terminal_takes_every_later_write():
+    """An ssh connection dropped: SIGHUP ended the run where it was, unsaved past its last periodic
+    checkpoint. Now it asks the run to stop, as SIGTERM does. A write to a hung-up terminal fails (EIO):
+    the stopping step's progress bar or its last print would raise before the save, so the descriptors
+    that were the terminal now go to /dev/null. A second SIGHUP (a shell passes its own on to its jobs)
+    does not stop the run at once; Ctrl-C still does."""
+    master, slave = pty.openpty()
+    os.close(master)  # the terminal hangs up
+    with pytest.raises(OSError) as gone:
+        os.write(slave, b"step 3/30")
+    assert gone.value.errno == errno.EIO
+    signals = StopSignals(say=True, terminal=[slave])
+    signals.handle(signal.SIGHUP, None)
+    signals.handle(signal.SIGHUP, None)
+    assert signals.signum == signal.SIGHUP and os.write(slave, b"step 3/30") == 9
+    with pytest.raises(KeyboardInterrupt):
+        signals.handle(signal.SIGINT, None)
+    os.close(slave)
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (nohup would have it ignored: kept so)
+    try:
+        with stop_between_steps(say=False) as signals:
+            signal.raise_signal(signal.SIGHUP)
+            assert signals.signum == signal.SIGHUP
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.slow  # 6-10 s; its parts in the fast suite: above, and the loader's workers (test_data.py)
+def test_a_run_whose_terminal_hangs_up_stops_after_its_step_saved(tmp_path):
+    """The launcher on a pseudo-terminal (its progress bar on) that hangs up mid-run, then SIGHUP to its
+    group twice, as the kernel and then the shell send it: the run, its loader's worker too, ends after
+    the step it was in, saved, and exits as a shell reports SIGHUP. Before, SIGHUP killed it unsaved."""
+    out = tmp_path / "run"
+    args = ["--config-file", QUICK, "OUTPUT_DIR", str(out), *SMALL, "DATA.NUM_WORKERS", "1", "TRAIN.STEPS", "100000", "TRAIN.CHECKPOINT_EVERY", "1000"]
+    master, slave = pty.openpty()
+    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "train.py"), *args], cwd=ROOT, stdin=slave, stdout=slave,
+                           stderr=slave, start_new_session=True)
+    os.close(slave)
+    metrics, deadline, said = out / "metrics.jsonl", time.monotonic() + 120, b""
+    while time.monotonic() < deadline and run.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        if select.select([master], [], [], 0.1)[0]:  # read what it writes, or a full terminal would block it
+            said += os.read(master, 65536)
+    assert b"\r" in said, said  # the progress bar's redraws: it wrote to a terminal
+    os.close(master)  # the hang-up: from here every write to the terminal fails
+    os.killpg(run.pid, signal.SIGHUP)
+    os.killpg(run.pid, signal.SIGHUP)
+    assert run.wait(timeout=60) == 128 + signal.SIGHUP
+    saved, logged = torch.load(out / "checkpoint.pt", weights_only=True)["step"], json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert saved == logged >= 3, (saved, logged)
 
 
 def test_a_signal_ignored_as_the_run_began_stays_ignored_and_sigterm_still_stops_it(tmp_path, monkeypatch):

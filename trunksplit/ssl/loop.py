@@ -60,7 +60,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
         _log_untrained_knn(log, _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast))
     bar = tqdm(range(start, cfg.TRAIN.STEPS), initial=start, total=cfg.TRAIN.STEPS, disable=rank != 0 or not sys.stderr.isatty(), desc="train")  # a log file: plain lines
     batches, last = iter(step_loader(dataset, cfg, rank, world, start, pin_memory=device.type == "cuda")), None
-    with stop_between_steps(say=rank == 0) as signals:  # Ctrl-C, SIGTERM: every rank stops between the same two steps
+    with stop_between_steps(say=rank == 0) as signals:  # Ctrl-C, SIGTERM, SIGHUP: every rank stops between the same two steps
         for step in bar:
             crops, data = _next_step_views(batches, device, skipped, signals)
             stop_if_asked(strategy.largest(signals.signum), step, start, lambda: _save_checkpoint(cfg, strategy, model, optimizer, scaler, step, skipped, now=True))

@@ -1,7 +1,8 @@
 """Stopping a training run between steps, where ``--resume`` continues it exactly.
 
-Ctrl-C (SIGINT) and SIGTERM (a scheduler preempting the job; torchrun passes either on to its
-ranks) ask the loop to stop once the step it is in is done. Every rank stops between the same two
+Ctrl-C (SIGINT), SIGTERM (a scheduler preempting the job) and SIGHUP (the terminal closed: an ssh
+connection dropped; torchrun passes each on to its ranks) ask the loop to stop once the step it is
+in is done. Every rank stops between the same two
 steps (the loop agrees on it before each step, one all-reduce of a number) and writes a checkpoint
 there first. An evaluation between two steps (kNN) is left between two of its batches
 (:func:`until_stopped`). A second signal stops at once, from the last checkpoint written.
@@ -21,7 +22,7 @@ import torch
 
 from .run_dir import CHECKPOINT
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 HANDLED = (*STOP_SIGNALS, signal.SIGCHLD)  # SIGCHLD: see StopSignals.handle
 
 
@@ -40,14 +41,22 @@ class EvaluationStopped(Exception):
 
 class StopSignals:
     """The first stop signal this process received (``signum``, 0 while none): the loop reads it
-    before each step. A second signal raises KeyboardInterrupt where it lands."""
+    before each step. A second signal raises KeyboardInterrupt where it lands, but for SIGHUP: no one
+    is left at the terminal to ask twice, and a shell passes its own SIGHUP on to its jobs, so a run
+    may get two for one hang-up. ``terminal``: this process's file descriptors that were a terminal
+    as the run began."""
 
-    def __init__(self, say: bool):
+    def __init__(self, say: bool, terminal=()):
         self.signum = 0
         self._say = say
+        self._terminal = terminal
 
     def handle(self, signum: int, frame) -> None:
-        if self.signum:
+        if signum == signal.SIGHUP:
+            _write_past_a_closed_terminal(self._terminal)
+            if self.signum:
+                return
+        elif self.signum:
             raise KeyboardInterrupt
         self.signum = signum
         # A scheduler (SLURM) signals every process of the job, the data loader's workers too; torch's
@@ -57,14 +66,14 @@ class StopSignals:
         # SIGCHLD already pending would find no Python handler, and Python prints "Signal 17 ignored
         # due to race condition" as an error.
         signal.signal(signal.SIGCHLD, _unwatched)
-        if self._say:  # os.write: a handler may land inside a print
+        if self._say and signum != signal.SIGHUP:  # os.write: a handler may land inside a print
             os.write(2, f"\n{signal.Signals(signum).name}: stopping once this step is done and saved "
                         "(Ctrl-C again stops at once, from the last checkpoint)\n".encode())
 
 
 @contextlib.contextmanager
 def stop_between_steps(say: bool) -> Iterator[StopSignals]:
-    """SIGINT and SIGTERM handled as :class:`StopSignals` inside the block, the handlers before it
+    """SIGINT, SIGTERM and SIGHUP handled as :class:`StopSignals` inside the block, the handlers before it
     restored after it. ``say``: this process prints that it is stopping (rank 0). Signal handlers
     belong to the main thread: in another, nothing is installed and the signals act as before. A
     signal ignored as the block begins stays ignored: a shell starts a script's ``cmd &`` (no job
@@ -78,7 +87,7 @@ def stop_between_steps(say: bool) -> Iterator[StopSignals]:
                     raise Stopped(step, signals.signum)
                 ...
     """
-    signals = StopSignals(say)
+    signals = StopSignals(say, terminal=[fd for fd in (1, 2) if os.isatty(fd)])
     if threading.current_thread() is not threading.main_thread():
         yield signals
         return
@@ -102,6 +111,17 @@ def stop_if_asked(signum: int, step: int, start: int, save: Callable[[], None]) 
         if step > start:
             save()
         raise Stopped(step, int(signum))
+
+
+def _write_past_a_closed_terminal(fds) -> None:
+    """Point ``fds`` (stdout, stderr: those that were a terminal) at /dev/null. After a hang-up every
+    write to the terminal fails (EIO): the stopping step's progress bar, a warning, the last print
+    would raise before the checkpoint is written. The run's record is its metrics file."""
+    if fds:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in fds:
+            os.dup2(devnull, fd)
+        os.close(devnull)
 
 
 def _unwatched(signum: int, frame) -> None:
@@ -144,10 +164,11 @@ def next_unless_stopping(batches: Iterator, signals: StopSignals):
 
 
 def ignore_interrupts(worker_id: int) -> None:
-    """A data loader's ``worker_init_fn``: Ctrl-C in a terminal reaches the loader's workers too,
-    and a worker it ended would fail the batch the stopping step still waits on. The loader stops
-    its workers itself."""
+    """A data loader's ``worker_init_fn``: Ctrl-C in a terminal, and the terminal's hang-up, reach the
+    loader's workers too, and a worker they ended would fail the batch the stopping step still waits
+    on. The loader stops its workers itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def interrupted_note(output_dir: str, checkpoint_every: int) -> str:
