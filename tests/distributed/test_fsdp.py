@@ -144,6 +144,7 @@ def test_sharding_twice_or_with_reentrant_checkpointing_is_refused():
     run_processes(_refusals, WORLD)
 
 
+@pytest.mark.xdist_group("fsdp_sharded")  # with the cases above: the fixture runs once
 def test_a_rank_holds_the_shards_the_per_rank_model_predicts(sharded):
     # predicted from the unsharded model alone (no process group): FSDP2's dim-0 chunks, the first rank's the largest
     name, how, _ = CASES[list(CASES)[-1]]

@@ -92,7 +92,8 @@ def _assert_close(standard, stepped):
     assert moved > 0
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# AdamW's in the fast suite (two moments, a step counter); SGD and LARS (one momentum) in the slow one, as for FSDP2 below
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "adamw" else n for n in OPTIMIZERS])
 def test_ddp_stepped_in_backward_after_each_buckets_all_reduce_trains_the_standard_weights(tmp_path, name):
     run_processes(_ddp, 2, (str(tmp_path), name))
     ranks = [torch.load(tmp_path / f"ddp_{name}_{r}.pt") for r in range(2)]
