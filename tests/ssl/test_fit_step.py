@@ -192,12 +192,18 @@ def test_fit_overrides_without_a_config_file_are_refused(capsys):
 DDP_LIMITS = {"simclr": 200 * 2**20, "simclr stepped in backward": 200 * 2**20, "simclr, vissl's manual DDP": 260 * 2**20, "dino": LIMIT}
 
 
-def _ddp_fitted_run(rank, world_size, out, method):
-    """Two DDP ranks train three steps with the batch TRAIN.BATCH_SIZE_PER_RANK 0 fits; rank 0 writes
-    (batch, everything resident during its largest step as the run measured it)."""
+def _ddp_fitted_run(rank, world_size, out, method, apart=False):
+    """Two DDP ranks train three steps with the batch TRAIN.BATCH_SIZE_PER_RANK 0 fits; each saves its
+    weights, and rank 0 writes (batch, everything resident during its largest step as the run measured
+    it). ``apart``: rank 1 measures the rest of the step 4 MiB higher (as two GPUs' allocators may), so
+    its fit checks other batches than rank 0's."""
+    if apart and rank == 1:
+        measured = fit_step_module._rest_of_step
+        fit_step_module._rest_of_step = lambda *args: (lambda rest: lambda images: rest(images) + 4 * 2**20)(measured(*args))
     overrides = ["OUTPUT_DIR", out, *SMALL, *METHODS[method], "TRAIN.STEPS", "3", "TRAIN.LOG_EVERY", "1",
                  "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(DDP_LIMITS[method]))]
     model, _ = train(load_config(QUICK, overrides))
+    torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(out, "metrics.jsonl")) as f:
             peak = max(json.loads(line)["peak_memory_bytes"] for line in f)  # every step's: the second makes DDP's buckets anew
@@ -209,37 +215,29 @@ def _ddp_fitted_run(rank, world_size, out, method):
             json.dump([batch, resident + peak], f)
 
 
-# fast: DINO's (a grouped step, buckets made again under no_sync); SimCLR's one backward, slow, as are its variants
-@pytest.mark.parametrize("method", ["dino", *(pytest.param(m, marks=pytest.mark.slow) for m in ("simclr", "simclr stepped in backward", "simclr, vissl's manual DDP"))])
+def test_ranks_whose_fits_measure_apart_train_rank_0s_batch_together_and_count_ddps_buckets(tmp_path):
+    """Each rank fits alone (its checking steps gather no other rank's embeddings), then takes rank 0's
+    answer: before, the checks' all_gathers met other batches and the run failed ("Connection reset").
+    Every rank holds DDP's buckets from the wrap on, the gradients views into them: the fitted step lands
+    in 0.85-1.00 of the limit (before, SimCLR's measured 1.06x)."""
+    run_processes(_ddp_fitted_run, 2, (str(tmp_path), "simclr", True), timeout=180)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    batch, total = json.loads((tmp_path / "fitted.json").read_text())
+    limit = DDP_LIMITS["simclr"]
+    assert batch >= 2 and 0.85 * limit <= total <= limit, (batch, total / limit)
+
+
+# slow (2-rank fits, 8-16 s each); SimCLR's one backward is in the fast suite, above
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dino", "simclr stepped in backward", "simclr, vissl's manual DDP"])
 def test_a_ddp_ranks_fitted_batch_counts_ddps_gradient_buckets(tmp_path, method):
-    """Under DDP every rank holds DDP's buckets from the wrap on, the gradients views into them, kept
-    (freed, a step backward by crop group, DINO's, made them again beside the buckets under no_sync):
-    the fitted step lands in 0.85-1.00 of the limit (before, SimCLR's measured 1.06x, DINO's 1.12x).
-    Slow: SimCLR's (DINO's covers the buckets, and more), stepped in backward (the buckets beside gradients freed at their update; its checking step
-    failed: 'updated from this rank's own gradient') and vissl's manual path (the gradients its own, all
-    flattened at once by its all-reduce)."""
+    """As for SimCLR above, with the gradients freed and made again: a step backward by crop group (DINO's)
+    makes them again beside the buckets under no_sync (before, it measured 1.12x the limit); stepped in
+    backward, the buckets sit beside gradients freed at their update (its checking step failed: 'updated
+    from this rank's own gradient'); vissl's manual path keeps the gradients its own, all flattened at
+    once by its all-reduce."""
     run_processes(_ddp_fitted_run, 2, (str(tmp_path), method))
     batch, total = json.loads((tmp_path / "fitted.json").read_text())
     limit = DDP_LIMITS[method]
     assert batch >= 2 and 0.85 * limit <= total <= limit, (batch, total / limit)
-
-
-def _ranks_measuring_apart(rank, world_size, out):
-    """Two DDP ranks fit the batch; rank 1 measures the rest of the step 4 MiB higher (as two GPUs'
-    allocators may), so its fit checks other batches than rank 0's."""
-    if rank == 1:
-        measured = fit_step_module._rest_of_step
-        fit_step_module._rest_of_step = lambda *args: (lambda rest: lambda images: rest(images) + 4 * 2**20)(measured(*args))
-    overrides = ["OUTPUT_DIR", out, *SMALL, *METHODS["simclr"], "TRAIN.STEPS", "2", "TRAIN.BATCH_SIZE_PER_RANK", "0",
-                 "TRAIN.MEMORY_LIMIT", str(float(200 * 2**20))]
-    model, _ = train(load_config(QUICK, overrides))
-    torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
-
-
-def test_ranks_whose_fits_measure_apart_train_rank_0s_batch_together(tmp_path):
-    """Each rank fits alone (its checking steps gather no other rank's embeddings), then takes rank 0's
-    answer: before, the checks' all_gathers met other batches and the run failed ("Connection reset")."""
-    run_processes(_ranks_measuring_apart, 2, (str(tmp_path),), timeout=180)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
-    assert load_config(str(tmp_path / "config.yaml")).TRAIN.BATCH_SIZE_PER_RANK >= 2

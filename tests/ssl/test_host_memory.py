@@ -33,8 +33,9 @@ print(kept, handing_back, faults_in_two_steps())
 """
 
 
+@pytest.mark.slow  # a second Python and four ResNet-18 steps (4-9 s); the fast suite keeps the settings' test below
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
-def test_a_steps_freed_memory_is_made_again_without_the_kernel_faulting_it_in(monkeypatch):
+def test_a_steps_freed_memory_is_made_again_without_the_kernel_faulting_it_in():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     done = subprocess.run([sys.executable, "-c", _STEPS], capture_output=True, text=True, env=env, check=True, timeout=300)
     kept, handing_back, faulted_kept = done.stdout.split()
@@ -42,5 +43,12 @@ def test_a_steps_freed_memory_is_made_again_without_the_kernel_faulting_it_in(mo
     assert int(handing_back) > 10 * activations, handing_back  # the count sees a step's memory faulted in again
     # kept: 0 to 1,941 pages against 161,281 to 163,779 handed back (twelve runs, three at once on 2 cores)
     assert kept == "True" and int(faulted_kept) < int(handing_back) / 20, (faulted_kept, handing_back)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
+def test_glibc_takes_the_settings_unless_the_user_set_malloc_their_own_way(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
+    assert keep_freed_host_memory() is True  # glibc accepted every setting
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert keep_freed_host_memory() is False  # a user's own MALLOC_* setting wins: left alone
