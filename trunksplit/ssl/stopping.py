@@ -2,10 +2,10 @@
 
 Ctrl-C (SIGINT), SIGTERM (a scheduler preempting the job) and SIGHUP (the terminal closed: an ssh
 connection dropped; torchrun passes each on to its ranks) ask the loop to stop once the step it is
-in is done. Every rank stops between the same two
-steps (the loop agrees on it before each step, one all-reduce of a number) and writes a checkpoint
-there first. An evaluation between two steps (kNN) is left between two of its batches
-(:func:`until_stopped`). A second signal stops at once, from the last checkpoint written.
+in is done. Every rank stops between the same two steps (the loop agrees on it before each step,
+one all-reduce of a number) and writes a checkpoint there first. An evaluation between two steps
+(kNN) is left between two of its batches (:func:`until_stopped`). A second signal stops at once,
+from the last checkpoint written (a second SIGHUP does not: see :class:`StopSignals`).
 
 Why not Python's own KeyboardInterrupt: it is raised wherever the signal lands, and one that
 lands in a callback (a tensor's finaliser) is printed and dropped, so the run goes on; under
