@@ -189,13 +189,16 @@ def test_a_hang_up_asks_the_run_to_stop_once_and_the_gone_terminal_takes_every_l
     with pytest.raises(OSError) as gone:
         os.write(slave, b"step 3/30")
     assert gone.value.errno == errno.EIO
-    signals = StopSignals(say=True, terminal=[slave])
-    signals.handle(signal.SIGHUP, None)
-    signals.handle(signal.SIGHUP, None)
-    assert signals.signum == signal.SIGHUP and os.write(slave, b"step 3/30") == 9
-    with pytest.raises(KeyboardInterrupt):
-        signals.handle(signal.SIGINT, None)
-    os.close(slave)
+    signals, watching = StopSignals(say=True, terminal=[slave]), signal.getsignal(signal.SIGCHLD)
+    try:  # the handler stops watching the loader's workers (SIGCHLD): this worker's own loaders' handler comes back
+        signals.handle(signal.SIGHUP, None)
+        signals.handle(signal.SIGHUP, None)
+        assert signals.signum == signal.SIGHUP and os.write(slave, b"step 3/30") == 9
+        with pytest.raises(KeyboardInterrupt):
+            signals.handle(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGCHLD, watching if watching is not None else signal.SIG_DFL)
+        os.close(slave)
     before = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (nohup would have it ignored: kept so)
     try:
         with stop_between_steps(say=False) as signals:
