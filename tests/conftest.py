@@ -1,8 +1,13 @@
+import collections
+import copy
+import functools
+import hashlib
 import os
 import signal
 import sys
 
 import torch
+import torchvision
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -21,6 +26,39 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Building a torchvision model is mostly its random initialisation (ResNet-18: 80 ms, a copy of it 20 ms),
+# and the suite builds hundreds, most from a seed a test built the same model from before. A builder called
+# with the same arguments, random state, default dtype and device makes the same model; so the first is
+# kept, and a later call gets a copy of it and the random state that building it left: only time differs.
+_BUILT = collections.OrderedDict()  # the last few models built, oldest first; big ones are not kept
+
+
+def _remembered(builder):
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        key = (builder.__name__, args, tuple(sorted(kwargs.items())), torch.get_default_dtype(), str(torch.get_default_device()),
+               hashlib.sha1(torch.get_rng_state().numpy()).digest())
+        try:
+            kept = _BUILT.get(key)
+        except TypeError:  # an unhashable argument: built as asked
+            return builder(*args, **kwargs)
+        if kept is not None:
+            _BUILT.move_to_end(key)
+            torch.set_rng_state(kept[1])
+            return copy.deepcopy(kept[0])
+        model = builder(*args, **kwargs)
+        if sum(p.numel() for p in model.parameters()) <= 30_000_000:
+            _BUILT[key] = (copy.deepcopy(model), torch.get_rng_state())
+            while len(_BUILT) > 8:
+                _BUILT.popitem(last=False)
+        return model
+    return build
+
+
+for _name in torchvision.models.list_models(module=torchvision.models):
+    setattr(torchvision.models, _name, _remembered(getattr(torchvision.models, _name)))
+
+
 def pytest_xdist_auto_num_workers(config):
     """One worker for the CUDA tier (``-m cuda``): the tests share one GPU and read its allocator's peaks."""
     marks = config.getoption("markexpr", "") or ""
@@ -30,6 +68,6 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The suite's longest test (the GPU check's CPU run, 40 s) first: collected last, it began when
-    the other worker had little left and kept one core busy alone at the end."""
+    """One of the suite's longest tests (the GPU check's CPU run, 8 s; 40 s when this was written) first:
+    collected last, it began when the other worker had little left and kept one core busy alone at the end."""
     items.sort(key=lambda item: item.fspath.basename != "test_gpu_check.py")  # stable: the rest keep their order
