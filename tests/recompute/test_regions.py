@@ -401,3 +401,52 @@ def test_regions_over_weight_heavy_units_are_predicted_from_the_second_step_on()
         plan = _with_plan(trunk, x, [0], regions)
         measured = _measured_peak(trunk, x)
         assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * measured, regions
+
+
+def _gradient_penalty(features_of, x):
+    """R1's penalty (a GAN discriminator's): the squared norm of the loss's gradient with respect to the
+    images, backwarded through the graph of that gradient (``create_graph=True``)."""
+    (g,) = torch.autograd.grad(loss_of(features_of(x)), x, create_graph=True)
+    g.pow(2).sum().backward()
+
+
+def _backward_twice(features_of, x):
+    """Two losses of one forward, each backwarded alone (``retain_graph=True``)."""
+    loss = loss_of(features_of(x))
+    loss.backward(retain_graph=True)
+    (2 * loss).backward()
+
+
+AGAIN = {"whole segments": (F2, [0, 4, 8], []), "recompute_stages regions": LAYOUTS["recompute_stages nested in checkpointed segments"][:3]}
+
+
+@pytest.mark.parametrize("again", [_gradient_penalty, _backward_twice], ids=["gradient penalty", "retain_graph"])
+@pytest.mark.parametrize("layout", list(AGAIN))
+def test_whole_checkpoints_backward_again_as_the_plain_model(layout, again):
+    """A second backward through one forward reruns a whole checkpoint again: the plain model's
+    gradients bit for bit, its BatchNorm statistics moved once."""
+    plain = build("resnet18")
+    model = copy.deepcopy(plain)
+    features, starts, regions = AGAIN[layout]
+    trunk = CheckpointedTrunk(model, features, memory_budget=0.9, gradients="kept")
+    x = X().requires_grad_(True)
+    _with_plan(trunk, x, starts, regions)  # planned for images that take a gradient, as the penalty's do
+    again(lambda t: plain_features(plain, t, features), x.detach().requires_grad_(True))
+    again(trunk, x)
+    assert trunk.plan.regions == sorted(regions) and [s.start for s in trunk.plan.segments] == starts
+    want_grads = grads_by_name(plain)
+    for name, g in grads_by_name(model).items():
+        assert name.startswith("fc.") or torch.equal(want_grads[name], g), name
+    for (name, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("again", [_gradient_penalty, _backward_twice], ids=["gradient penalty", "retain_graph"])
+def test_a_second_backward_through_a_selective_region_is_refused_saying_what_to_do(again):
+    """torch's selective checkpointing gives its kept outputs to one backward; a second failed with an
+    ``AttributeError`` from a context entered twice, naming nothing. Now it says why and what to use."""
+    trunk = CheckpointedTrunk(build("resnet18"), F1, memory_budget=0.9, gradients="kept")
+    x = X().requires_grad_(True)
+    _with_plan(trunk, x, [0], [(4, 6, SE), (9, 10, SE)])
+    with pytest.raises(RuntimeError, match=r"a second backward through a selective region .*\(strategy='balanced' with num_splits"):
+        again(trunk, x)

@@ -203,6 +203,27 @@ def test_a_policy_says_what_backward_reruns_and_training_stays_exact(policy, rer
         assert torch.equal(a, b), n  # BatchNorm moved once under either policy
 
 
+@pytest.mark.parametrize("policy", ["recompute", "save_expensive"])
+def test_a_second_backward_runs_a_whole_checkpoint_again_and_a_selective_one_says_why_it_cannot(policy):
+    """Two losses of one forward, each backwarded alone (``retain_graph=True``): the default policy reruns
+    its forward for each, as the plain module's gradients; a selective policy's kept outputs went to the
+    first backward, and the second is refused naming the policy that can."""
+    plain, _ = _pair()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain), policy=policy)
+    x = torch.randn(2, 3, 8, 8)
+    for module in (plain, wrapped):
+        torch.manual_seed(7)
+        loss = _loss(module(x))
+        loss.backward(retain_graph=True)
+        if module is wrapped and policy != "recompute":
+            with pytest.raises(RuntimeError, match="a second backward through a selective region .* checkpoint_wrapper's default policy 'recompute'"):
+                (2 * loss).backward()
+            return
+        (2 * loss).backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+
+
 def test_an_unknown_policy_is_refused_and_the_module_left_as_it_was():
     module = Block()
     with pytest.raises(ValueError, match=r"policy must be one of \('recompute', 'save_expensive', 'save_heavy'\), got 'save_all'"):

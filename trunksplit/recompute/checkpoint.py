@@ -30,8 +30,10 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, InstanceNorm: the norms with running stats
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import flop_registry
+
+from .selective import casts_run_as_they_come, keep_policy, selective_contexts
 
 _local = threading.local()
 
@@ -264,54 +266,6 @@ def _macs_per_output(name: str, args: Sequence) -> Optional[float]:
     return None
 
 
-def _selective_contexts(guard: _BufferGuard, keep: Callable) -> Callable:
-    """torch's selective-checkpoint contexts keeping the outputs of the ops ``keep(func,
-    args)`` picks, with the buffers' guard entered around them.
-
-    The guard's own ops (copying written buffers) must run outside torch's modes, whose
-    recompute replays only the ops the forward ran."""
-
-    def contexts():
-        forward, recompute = create_selective_checkpoint_contexts(_keep_policy(keep))
-        return _both(guard.first_forward(), forward), _both(_both(guard.recompute(), _casts_run_as_they_come()), recompute)
-
-    return contexts
-
-
-def _keep_policy(keep: Callable) -> Callable:
-    """The selective-checkpoint policy keeping the outputs of the ops ``keep(func, args)`` picks.
-
-    The rest are ``PREFER_RECOMPUTE``, not ``MUST_RECOMPUTE``: compiled, AOT autograd's partitioner
-    then still saves a random op's output (dropout on CPU would draw another mask if run again)."""
-
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if keep(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-@contextlib.contextmanager
-def _casts_run_as_they_come():
-    """Inside, torch's selective checkpoint runs autocast's casts as they come, neither kept nor replayed
-    (torch's public ``SAC_IGNORED_OPS``): a weight an earlier call under the same autocast had cast (a
-    trunk at a second crop size) is a cache hit in the forward and a cast in the recompute (a fresh
-    autocast), which torch, replaying only the forward's ops, refused (pytorch/pytorch#193338). The
-    forward keeps autocast's graph (the plain model's gradients, bit for bit); the recompute's cast has
-    the same values. Activations' casts are never kept here anyway. Only our additions are removed."""
-    added = [op for op in (torch.ops.aten._to_copy.default,) if op not in SAC_IGNORED_OPS]
-    SAC_IGNORED_OPS.update(added)
-    try:
-        yield
-    finally:
-        SAC_IGNORED_OPS.difference_update(added)
-
-
-@contextlib.contextmanager
-def _both(outer, inner):
-    with outer, inner:
-        yield
-
-
 def run_checkpointed(
     function: Callable,
     modules: Sequence[nn.Module],
@@ -351,7 +305,7 @@ def run_checkpointed(
         # buffer's update (functionalized, applied once after the forward), so norm statistics
         # need no guard here; and the guard's call counter is a side effect dynamo cannot trace
         # in that op (it would fall back to eager around it).
-        context_fn = noop_context_fn if keep is None else functools.partial(create_selective_checkpoint_contexts, _keep_policy(keep))
+        context_fn = noop_context_fn if keep is None else functools.partial(create_selective_checkpoint_contexts, keep_policy(keep))
         return checkpoint(lambda *a: function(*a, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
     if keep is not None and use_reentrant:
         raise ValueError("keeping some ops' outputs needs non-reentrant checkpointing (torch's selective checkpointing); pass use_reentrant=False")
@@ -377,9 +331,9 @@ def run_checkpointed(
             return function(*a, **kw)
 
     if keep is not None:
-        with _casts_run_as_they_come():
+        with casts_run_as_they_come():
             return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
-                              context_fn=_selective_contexts(guard, keep))
+                              context_fn=selective_contexts(keep, guard.first_forward, guard.recompute))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:
