@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["trunksplit", "trunksplit.*"]),
     python_requires=">=3.10",  # dataclass(kw_only=True)
-    install_requires=["torch>=2.13", "torchvision>=0.28", "numpy", "fvcore", "PyYAML", "tabulate", "tqdm", "matplotlib"],
+    install_requires=["torch>=2.12", "torchvision>=0.27", "numpy", "fvcore", "PyYAML", "tabulate", "tqdm", "matplotlib"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "pytest-xdist"],
         "zoo": ["timm", "transformers"],  # the timm and transformers tests, tools/zoo_sweep.py
