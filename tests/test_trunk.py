@@ -441,3 +441,25 @@ def test_a_cost_aware_trunk_on_meta_tensors_gives_the_plain_models_shapes_withou
     want = plain_features(plain, x, ["res4", "flatten"])
     assert [g.shape for g in got] == [w.shape for w in want] and all(g.is_meta for g in got)
     assert trunk.plans == {} and all(p.grad is not None and p.grad.is_meta for p in trunk.parameters())
+
+
+def test_a_gradient_penalty_through_stochastic_depth_is_the_plain_models():
+    """A second backward reruns each segment again (torch restores the random state for every rerun):
+    ConvNeXt's stochastic depth drops the blocks the forward dropped each time, so a gradient penalty
+    (R1's: the squared norm of the loss's gradient with respect to the images) gives the plain model's
+    parameter gradients, bit for bit."""
+    torch.manual_seed(0)
+    model = torchvision.models.convnext_tiny(stochastic_depth_prob=0.9)  # block k of 18 dropped with probability 0.9 k / 17
+    plain = copy.deepcopy(model)
+    trunk = CheckpointedTrunk(model, ["flatten"], num_splits=8, strategy="balanced")
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    trunk.plan_for(x.requires_grad_(True))  # planned (profiled) before the seed below
+    body = nn.Sequential(plain.features, plain.avgpool, plain.classifier[0], nn.Flatten(1))  # flatten: the classifier's norm and flatten
+    for features_of in (lambda t: trunk(t)[0], body):
+        torch.manual_seed(3)
+        images = x.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss_of([features_of(images)]), images, create_graph=True)
+        g.pow(2).sum().backward()
+    assert trunk.plan.strategy == "balanced" and sum(s.checkpointed for s in trunk.plan.segments) >= 6, trunk.plan
+    for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
