@@ -444,7 +444,7 @@ def test_a_cost_aware_trunk_on_meta_tensors_gives_the_plain_models_shapes_withou
 
 
 def test_a_gradient_penalty_through_stochastic_depth_is_the_plain_models():
-    """A second backward reruns each segment again (torch restores the random state for every rerun):
+    """A second backward reruns each checkpointed segment again (torch restores the random state for every rerun):
     ConvNeXt's stochastic depth drops the blocks the forward dropped each time, so a gradient penalty
     (R1's: the squared norm of the loss's gradient with respect to the images) gives the plain model's
     parameter gradients, bit for bit."""
