@@ -169,7 +169,7 @@ def _dims(text: str, count: int, example: str):
     except ValueError:
         dims = ()
     if len(dims) != count or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"expected a shape like {example}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a shape of {count} sizes, each at least 1, like {example}, got {text!r}")
     return dims
 
 
