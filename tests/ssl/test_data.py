@@ -173,7 +173,7 @@ def test_a_torchvision_without_its_deprecated_decoders_reads_every_file_through_
     files = [str(tmp_path / "a.png"), *(str(jpegs / "cats" / f"{i}.jpg") for i in range(5))]
     _odd_files(tmp_path / "odd")
     with Image.open(tmp_path / "odd" / "odd" / "animated.jpg") as gif:  # its first frame, as PIL opens it
-        first = torch.from_numpy(numpy.asarray(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
+        first = torch.from_numpy(numpy.array(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
     by_torchvision = [read_image(f, 24) for f in files]
     monkeypatch.delattr(torchvision.io, "decode_image")
     by_pil = [read_image(f, 24) for f in files]
