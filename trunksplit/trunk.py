@@ -60,7 +60,7 @@ class CheckpointedTrunk(nn.Module):
 
     Exact: a training step gives the plain model's outputs, every parameter's
     gradient and BatchNorm buffers, and so does a second backward of one forward (a gradient
-    penalty), but through a budget plan's selective region, which refuses it (docs/regions.md).
+    penalty, ``retain_graph=True``), selective regions included (docs/regions.md).
     The last segment is never checkpointed, and in eval mode, under ``no_grad`` or on meta
     tensors nothing is. The trunk holds only the blocks up to the last requested feature (a
     classifier head is not among its parameters, so plain ``DDP(trunk)`` needs no ``find_unused_parameters``). Its ``state_dict``

@@ -1,11 +1,13 @@
 """torch's selective checkpointing as the trunk's regions and :func:`checkpoint_wrapper` run it: the
 contexts that keep the outputs a policy picks, with the caller's own contexts (the buffers' guard)
-entered around torch's, and a second backward through a region refused saying what to do instead.
+entered around torch's, and a second backward through a region run as a whole recompute.
 
-torch keeps a selective region's picked outputs for one backward: the recompute hands each to the
-backward and lets it go (``_CONSUMED``), so a second backward through the same forward
-(``retain_graph=True``, or ``create_graph=True`` for a gradient penalty) cannot run it. Whole
-checkpoints (a trunk's segments, the ``"recompute"`` policy) rerun their forward as often as asked.
+torch keeps a selective region's picked outputs for one backward: its recompute hands each to the
+backward and lets it go (``_CONSUMED``), and refuses a second backward through the same forward
+("Trying to backward an extra time"). A gradient penalty (``create_graph=True``) or a second loss
+(``retain_graph=True``) makes one. That recompute runs here without torch's replay: every op again,
+kept ones too, as a ``"recompute"`` region would (the same values: the same ops on the same inputs,
+the random state restored by the checkpoint), so the gradients are the plain model's.
 """
 import contextlib
 from typing import Callable, ContextManager
@@ -13,28 +15,19 @@ from typing import Callable, ContextManager
 import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-SECOND_BACKWARD = (
-    "a second backward through a selective region (a memory_budget plan's region whose policy keeps some ops' outputs, "
-    "see plan.regions, or a checkpoint_wrapper with a selective policy): torch's selective checkpointing gives its kept "
-    "outputs to one backward only, and this forward's were used. Add the losses and call backward once; for a gradient "
-    "penalty (create_graph=True) or retain_graph=True, use a plan without selective regions (strategy='balanced' with "
-    "num_splits, no memory_budget), or checkpoint_wrapper's default policy 'recompute': whole checkpoints rerun their "
-    "forward for every backward"
-)
-
 
 def selective_contexts(keep: Callable, first_forward: Callable[[], ContextManager], recompute: Callable[[], ContextManager]) -> Callable:
     """A ``context_fn`` for ``torch.utils.checkpoint``: torch's selective contexts keeping the outputs
     of the ops ``keep(func, args)`` picks, inside ``first_forward()`` and ``recompute()``.
 
     The caller's contexts run outside torch's modes, whose recompute replays only the ops the forward
-    ran (a guard's copies of buffers are not among them). Sharp edge: the recompute context is entered
-    once; a second time, it raises :data:`SECOND_BACKWARD` (torch would refuse anyway, and a
-    generator's context, entered twice, fails with an ``AttributeError`` that names nothing)."""
+    ran (a guard's copies of buffers are not among them). The first recompute replays; a later one (a
+    second backward) runs every op again (see the module docstring)."""
 
     def contexts():
         forward, replay = create_selective_checkpoint_contexts(keep_policy(keep))
-        return _both(first_forward(), forward), _Once(lambda: _both(_both(recompute(), casts_run_as_they_come()), replay))
+        return _both(first_forward(), forward), _ReplayOnce(lambda: _both(_both(recompute(), casts_run_as_they_come()), replay),
+                                                            lambda: _both(recompute(), casts_run_as_they_come()))
 
     return contexts
 
@@ -51,17 +44,16 @@ def keep_policy(keep: Callable) -> Callable:
     return policy
 
 
-class _Once:
-    """The context ``make()`` gives, made when entered, and entered once: a second entry (a second
-    backward through the region) raises :data:`SECOND_BACKWARD`."""
+class _ReplayOnce:
+    """A context made when entered: ``first()``'s the first time (torch's replay of the kept outputs),
+    ``again()``'s after (a plain recompute: the kept outputs went to the first backward). Each is a
+    fresh context: a generator's, entered twice, failed with an ``AttributeError`` naming nothing."""
 
-    def __init__(self, make: Callable[[], ContextManager]):
-        self._make, self._entered = make, None
+    def __init__(self, first: Callable[[], ContextManager], again: Callable[[], ContextManager]):
+        self._first, self._again, self._entered = first, again, None
 
     def __enter__(self):
-        if self._entered is not None:
-            raise RuntimeError(SECOND_BACKWARD)
-        self._entered = self._make()
+        self._entered = self._first() if self._entered is None else self._again()
         return self._entered.__enter__()
 
     def __exit__(self, *exc):
