@@ -49,6 +49,14 @@ def loss_of(features, seed=123):
     return sum((f * torch.randn(f.shape, generator=g)).sum() for f in features)
 
 
+def gradient_penalty(features_of, x):
+    """R1's penalty (a GAN discriminator's): the squared norm of the loss's gradient with respect to the
+    images ``x`` (which require grad), backwarded through the graph of that gradient (``create_graph=True``):
+    a second backward of one forward. ``features_of(x)``: a list of features, as :func:`loss_of` takes."""
+    (g,) = torch.autograd.grad(loss_of(features_of(x)), x, create_graph=True)
+    g.pow(2).sum().backward()
+
+
 def second_step_peak(trunk, x):
     """The peak of a trunk's second training step on ``x`` (the first makes what later steps reuse:
     gradients, an optimizer's state), its gradients cleared before it as the trunk's mode says a

@@ -9,7 +9,7 @@ from torch import nn
 
 from trunksplit import CheckpointedTrunk, feature_blocks
 
-from reference import build, check_step, close, loss_of, plain_features, step_both
+from reference import build, check_step, close, gradient_penalty, loss_of, plain_features, step_both
 
 ARCHS = ["resnet18", "resnet50", "resnext50_32x4d", "regnet_x_400mf", "regnet_y_400mf"]
 
@@ -457,9 +457,7 @@ def test_a_gradient_penalty_through_stochastic_depth_is_the_plain_models():
     body = nn.Sequential(plain.features, plain.avgpool, plain.classifier[0], nn.Flatten(1))  # flatten: the classifier's norm and flatten
     for features_of in (lambda t: trunk(t)[0], body):
         torch.manual_seed(3)
-        images = x.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(loss_of([features_of(images)]), images, create_graph=True)
-        g.pow(2).sum().backward()
+        gradient_penalty(lambda images: [features_of(images)], x.detach().requires_grad_(True))
     assert trunk.plan.strategy == "balanced" and sum(s.checkpointed for s in trunk.plan.segments) >= 6, trunk.plan
     for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name

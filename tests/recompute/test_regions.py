@@ -22,7 +22,7 @@ from trunksplit.recompute.checkpoint import is_expensive, is_heavy, is_recomputi
 from trunksplit.recompute.regions import run_region
 
 from plans import _with_plan
-from reference import build, grads_by_name, loss_of, plain_features
+from reference import build, gradient_penalty, grads_by_name, loss_of, plain_features
 from zoo import input_for, small, without_head
 
 SE, SH, RC, RS = "save_expensive", "save_heavy", "recompute", "recompute_stages"
@@ -403,13 +403,6 @@ def test_regions_over_weight_heavy_units_are_predicted_from_the_second_step_on()
         assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * measured, regions
 
 
-def _gradient_penalty(features_of, x):
-    """R1's penalty (a GAN discriminator's): the squared norm of the loss's gradient with respect to the
-    images, backwarded through the graph of that gradient (``create_graph=True``)."""
-    (g,) = torch.autograd.grad(loss_of(features_of(x)), x, create_graph=True)
-    g.pow(2).sum().backward()
-
-
 def _backward_twice(features_of, x):
     """Two losses of one forward, each backwarded alone (``retain_graph=True``)."""
     loss = loss_of(features_of(x))
@@ -421,7 +414,7 @@ AGAIN = {"whole segments": (F2, [0, 4, 8], []), "recompute_stages regions": LAYO
          "every policy": LAYOUTS["every policy in one segment"][:3], "save_expensive in the last segment": (F1, [0], [(4, 6, SE), (9, 10, SE)])}
 
 
-@pytest.mark.parametrize("again", [_gradient_penalty, _backward_twice], ids=["gradient penalty", "retain_graph"])
+@pytest.mark.parametrize("again", [gradient_penalty, _backward_twice], ids=["gradient penalty", "retain_graph"])
 @pytest.mark.parametrize("layout", list(AGAIN))
 def test_a_second_backward_of_one_forward_is_the_plain_models(layout, again):
     """A second backward through one forward reruns each checkpoint again, and a selective region,
