@@ -31,11 +31,13 @@ def jpegs(tmp_path_factory):
     return root
 
 
-def _batches(cfg, workers, start=0, rank=0, world=1):
+def _batches(cfg, workers, start=0, rank=0, world=1, context=None):
     cfg = cfg.clone()
     cfg.defrost()
     cfg.DATA.NUM_WORKERS = workers
-    return list(step_loader(image_dataset(cfg), cfg, rank, world, start, pin_memory=False))
+    loader = step_loader(image_dataset(cfg), cfg, rank, world, start, pin_memory=False)
+    loader.multiprocessing_context = context  # None: the platform's (fork on Linux before Python 3.14)
+    return list(loader)
 
 
 def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpegs):
@@ -44,11 +46,13 @@ def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpeg
     assert len(reference) == 6 and all(len(views) == 2 and views[0].shape == (4, 3, 32, 32) for views, _ in reference)
     skipped = [name for _, names in reference for name in names]
     assert skipped and all(name.endswith("broken.jpg") for name in skipped)  # 6 steps of 4 from 11 files: it is drawn
-    for workers in (1, 4):
-        got = _batches(cfg, workers)
+    # forkserver, Python 3.14's default on Linux: the dataset, the views and the workers' set-up
+    # reach each worker pickled, not forked
+    for workers, context in ((1, None), (4, None), (2, "forkserver")):
+        got = _batches(cfg, workers, context=context)
         assert [s for _, s in got] == [s for _, s in reference]
         for (a, _), (b, _) in zip(reference, got):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), workers
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (workers, context)
     tail = _batches(cfg, 2, start=4)  # what a run resumed after step 4 is fed
     assert all(torch.equal(x, y) for (a, _), (b, _) in zip(reference[4:], tail) for x, y in zip(a, b))
     other_rank = _batches(cfg, 0, rank=1, world=2)
@@ -213,7 +217,7 @@ def test_gifs_are_listed_an_animated_one_gives_its_first_frame_and_a_bomb_is_ski
     assert names == ["animated.jpg", "bomb.bmp", "plain0.jpg", "plain1.jpg", "still.gif"]
     with Image.open(tmp_path / "odd" / "animated.jpg") as gif:  # PIL opens an animated GIF at its first frame
         assert gif.n_frames == 3
-        first = torch.from_numpy(numpy.asarray(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
+        first = torch.from_numpy(numpy.array(gif.convert("RGB"))).permute(2, 0, 1).float() / 255
     animated = read_image(str(tmp_path / "odd" / "animated.jpg"), 40)
     assert animated.shape == (3, 40, 40) and (animated - first).abs().max() < 1e-6
     images = [dataset[i] for i in range(len(dataset))]  # the bomb's index gives the next readable image
