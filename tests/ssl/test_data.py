@@ -40,6 +40,7 @@ def _batches(cfg, workers, start=0, rank=0, world=1, context=None):
     return list(loader)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")  # torch's advice on a 2-core machine
 def test_any_number_of_workers_gives_the_same_batches_and_a_resume_its_tail(jpegs):
     cfg = load_config(QUICK, ["DATA.PATH", str(jpegs), "TRAIN.STEPS", "6", *SMALL])
     reference = _batches(cfg, 0)
@@ -81,6 +82,7 @@ def test_a_ctrl_c_or_hang_up_that_reaches_the_loaders_workers_fails_no_batch(jpe
     assert all(torch.equal(x, y) for (a, _), (b, _) in zip(got, _batches(cfg, 0)) for x, y in zip(a, b))
 
 
+@pytest.mark.filterwarnings("ignore:skipping unreadable image")  # the broken file, drawn: not what this test is about
 def test_a_fetch_that_a_schedulers_sigterm_failed_stops_the_run_before_that_step(jpegs):
     """A scheduler's SIGTERM ends the loader's workers with the run: the batches they still owed fail
     (torch: 'DataLoader worker ... exited unexpectedly'), and the run died with a traceback, unsaved.

@@ -372,7 +372,9 @@ def test_two_processes_end_with_identical_weights_equal_to_the_saved_ones(tmp_pa
     assert ("vissl's all-reduce (every gradient flattened at once)" in last["step_also_holds"]) == manual
     assert (extra >= 0.9 * run["gradient_bytes"]) == manual, (extra, run["gradient_bytes"])
     if not manual:  # resumed on one process: said, with what changes (the batch, the scaled rate, the random streams)
-        with pytest.warns(UserWarning, match=r"saved by 2 processes and resumes on 1: each step's batch is 1 x TRAIN.BATCH_SIZE_PER_RANK where it was 2 x \(and OPTIM.LR with it"):
+        with pytest.warns(UserWarning, match=r"saved by 2 processes and resumes on 1: each step's batch is 1 x TRAIN.BATCH_SIZE_PER_RANK where it was 2 x \(and OPTIM.LR with it"), \
+                pytest.warns(UserWarning, match=r"TRAIN.STEPS \(2 then, 3 now\) changed"), \
+                pytest.warns(UserWarning, match=r"TRAIN.GRADIENTS \(kept then, allocated now\) changed .* the trunk plans again"):  # DDP kept them
             _, resumed = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path), "TRAIN.STEPS", "3", *SMALL]), resume=True)
         assert resumed["step"] == 3 and math.isfinite(resumed["loss"])
 
@@ -785,7 +787,8 @@ def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
     train(load_config(QUICK, base + ["TRAIN.STEPS", "2"]))
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "loss": 4.1')  # killed while writing step 3's row
-    train(load_config(QUICK, base + ["TRAIN.STEPS", "3"]), resume=True)
+    with pytest.warns(UserWarning, match=r"TRAIN.STEPS \(2 then, 3 now\) changed"):
+        train(load_config(QUICK, base + ["TRAIN.STEPS", "3"]), resume=True)
     assert [r["step"] for r in _rows(out)] == [1, 2, 3]
 
 
@@ -796,7 +799,7 @@ def test_a_damaged_metrics_line_before_the_last_names_the_file(tmp_path):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("garbage\n" + "\n".join(lines) + "\n")
     before = _snapshot(out)
-    with pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not a metrics row"):
+    with pytest.warns(UserWarning, match=r"TRAIN.STEPS \(2 then, 3 now\) changed"), pytest.raises(ValueError, match=r"metrics.jsonl line 1 is not a metrics row"):
         train(load_config(QUICK, base + ["TRAIN.STEPS", "3"]), resume=True)
     assert _snapshot(out) == before
 
@@ -960,7 +963,8 @@ def test_resume_with_other_checkpointing_plans_again_and_a_finished_run_says_so(
     train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "1", *SMALL]))
     other = ["MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "2",
              "TRAIN.GRADIENTS", "kept"]  # a value is said as it was and is (DDP sets this one: the user may not know it changed)
-    with pytest.warns(UserWarning, match=r"MODEL.ACTIVATION_CHECKPOINTING, TRAIN.GRADIENTS \(allocated then, kept now\) changed since .* the trunk plans again"):
+    with pytest.warns(UserWarning, match=r"MODEL.ACTIVATION_CHECKPOINTING, TRAIN.GRADIENTS \(allocated then, kept now\) changed since .* the trunk plans again"), \
+            pytest.warns(UserWarning, match=r"TRAIN.STEPS \(1 then, 2 now\) changed"):
         model, last = train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, *other]), resume=True)
     assert last["step"] == 2 and (model.trunk.plan.strategy, len(model.trunk.plan.segments)) == ("vissl", 2)
     with pytest.warns(UserWarning, match="is at step 2 and TRAIN.STEPS is 2: nothing is left to train"):
@@ -1060,7 +1064,7 @@ def test_an_fsdp_run_goes_on_in_one_process_from_its_shards_read_whole(tmp_path,
                       optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
 
     monkeypatch.setattr(strategy.Strategy, "load", load_and_keep)
-    with pytest.warns(UserWarning, match="saved by 2 processes and resumes on 1"):
+    with pytest.warns(UserWarning, match="saved by 2 processes and resumes on 1"), pytest.warns(UserWarning, match=r"TRAIN.STEPS \(2 then, 3 now\) changed"):
         train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL]), resume=True)
     assert loaded["model"].keys() == want["model"].keys()
     for name, value in want["model"].items():
