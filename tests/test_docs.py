@@ -88,7 +88,7 @@ def test_documented_command_parses(page, command, tmp_path, monkeypatch):
     script = next(w for w in words if w.startswith("tools/"))
     args = words[words.index(script) + 1 :]
     if script in ("tools/wrap_budget.py", "tools/zoo_sweep.py", "tools/fsdp_memory.py", "tools/fsdp_scaling.py", "tools/compile_benchmark.py", "tools/fsdp_compile_benchmark.py", "tools/in_backward_benchmark.py", "tools/digits_folder.py", "tools/library_checkpointing_benchmark.py",
-                  "tools/unit_compile_times.py", "tools/gpu_check.py", "tools/multicrop_benchmark.py", "tools/eager_overhead.py", "tools/plan_time.py", "tools/price_check.py"):
+                  "tools/unit_compile_times.py", "tools/gpu_check.py", "tools/multicrop_benchmark.py", "tools/eager_overhead.py", "tools/plan_time.py", "tools/price_check.py", "tools/penalty_peaks.py"):
         _tool_parser(script[len("tools/"):-len(".py")]).parse_args(args)
         return
     if script == "tools/benchmark.py":
