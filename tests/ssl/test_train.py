@@ -178,6 +178,27 @@ def test_a_second_signal_stops_at_once_and_the_handlers_before_the_run_come_back
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+WITHOUT_HANG_UP = """
+import signal
+del signal.SIGHUP, signal.SIGCHLD  # as on Windows
+import trunksplit.ssl.loop  # the launcher, all of it
+from trunksplit.ssl.stopping import ignore_interrupts, stop_between_steps
+with stop_between_steps(say=False) as signals:
+    signal.raise_signal(signal.SIGTERM)
+assert signals.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+ignore_interrupts(0)  # a loader worker's set-up
+assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+print("stopped by", signals.signum)
+"""
+
+
+def test_the_launcher_imports_and_stops_on_a_platform_without_hang_up_or_child_signals():
+    """Windows has no SIGHUP and no SIGCHLD: importing the launcher failed there (AttributeError), before
+    any step. Where they are missing, SIGINT and SIGTERM still stop a run between steps."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_HANG_UP], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0 and f"stopped by {int(signal.SIGTERM)}" in done.stdout, done.stderr[-2000:]
+
+
 def test_a_hang_up_asks_the_run_to_stop_once_and_the_gone_terminal_takes_every_later_write():
     """An ssh connection dropped: SIGHUP ended the run where it was, unsaved past its last periodic
     checkpoint. Now it asks the run to stop, as SIGTERM does. A write to a hung-up terminal fails (EIO):
@@ -1036,7 +1057,7 @@ def _fsdp_run(rank, world_size, out, interrupt, resume_only=False, extra=()):
 
 
 def _fsdp_two_steps(rank, world_size, out):
-    train(load_config(QUICK, ["OUTPUT_DIR", out, "DISTRIBUTED.STRATEGY", "fsdp", "TRAIN.STEPS", "2", *SMALL]))
+    train(load_config(QUICK, ["OUTPUT_DIR", out, *FSDP, "TRAIN.STEPS", "2"]))
 
 
 def test_an_fsdp_run_goes_on_in_one_process_from_its_shards_read_whole(tmp_path, monkeypatch):
@@ -1184,11 +1205,6 @@ def test_dino_under_fsdp_resumes_its_sharded_teacher_and_centre_exactly(tmp_path
     assert any(name.startswith("teacher.") for name in straight) and "center" in straight
     for name, value in straight.items():
         assert torch.equal(value, resumed[name]), name
-
-
-def _fsdp_two_steps(rank, world_size, out):
-    cfg = load_config(QUICK, ["OUTPUT_DIR", out, *FSDP, "TRAIN.STEPS", "2"])
-    train(cfg)
 
 
 @pytest.mark.slow  # four gloo processes on two cores

@@ -22,8 +22,15 @@ import torch
 
 from .run_dir import CHECKPOINT
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-HANDLED = (*STOP_SIGNALS, signal.SIGCHLD)  # SIGCHLD: see StopSignals.handle
+
+def _signals(*names: str) -> tuple:
+    """The signals of ``names`` this platform has: Windows has no SIGHUP and no SIGCHLD."""
+    return tuple(getattr(signal, name) for name in names if hasattr(signal, name))
+
+
+STOP_SIGNALS = _signals("SIGINT", "SIGTERM", "SIGHUP")
+HANDLED = STOP_SIGNALS + _signals("SIGCHLD")  # SIGCHLD: see StopSignals.handle
+HANG_UP = getattr(signal, "SIGHUP", None)
 
 
 class Stopped(KeyboardInterrupt):
@@ -52,7 +59,7 @@ class StopSignals:
         self._terminal = terminal
 
     def handle(self, signum: int, frame) -> None:
-        if signum == signal.SIGHUP:
+        if signum == HANG_UP:
             _write_past_a_closed_terminal(self._terminal)
             if self.signum:
                 return
@@ -65,8 +72,9 @@ class StopSignals:
         # workers (restored on leaving the block). A Python handler that does nothing, not SIG_DFL: a
         # SIGCHLD already pending would find no Python handler, and Python prints "Signal 17 ignored
         # due to race condition" as an error.
-        signal.signal(signal.SIGCHLD, _unwatched)
-        if self._say and signum != signal.SIGHUP:  # os.write: a handler may land inside a print
+        for s in _signals("SIGCHLD"):
+            signal.signal(s, _unwatched)
+        if self._say and signum != HANG_UP:  # os.write: a handler may land inside a print
             os.write(2, f"\n{signal.Signals(signum).name}: stopping once this step is done and saved "
                         "(Ctrl-C again stops at once, from the last checkpoint)\n".encode())
 
@@ -167,8 +175,8 @@ def ignore_interrupts(worker_id: int) -> None:
     """A data loader's ``worker_init_fn``: Ctrl-C in a terminal, and the terminal's hang-up, reach the
     loader's workers too, and a worker they ended would fail the batch the stopping step still waits
     on. The loader stops its workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for s in _signals("SIGINT", "SIGHUP"):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def interrupted_note(output_dir: str, checkpoint_every: int) -> str:
