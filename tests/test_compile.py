@@ -13,7 +13,6 @@ import torch
 import torchvision
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.chains import expand_units
 from trunksplit.planning.memory import profiled_peak
 
 from plans import _with_plan

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, shard_trunk
-from trunksplit.chains import expand_units
 from trunksplit.planning.memory import profiled_peak
 from trunksplit.planning.sharding import rank_memory
 

@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from trunksplit import LARS, CheckpointedTrunk, optimizer_in_backward, shard_trunk

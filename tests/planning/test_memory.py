@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torchvision
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.chains import expand_units
 from trunksplit.planning.memory import ProfiledPeak
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.profile import profile_units

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # see every op run, 
 from torch.utils.flop_counter import flop_registry
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.chains.blocks import expand_units, layer_splittable_before
+from trunksplit.chains.blocks import layer_splittable_before
 from trunksplit.planning.memory import PeakMemory
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.plan import SplitPlan

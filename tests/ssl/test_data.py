@@ -212,7 +212,7 @@ def _odd_files(root):
 def test_gifs_are_listed_an_animated_one_gives_its_first_frame_and_a_bomb_is_skipped_by_name(tmp_path):
     from PIL import Image
 
-    frames = _odd_files(tmp_path)
+    _odd_files(tmp_path)
     cfg = load_config(QUICK, ["DATA.PATH", str(tmp_path), "DATA.IMAGE_SIZE", "40"])
     dataset = image_dataset(cfg)
     names = sorted(os.path.basename(dataset.name(i)) for i in range(len(dataset)))

@@ -58,9 +58,10 @@ import itertools
 from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..recompute.policies import POLICIES
+from .choices import GRADIENT_MODES, PRICES
 from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
-from .request import GRADIENT_MODES, PRICES, UPDATE_TEMPORARIES
+from .request import UPDATE_TEMPORARIES
 from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
 from .unit_terms import backward_terms, gradients_after, input_relief, packs
 from .templates import Region, RegionTemplates, _as_run

@@ -3,7 +3,7 @@
 The peak model (:mod:`trunksplit.planning.peak`) plans from these figures; the tracker that counts the bytes is
 :class:`trunksplit.planning.memory.PeakMemory`'s."""
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..chains.blocks import layer_splittable_before
 from .budget import MemoryBudget
-from .choices import GRADIENT_MODES, OBJECTIVES, PRICES, STRATEGIES
+from .choices import GRADIENT_MODES, OBJECTIVES, STRATEGIES
 
 # in_backward: until an optimizer_in_backward measures its own, a parameter's update is taken to
 # allocate two tensors of its size (AdamW's for-loop form: the most of SGD, LARS and AdamW)

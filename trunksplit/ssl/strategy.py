@@ -9,7 +9,7 @@ asks the object and never tests a strategy's name.
 import contextlib
 import os
 import warnings
-from typing import Callable, ContextManager, List, Optional, Tuple
+from typing import Callable, ContextManager, List, Tuple
 
 import torch
 import torch.distributed as dist
