@@ -946,6 +946,8 @@ def test_select_with_a_budget_says_which_wins():
     [
         (lambda d: None, ["TRAIN.DEVICE", "cuda"] if not torch.cuda.is_available() else ["TRAIN.DEVICE", "cuda:99"], "TRAIN.DEVICE"),
         (lambda d: None, ["TRAIN.DEVICE", "potato"], "not a device"),
+        pytest.param(lambda d: None, ["TRAIN.DEVICE", "mps"], "TRAIN.DEVICE mps: torch has no usable mps device on this machine; use cpu",
+                     marks=pytest.mark.skipif(torch.mps.is_available(), reason="this machine has an Apple GPU")),
         (lambda d: (d / "afile").write_text("x"), ["OUTPUT_DIR", "{d}/afile/run"], "is a file"),
         (lambda d: (d / "empty").mkdir(), ["DATA.PATH", "{d}/empty"], "holds no images"),
         # a directory no process may write in, root's included (before: a FileNotFoundError traceback after planning)

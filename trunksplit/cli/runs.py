@@ -6,6 +6,7 @@ import torch
 
 from ..ssl.knn import knn_of_run
 from ..ssl.metrics_log import keep_offline_knn
+from ..ssl.parallel import no_such_device
 from ..ssl.report import REPORT, draw_report, read_run, summary
 
 
@@ -20,6 +21,8 @@ def device_of(text: str) -> str:
         raise ValueError(f"--device {text!r} is not a device: cpu, cuda, cuda:N, or auto") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} GPU(s) on this machine; use cpu, or auto")
+    if no_such_device(device):
+        raise ValueError(f"--device {text}: torch has no usable {device.type} device on this machine; use cpu, or auto")
     return text
 
 

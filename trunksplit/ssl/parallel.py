@@ -25,6 +25,8 @@ def setup_distributed(cfg):
             device = torch.device("cuda", local_rank)
         if device.type == "cuda" and device.index >= torch.cuda.device_count():
             raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE}: this machine has {torch.cuda.device_count()} GPU(s)")
+        if no_such_device(device):  # mps, xpu, meta: said here, not as a traceback from moving the model
+            raise ValueError(f"TRAIN.DEVICE {cfg.TRAIN.DEVICE}: torch has no usable {device.type} device on this machine; use cpu, or leave it empty to pick")
     else:
         device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -38,6 +40,18 @@ def setup_distributed(cfg):
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
     return 0, 1, device
+
+
+def no_such_device(device: torch.device) -> bool:
+    """Whether this machine lacks ``device``: torch's module for its type (``torch.cuda``, ``torch.mps``,
+    ``torch.xpu``) says it is not available, or has no device of its index; a type without one (meta)
+    holds no data to train on. The CPU is always there."""
+    if device.type == "cpu":
+        return False
+    backend = getattr(torch, device.type, None)
+    if not hasattr(backend, "is_available") or not backend.is_available():
+        return True
+    return device.index is not None and device.index >= backend.device_count()
 
 
 def autocast_for(cfg, device: torch.device):
