@@ -280,8 +280,8 @@ def test_a_call_whose_updates_are_held_is_planned_for_the_gradients_it_keeps_and
     backward keeps every gradient, as torch's default mode does: the call is planned as that mode's
     step, apart from the updating calls, and meets its budget as measured. Before, it ran the plan made
     for freeing each gradient: ResNet-50 at 16 x 96 px, budget 0.5, predicted 127 MiB and measured 196."""
-    x = torch.randn(8, 3, 128, 128)
-    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.85, gradients="in_backward")
+    x = torch.randn(8, 3, 96, 96)
+    trunk = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.92, gradients="in_backward")
     stand_in = optimizer_in_backward(trunk, torch.optim.SGD, lr=0.1, momentum=0.9)
     loss_of(trunk(x)).backward()  # an updating call: planned, and the momentum made
     with stand_in.accumulating():
@@ -291,8 +291,8 @@ def test_a_call_whose_updates_are_held_is_planned_for_the_gradients_it_keeps_and
     assert all(p.grad is not None for p in trunk.parameters()) and len(trunk.plans) == 2  # kept; planned apart
     # the reference: the same step in torch's default mode, every gradient allocated and kept
     unsplit = second_step_peak(CheckpointedTrunk(build("resnet18"), ["flatten"]), x)
-    default_mode = second_step_peak(CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.85), x)
-    assert mem.peak_bytes <= 0.85 * unsplit and abs(mem.peak_bytes / default_mode - 1) <= 0.01, (mem.peak_bytes, default_mode, unsplit)
+    default_mode = second_step_peak(CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.92), x)
+    assert mem.peak_bytes <= 0.92 * unsplit and abs(mem.peak_bytes / default_mode - 1) <= 0.01, (mem.peak_bytes, default_mode, unsplit)
     assert abs(held.predicted_peak_bytes / mem.peak_bytes - 1) <= 0.02, (held.predicted_peak_bytes, mem.peak_bytes)
     # a budget only the updating call meets: the held call is refused, saying why, and nothing runs
     tight = CheckpointedTrunk(build("resnet18"), ["flatten"], memory_budget=0.6, gradients="in_backward")
