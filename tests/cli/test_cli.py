@@ -1,4 +1,5 @@
 """The trunksplit command: plan and bench."""
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -264,11 +265,14 @@ def test_help_and_argument_errors_answer_without_importing_torch():
     """A new user's first call: ``trunksplit --help`` or a typo must answer in a moment, not after
     torch loads (seconds on a busy machine). Run in a fresh interpreter, where nothing imported torch."""
     script = ("import sys\nfrom trunksplit.cli import main\n"
-              "for argv in (['--help'], ['plan', '--help'], ['fit', '--memory', 'lots'], ['plan', '--input', '3x3'], ['plan', '--input', '0x3x64x64']):\n"
+              "for argv in (['--help'], ['--version'], ['plan', '--help'], ['fit', '--memory', 'lots'], ['plan', '--input', '3x3'], ['plan', '--input', '0x3x64x64']):\n"
               "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
               "print('torch imported' if 'torch' in sys.modules else 'no torch')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().endswith("no torch"), done.stdout[-300:] + done.stderr[-300:]
+    assert f"\ntrunksplit {importlib.metadata.version('trunksplit')}\n" in done.stdout  # --version: the installed distribution's
+    said = done.stdout.split("usage: trunksplit")[1]  # the help speaks to whoever runs it, not of this module's imports
+    assert "(plan)" in said and "tools/train.py" in said and "``" not in said and "imports no torch" not in said, said
     assert "expected a shape of 4 sizes, each at least 1, like 8x3x224x224, got '3x3'" in done.stderr and "--memory" in done.stderr
     assert "each at least 1, like 8x3x224x224, got '0x3x64x64'" in done.stderr  # an empty batch: the rule it breaks is said
     as_module = subprocess.run([sys.executable, "-m", "trunksplit", "fit", "--memory", "lots"], capture_output=True, text=True, timeout=120)

@@ -14,8 +14,14 @@ import tempfile
 import warnings
 from typing import List, Optional
 
+from .. import __version__
 from ..planning.budget import MemoryBudget, parse_memory_size
 from ..planning.choices import GRADIENT_MODES, OBJECTIVES, PRICES
+
+# what ``trunksplit --help`` says: the module's docstring speaks to its readers, this to whoever runs it
+DESCRIPTION = ("Plan activation checkpointing for a vision trunk and check it: see how a trunk would be cut (plan), measure plans (bench), "
+               "find the largest batch that fits a memory size (fit), measure input pipelines (bench-data), evaluate a training run's trunk "
+               "(knn) and draw its metrics (report). Training runs with python tools/train.py --config-file CONFIG in a clone.")
 
 # each command and the module of this package that runs it, as ``run_<command>(args)``
 COMMANDS = {"plan": "commands", "bench": "commands", "fit": "commands", "bench-data": "commands", "knn": "runs", "report": "runs"}
@@ -94,9 +100,10 @@ class _ParserWithDefaults(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's arguments (``main`` runs what they ask; the docs test parses the documented calls)."""
-    parser = argparse.ArgumentParser(prog="trunksplit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="trunksplit", description=DESCRIPTION, epilog="trunksplit COMMAND --help: a command's flags")
+    parser.add_argument("--version", action="version", version=f"trunksplit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
-    p = sub.add_parser("plan", help="print how a torchvision trunk would be cut, with predicted memory")
+    p = sub.add_parser("plan", help="print how a trunk (torchvision, timm:, hf:) would be cut, with predicted memory")
     p.add_argument("--arch", default="resnet50", help=PLAN_ARCH_HELP)
     p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
