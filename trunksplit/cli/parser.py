@@ -8,13 +8,13 @@ module that runs a command (``COMMANDS``) is loaded once its arguments parse."""
 import argparse
 import contextlib
 import importlib
+import importlib.metadata
 import os
 import sys
 import tempfile
 import warnings
 from typing import List, Optional
 
-from .. import __version__
 from ..planning.budget import MemoryBudget, parse_memory_size
 from ..planning.choices import GRADIENT_MODES, OBJECTIVES, PRICES
 
@@ -98,10 +98,18 @@ class _ParserWithDefaults(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
 
 
+def _installed_version() -> str:
+    """The installed distribution's version (``pip install -e .`` records it), read without importing the package."""
+    try:
+        return importlib.metadata.version("trunksplit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH, never installed
+        return "(not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's arguments (``main`` runs what they ask; the docs test parses the documented calls)."""
     parser = argparse.ArgumentParser(prog="trunksplit", description=DESCRIPTION, epilog="trunksplit COMMAND --help: a command's flags")
-    parser.add_argument("--version", action="version", version=f"trunksplit {__version__}")
+    parser.add_argument("--version", action="version", version=f"trunksplit {_installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
     p = sub.add_parser("plan", help="print how a trunk (torchvision, timm:, hf:) would be cut, with predicted memory")
     p.add_argument("--arch", default="resnet50", help=PLAN_ARCH_HELP)
