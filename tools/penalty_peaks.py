@@ -36,7 +36,7 @@ def step_peak(model: torch.nn.Module, x: torch.Tensor, penalty: bool) -> int:
     live before it."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    with PeakMemory() as mem:
+    with PeakMemory(x.device) as mem:
         out = model(x)
         loss = (out[-1] if isinstance(out, list) else out).pow(2).mean()
         if penalty:

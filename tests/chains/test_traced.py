@@ -342,7 +342,6 @@ def test_a_cut_that_carries_a_tuple_is_planned_and_measured():
 
 
 def _unit_outputs(trunk, x):
-
     outs = []
     with torch.no_grad():
         for _, unit in trunk.units:
