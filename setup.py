@@ -1,8 +1,13 @@
+import re
+
 from setuptools import find_packages, setup
+
+# one version, trunksplit.__version__'s: what `trunksplit --version` reads back from the installed metadata
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("trunksplit/__init__.py").read(), re.M).group(1)
 
 setup(
     name="trunksplit",
-    version="0.1.0",
+    version=VERSION,
     description="Train vision backbones with far less activation memory and exactly the same gradients: planned activation checkpointing for SSL.",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",

@@ -271,6 +271,7 @@ def test_help_and_argument_errors_answer_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().endswith("no torch"), done.stdout[-300:] + done.stderr[-300:]
     assert f"\ntrunksplit {importlib.metadata.version('trunksplit')}\n" in done.stdout  # --version: the installed distribution's
+    assert importlib.metadata.version("trunksplit") == trunksplit.__version__  # setup.py reads it from the package: one version
     said = done.stdout.split("usage: trunksplit")[1]  # the help speaks to whoever runs it, not of this module's imports
     assert "(plan)" in said and "tools/train.py" in said and "``" not in said and "imports no torch" not in said, said
     assert "expected a shape of 4 sizes, each at least 1, like 8x3x224x224, got '3x3'" in done.stderr and "--memory" in done.stderr
