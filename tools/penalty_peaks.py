@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     x_grad = x.clone().requires_grad_()  # a trunk plans apart for an input that requires grad
     rows, plain = [], None
     for label, trunk in trunks(model).items():
+        print(f"penalty_peaks: {label}: measuring a one-backward step and a penalty step ...", file=sys.stderr, flush=True)
         predicted = None
         if isinstance(trunk, CheckpointedTrunk):  # planned before measuring
             predicted = trunk.plan_for(x).predicted_peak_bytes

@@ -33,7 +33,7 @@ from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, In
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import flop_registry
 
-from .selective import casts_run_as_they_come, keep_policy, selective_contexts
+from .selective import keep_policy, selective_contexts
 
 _local = threading.local()
 
@@ -331,9 +331,8 @@ def run_checkpointed(
             return function(*a, **kw)
 
     if keep is not None:
-        with casts_run_as_they_come():
-            return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
-                              context_fn=selective_contexts(keep, guard.first_forward, guard.recompute))
+        return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
+                          context_fn=selective_contexts(keep, guard.first_forward, guard.recompute))
     if not use_reentrant:
         return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
     if kwargs:

@@ -21,13 +21,16 @@ def selective_contexts(keep: Callable, first_forward: Callable[[], ContextManage
     of the ops ``keep(func, args)`` picks, inside ``first_forward()`` and ``recompute()``.
 
     The caller's contexts run outside torch's modes, whose recompute replays only the ops the forward
-    ran (a guard's copies of buffers are not among them). The first recompute replays; a later one (a
-    second backward) runs every op again (see the module docstring)."""
+    ran (a guard's copies of buffers are not among them), and autocast's casts as they come in both
+    passes (:func:`casts_run_as_they_come`). The first recompute replays; a later one (a second
+    backward) runs every op again (see the module docstring)."""
+
+    def ours(make: Callable[[], ContextManager]) -> ContextManager:
+        return _both(make(), casts_run_as_they_come())
 
     def contexts():
         forward, replay = create_selective_checkpoint_contexts(keep_policy(keep))
-        return _both(first_forward(), forward), _ReplayOnce(lambda: _both(_both(recompute(), casts_run_as_they_come()), replay),
-                                                            lambda: _both(recompute(), casts_run_as_they_come()))
+        return _both(ours(first_forward), forward), _ReplayOnce(lambda: _both(ours(recompute), replay), lambda: ours(recompute))
 
     return contexts
 
