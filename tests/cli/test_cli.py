@@ -8,6 +8,7 @@ import warnings
 import pytest
 
 import trunksplit
+from trunksplit import feature_blocks
 from trunksplit.cli import main
 from trunksplit.cli.parser import build_parser, warnings_as_lines
 
@@ -322,6 +323,21 @@ def test_plan_takes_a_timm_model_by_name(capsys):
     for wrong, near in (("timm/convnext_atto", "did you mean timm:convnext_atto?"), ("timm:convnext_atoo", "did you mean timm:convnext_atto")):
         assert main(["plan", "--arch", wrong]) == 2
         assert near in capsys.readouterr().err
+
+
+@pytest.mark.clients
+def test_bench_measures_a_timm_model_as_plan_plans_it(tmp_path, capsys):
+    """A traced trunk's last block is ``output``, not torchvision's ``flatten``, and it has no stages: bench asked
+    for ``flatten`` and took its wrapped rows' block type from the stages, so it refused every timm model."""
+    timm = pytest.importorskip("timm")
+    assert main(["bench", "--arch", "timm:convnext_atto", "--batch", "2", "--resolution", "64", "--splits", "2",
+                 "--budgets", "0.9", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:]] for r in (tmp_path / "benchmark.md").read_text().splitlines()
+            if r.startswith("| ") and not r.startswith("| plan")}
+    units = len(feature_blocks(timm.create_model("convnext_atto", num_classes=0)))  # a traced model's blocks: its units
+    assert f"wrap every block ({units})" in rows, sorted(rows)
+    plain = float(rows["plain"][0])
+    assert float(rows["balanced k=2"][0]) < plain and float(rows[f"wrap every block ({units})"][0]) < plain
 
 
 def test_a_transformers_model_type_it_cannot_cut_is_wrapped_to_a_budget(capsys):

@@ -23,6 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 from tqdm import tqdm
 
+from ..chains import feature_blocks
+from ..chains.traced import ChainUnit
 from ..planning.memory import PeakMemory
 from ..planning.peak import PeakModel
 from ..planning.plan import policy_counts
@@ -52,9 +54,10 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
                 objectives: Sequence[str] = ("flops",)) -> List[Row]:
     torch.manual_seed(0)
     base = build_backbone(arch, x.shape[-1]).to(x.device)
+    last = list(feature_blocks(base))[-1:]  # flatten for torchvision's, output for a traced (timm) trunk, as `plan` asks
 
     def trunk(**kw):
-        return CheckpointedTrunk(copy.deepcopy(base), ["flatten"], gradients=gradients, **kw)
+        return CheckpointedTrunk(copy.deepcopy(base), last, gradients=gradients, **kw)
 
     plain = trunk(objective="time" if "time" in objectives else "flops")  # profiled with timings where a plan needs them
     start = time.perf_counter()
@@ -136,9 +139,13 @@ def _cuts_only_row(arch, trunk, x, cuts_only, model, total_flops) -> Row:
 
 
 def _block_type(trunk: CheckpointedTrunk) -> type:
-    """The class the trunk's stages are made of (Bottleneck, CNBlock, EncoderBlock ...): the most common one."""
+    """The class the trunk's stages are made of (Bottleneck, CNBlock, EncoderBlock ...): the most common one.
+    A traced trunk (timm's) has no stages: its units are its blocks (``ChainUnit``; each instance is of its own
+    subclass, as every ``fx.GraphModule``)."""
     blocks = trunk.feature_blocks
     kinds = [type(m) for name, stage in blocks.items() if name in blocks.stages for m in stage]
+    if not kinds:
+        return ChainUnit
     return max(set(kinds), key=kinds.count)
 
 

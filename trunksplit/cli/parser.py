@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "its other flags but --world-size are then the config's to say (given too, refused)")
     p.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
-    b.add_argument("--arch", nargs="+", default=["resnet50"], help="torchvision model names, one table row group each")
+    b.add_argument("--arch", nargs="+", default=["resnet50"], help="models, one table row group each: torchvision names (resnet50 vit_b_16), timm:NAME where timm "
+                   "is installed, hf:TYPE (hf:vit, hf:resnet, ...: a transformers type trunksplit cuts)")
     b.add_argument("--batch", type=_positive, default=4, help="images per step")
     b.add_argument("--resolution", type=_positive, default=224, help="image height and width")
     b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6], help="segment counts of the vissl and balanced rows")
