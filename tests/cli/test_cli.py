@@ -422,6 +422,31 @@ def test_plan_and_fit_of_a_config_with_world_size_follow_its_distributed_strateg
     assert abs(resident["2"] - resident["1"] - trained / 2**20) <= 0.1, (resident, trained / 2**20)
 
 
+def test_config_overrides_go_before_or_after_the_flags_as_the_launcher_takes_them(capsys):
+    """``plan --config-file C KEY VALUE --world-size 2 KEY VALUE`` plans as with the flag first; before, every
+    word after the first override was one (``--world-size`` an unknown config key). A flag spelt wrong among
+    them is still a usage error, not a config key."""
+    budget = ["DATA.CROP_SIZES", "[32]", "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET", "0.8", "TRAIN.GRADIENTS", "kept"]
+    assert main(["plan", "--config-file", QUICK, "--world-size", "2", *SMALL_RUN, *budget]) == 0
+    flags_first = capsys.readouterr().out
+    assert main(["plan", "--config-file", QUICK, *SMALL_RUN, "--world-size", "2", *budget]) == 0
+    assert capsys.readouterr().out == flags_first and "input 8x3x32x32" in flags_first
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--config-file", QUICK, *SMALL_RUN, "--world-sise", "2"])
+    assert stopped.value.code == 2 and "unrecognized arguments: --world-sise 2" in capsys.readouterr().err
+
+
+def test_fit_of_a_config_with_no_verify_predicts_only(capsys):
+    """``--no-verify`` was read only without ``--config-file``: a config's fit ran its checking step anyway."""
+    run = ["fit", "--config-file", QUICK, *SMALL_RUN, "DATA.CROP_SIZES", "[32]", "--memory", "200MiB"]
+    assert main(run) == 0
+    checked = capsys.readouterr()
+    assert main([*run, "--no-verify"]) == 0
+    predicted = capsys.readouterr()
+    assert "by one real step" in checked.err and "by one real step" not in predicted.err
+    assert "measured -;" in predicted.out and "measured -;" not in checked.out
+
+
 def test_plan_of_a_selective_config_lists_the_blocks_it_wraps(capsys):
     select = ["MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl", "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "1",
               "MODEL.ACTIVATION_CHECKPOINTING.SELECT.every_k", "2", "MODEL.ACTIVATION_CHECKPOINTING.SELECT.types", "[torchvision.models.resnet.BasicBlock]"]

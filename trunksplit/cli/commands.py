@@ -227,7 +227,8 @@ def _fit_config(args) -> int:
                                  args.world_size)
         device = torch.device(device_of(args.device))
         found = fit_step(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), layout,
-                         lambda line: print(f"fit: {line}", file=sys.stderr, flush=True), len(image_dataset(cfg)) // args.world_size)
+                         lambda line: print(f"fit: {line}", file=sys.stderr, flush=True), len(image_dataset(cfg)) // args.world_size,
+                         verify=not args.no_verify)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's defaul
 ARCH_HELP = ("a torchvision classification model name (resnet50), timm:NAME (timm:convnext_atto) where timm is installed, "
              "or hf:TYPE (hf:vit, hf:deit, hf:dinov2, hf:convnextv2, hf:resnet, ...), a transformers model type's default config")
 PLAN_ARCH_HELP = ARCH_HELP + "; another transformers type (hf:swin) is wrapped to --budget"
+OVERRIDES_HELP = "with --config-file: config overrides, KEY VALUE ..., before or after the flags"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
 PLAN_WORLD_HELP = ("plan for one of N FSDP2 ranks (--input is one rank's batch); with --config-file, one of N ranks of its "
                    "DISTRIBUTED.STRATEGY (a DDP rank plans its whole trunk)")
@@ -43,7 +44,11 @@ FIT_WORLD_HELP = ("fit one of N FSDP2 ranks (predicted, not measured); with --co
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse, then load the module that runs the command and run it."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after a flag (CONFIG KEY VALUE --memory 1GiB KEY VALUE), as tools/train.py takes them
+        if not hasattr(args, "opts") or any(t.startswith("-") and not _number(t) for t in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.opts += extra
     if args.command in ("plan", "fit") and args.config_file:
         _refuse_what_the_config_says(parser, args)
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
@@ -124,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
     p.add_argument("--config-file", default=None, help="the plan the launcher trains this config with, one per crop group, before a run; "
                    "its other flags but --world-size are then the config's to say (given too, refused)")
-    p.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
+    p.add_argument("opts", nargs="*", help=OVERRIDES_HELP)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"], help="models, one table row group each: torchvision names (resnet50 vit_b_16), timm:NAME where timm "
                    "is installed, hf:TYPE (hf:vit, hf:resnet, ...: a transformers type trunksplit cuts)")
@@ -150,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--world-size", type=_positive, default=1, help=FIT_WORLD_HELP)
     f.add_argument("--config-file", default=None, help="fit the launcher's whole SSL step of this config (every crop group, head, loss, teacher); "
                    "--arch, --input, --optimizer, --splits and --gradients are then the config's to say (given too, refused)")
-    f.add_argument("opts", nargs=argparse.REMAINDER, help="with --config-file: config overrides, KEY VALUE ...")
+    f.add_argument("opts", nargs="*", help=OVERRIDES_HELP)
     _add_bench_data_parser(sub)
     _add_run_parsers(sub)
     return parser
@@ -241,3 +246,12 @@ def _memory(text: str) -> int:
         return parse_memory_size(text, "--memory")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _number(text: str) -> bool:
+    """Whether ``text`` is a number (an override's value, ``-1e-4``), not a flag."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -132,12 +132,13 @@ class _StandInTrunk(nn.Module):
 
 
 def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = RankLayout(), progress: Optional[Callable[[str], None]] = None,
-             images_at_most: Optional[int] = None) -> StepFit:
+             images_at_most: Optional[int] = None, verify: bool = True) -> StepFit:
     """The most images per rank whose whole step fits ``cfg.TRAIN.MEMORY_LIMIT`` (bytes), for one
     rank laid out as ``layout`` says (the default: one process), and at most ``images_at_most`` (the
     rank's share of the data set: a step holds each image once). ``run_step(model, crops)`` is the
-    launcher's forward and backward; ``progress(line)`` hears each phase. A limit too small for one
-    image is a ``ValueError`` naming the smallest that fits."""
+    launcher's forward and backward; ``progress(line)`` hears each phase. ``verify=False`` predicts
+    only: no real step checks the batch found (one FSDP2 rank's step never is). A limit too small for
+    one image is a ``ValueError`` naming the smallest that fits."""
     say = progress or (lambda line: None)
     if images_at_most is not None and images_at_most < 1:
         raise ValueError(f"the data set holds fewer images than the run has ranks ({layout.ranks}): no step gives each rank an image of its own")
@@ -155,7 +156,7 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
     if images == images_at_most and step.total(images + 1) <= memory:
         say(f"the data set gives each rank {images} images a step: the batch stops there (the memory would hold more)")
     budget, measured = step.budget(images, memory), None
-    if world == 1:  # one process cannot run a sharded step
+    if world == 1 and verify:  # one process cannot run a sharded step
         images, budget, measured = _checked(step, images, memory, say)
     plans = step.plans(images, budget)
     lines = [_group_line(k, s, n, images, plan, budget, held) for k, ((s, n), plan, held) in enumerate(zip(step.groups, plans.values(), step.held))]
