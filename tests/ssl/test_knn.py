@@ -15,7 +15,7 @@ from PIL import Image
 from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import knn, loop
-from trunksplit.ssl.knn import KnnMonitor, extract_features, knn_accuracy
+from trunksplit.ssl.knn import KnnMonitor, RankShare, extract_features, knn_accuracy
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.report import read_run, report_figure
 
@@ -91,6 +91,32 @@ def test_classes_any_features_separate_read_above_0_9_and_random_labels_near_cha
     assert separable["knn_top1"] >= 0.9, separable
     chance = _monitor(folders, "random_train", "random_val").evaluate(trunk, torch.device("cpu"))
     assert chance["knn_top1"] <= 1 / len(COLOURS) + 0.25, chance  # 21 images: chance is 1/7, within a few images
+
+
+def test_a_runs_evaluations_keep_one_set_of_loader_workers_and_read_as_one_process_does(folders):
+    """Where workers start as fresh interpreters (spawn on macOS, forkserver from Python 3.14), a loader made
+    per evaluation imported torch again each time: 4 evaluations of a digits run took 30 s more than under
+    fork. The monitor reads both folders with one worker, started at its first evaluation and kept; the
+    figures are those of one process reading them, every time; the worker goes with the monitor."""
+    import gc
+    import multiprocessing
+
+    from trunksplit.ssl.model import build_model
+
+    torch.manual_seed(0)
+    trunk, cpu = build_model(load_config(QUICK, SMALL)).trunk, torch.device("cpu")
+    in_process = _monitor(folders, "random_train", "random_val").evaluate(trunk, cpu)
+    before = {p.pid for p in multiprocessing.active_children()}  # an earlier test's loader may still be shutting down
+    monitor, workers = _monitor(folders, "random_train", "random_val"), []
+    for _ in range(2):
+        assert monitor.evaluate(trunk, cpu, workers=1) == in_process
+        workers.append({p.pid for p in multiprocessing.active_children()} - before)
+    assert len(workers[0]) == 1 and workers[1] == workers[0], workers
+    (worker,) = [p for p in multiprocessing.active_children() if p.pid in workers[0]]
+    del monitor
+    gc.collect()
+    worker.join(10)
+    assert not worker.is_alive()
 
 
 def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_reads_the_same(tmp_path, folders, capsys):
@@ -375,7 +401,7 @@ def test_an_evaluation_whose_loader_workers_a_sigterm_ended_stops_and_does_not_f
 
     with stop_between_steps(say=False) as signals:
         with pytest.raises(EvaluationStopped):
-            extract_features(trunk, _monitor(folders).train, torch.device("cpu"), workers=1, batches=lambda loader: ended_with_its_workers(loader, signals))
+            extract_features(trunk, RankShare(_monitor(folders).train, workers=1), torch.device("cpu"), batches=lambda loader: ended_with_its_workers(loader, signals))
     assert len(fetched) == 1
 
 

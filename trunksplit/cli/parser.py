@@ -32,6 +32,8 @@ GRADIENTS_HELP = ("allocated: zero_grad() sets gradients to None (torch's defaul
                   "in_backward: the optimizer (--optimizer) steps in backward, each gradient freed at its update")
 ARCH_HELP = ("a torchvision classification model name (resnet50), timm:NAME (timm:convnext_atto) where timm is installed, "
              "or hf:TYPE (hf:vit, hf:deit, hf:dinov2, hf:convnextv2, hf:resnet, ...), a transformers model type's default config")
+BENCH_ARCH_HELP = ("models, one table row group each: torchvision names (resnet50 vit_b_16), timm:NAME where timm is installed, "
+                   "hf:TYPE (hf:vit, hf:resnet, ...: a transformers type trunksplit cuts)")
 PLAN_ARCH_HELP = ARCH_HELP + "; another transformers type (hf:swin) is wrapped to --budget"
 OVERRIDES_HELP = "with --config-file: config overrides, KEY VALUE ..., before or after the flags"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
@@ -131,8 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "its other flags but --world-size are then the config's to say (given too, refused)")
     p.add_argument("opts", nargs="*", help=OVERRIDES_HELP)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
-    b.add_argument("--arch", nargs="+", default=["resnet50"], help="models, one table row group each: torchvision names (resnet50 vit_b_16), timm:NAME where timm "
-                   "is installed, hf:TYPE (hf:vit, hf:resnet, ...: a transformers type trunksplit cuts)")
+    b.add_argument("--arch", nargs="+", default=["resnet50"], help=BENCH_ARCH_HELP)
     b.add_argument("--batch", type=_positive, default=4, help="images per step")
     b.add_argument("--resolution", type=_positive, default=224, help="image height and width")
     b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6], help="segment counts of the vissl and balanced rows")

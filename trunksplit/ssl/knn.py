@@ -77,27 +77,35 @@ def labelled_folder(root: str, key: str) -> torchvision.datasets.DatasetFolder:
     return folder
 
 
+class RankShare:
+    """This rank's share of ``dataset`` (image ``rank``, ``rank + world``, ...: every rank runs the same
+    number of forwards, the last share padded with the last image, as FSDP2's collectives need), read
+    by ``workers`` loader processes that are kept between passes: a run evaluates every
+    ``EVERY_STEPS``, and where workers start as fresh interpreters (spawn: macOS and Windows;
+    forkserver: Linux from Python 3.14) each would import torch again at every evaluation, seconds
+    each. Sharp edge: they stay, idle, until the share is dropped."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, workers: int = 0, rank: int = 0, world: int = 1):
+        self.size, self.world = len(dataset), world
+        per_rank = math.ceil(self.size / world)
+        mine = [min(i, self.size - 1) for i in range(rank, per_rank * world, world)]
+        self.loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=BATCH, num_workers=workers, persistent_workers=workers > 0,
+                                                  worker_init_fn=ignore_interrupts, generator=torch.Generator().manual_seed(0))  # no draw from the global generator
+
+
 @torch.no_grad()
-def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: torch.device, workers: int = 0,
-                     rank: int = 0, world: int = 1, autocast=None, progress: bool = False, batches: Callable[[Iterable], Iterable] = iter,
-                     ) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
-    """(features, labels, unreadable files) of every image of ``dataset``, in its order: the trunk's
-    last feature, flattened, L2-normalised, float32 on ``device``. Each of ``world`` ranks runs the
-    same number of forwards (every rank's share padded to the largest, as FSDP2's collectives
-    need) and the shares are gathered. ``trunk`` is run in eval mode and left in its mode.
-    ``progress``: a bar on stderr (the offline command; the training loop has its own). ``batches``
-    turns the loader into the batches run (a training run's: until a stop signal,
-    :func:`~trunksplit.ssl.stopping.until_stopped`)."""
-    n = len(dataset)
-    per_rank = math.ceil(n / world)
-    mine = [min(i, n - 1) for i in range(rank, per_rank * world, world)]  # padded with the last image
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=BATCH, num_workers=workers, worker_init_fn=ignore_interrupts,
-                                         generator=torch.Generator().manual_seed(0))  # no draw from the global generator
+def extract_features(trunk: torch.nn.Module, share: RankShare, device: torch.device, autocast=None, progress: bool = False,
+                     batches: Callable[[Iterable], Iterable] = iter) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(features, labels) of every image of the share's dataset, in its order, on every rank: the
+    trunk's last feature, flattened, L2-normalised, float32 on ``device``; the label -1 where the image
+    could not be read. ``trunk`` is run in eval mode and left in its mode. ``progress``: a bar on stderr
+    (the offline command; the training loop has its own). ``batches`` turns the loader into the batches
+    run (a training run's: until a stop signal, :func:`~trunksplit.ssl.stopping.until_stopped`)."""
     modes = [(m, m.training) for m in trunk.modules()]
     trunk.eval()
     parts, labels = [], []
     try:
-        bar = tqdm(loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress or not sys.stderr.isatty())  # a log: no \r lines
+        bar = tqdm(share.loader, desc="kNN features", file=sys.stderr, leave=False, disable=not progress or not sys.stderr.isatty())  # a log: no \r lines
         for images, batch_labels, _ in batches(bar):
             with autocast if autocast is not None else torch.autocast(device.type, enabled=False):
                 feature = trunk(images.to(device))[-1]
@@ -107,11 +115,9 @@ def extract_features(trunk: torch.nn.Module, dataset: LabelledImages, device: to
         for m, training in modes:
             m.training = training
     features, labels = torch.cat(parts), torch.cat(labels)
-    if world > 1:
-        features, labels = _gathered(features, world), _gathered(labels, world)
-    features, labels = features[:n], labels[:n]  # interleaved back into the folder's order, padding dropped
-    unreadable = [dataset.folder.samples[i][0] for i in (labels < 0).nonzero().flatten().tolist()]
-    return features, labels, unreadable
+    if share.world > 1:
+        features, labels = _gathered(features, share.world), _gathered(labels, share.world)
+    return features[: share.size], labels[: share.size]  # interleaved back into the dataset's order, padding dropped
 
 
 def _gathered(local: torch.Tensor, world: int) -> torch.Tensor:
@@ -161,6 +167,7 @@ class KnnMonitor:
         if self.train.classes != self.val.classes:
             raise ValueError(f"EVAL.KNN.TRAIN_PATH and VAL_PATH need the same class folders; got {self.train.classes} and {self.val.classes}")
         self.k, self.temperature, self.every = knn.K, knn.TEMPERATURE, knn.EVERY_STEPS
+        self.share = None  # both folders' images, this rank's share, read by workers kept between evaluations
         _warn_if_trained_on(cfg.DATA.PATH, self.val)
 
     def due(self, steps_done: int, total: int) -> bool:
@@ -170,13 +177,18 @@ class KnnMonitor:
     def evaluate(self, trunk, device, workers: int = 0, rank: int = 0, world: int = 1, autocast=None, progress: bool = False,
                  batches: Callable[[Iterable], Iterable] = iter) -> Dict[str, float]:
         """The kNN accuracies of ``trunk``'s features, the same on every rank; the global random state
-        as it was (the training run's draws do not move). ``batches``: as :func:`extract_features`'s."""
+        as it was (the training run's draws do not move). Both folders are read by one set of ``workers``,
+        made at the first evaluation and kept for the next (:class:`RankShare`). ``batches``: as
+        :func:`extract_features`'s."""
+        if self.share is None:
+            self.share = RankShare(torch.utils.data.ConcatDataset([self.train, self.val]), workers, rank, world)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            train = extract_features(trunk, self.train, device, workers, rank, world, autocast, progress, batches)
-            val = extract_features(trunk, self.val, device, workers, rank, world, autocast, progress, batches)
-        for name in train[2] + val[2]:
-            warnings.warn(f"kNN evaluation: skipping unreadable image {name}", UserWarning, stacklevel=2)
-        (tf, tl, _), (vf, vl, _) = train, val
+            features, labels = extract_features(trunk, self.share, device, autocast, progress, batches)
+        samples = self.train.folder.samples + self.val.folder.samples
+        for i in (labels < 0).nonzero().flatten().tolist():
+            warnings.warn(f"kNN evaluation: skipping unreadable image {samples[i][0]}", UserWarning, stacklevel=2)
+        split = len(self.train)
+        (tf, tl), (vf, vl) = (features[:split], labels[:split]), (features[split:], labels[split:])
         keep_train, keep_val = tl >= 0, vl >= 0
         return knn_accuracy(tf[keep_train], tl[keep_train], vf[keep_val], vl[keep_val], len(self.train.classes), self.k, self.temperature)
 
