@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Sequence, Tuple
 
 import PIL.Image
 import torch
