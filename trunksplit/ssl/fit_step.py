@@ -57,7 +57,7 @@ class StepFit:
     trunk_budget: int  # bytes: each resolution's trunk plan peaks within it
     resident: int
     predicted_total: int
-    measured_total: Optional[int]  # the checking step's; None where not checked (FSDP2's world)
+    measured_total: Optional[int]  # the checking step's; None where not checked (FSDP2's world, verify=False)
     memory: int
     groups: List[str]  # one line per crop group: its crops and its trunk plan
     plans: Dict[tuple, SplitPlan]  # the trunk's plan for each group's input (:func:`plan_key`): train what was checked
