@@ -107,6 +107,21 @@ def test_a_fetch_that_a_schedulers_sigterm_failed_stops_the_run_before_that_step
         assert _next_step_views(batches, torch.device("cpu"), {}, signals) == (None, {})
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux's CPU affinity and 2 cores")
+def test_the_default_worker_count_is_the_cores_the_process_may_run_on_less_its_own():
+    """``DATA.NUM_WORKERS -1`` counted the machine's cores: a job given one core of a big node (SLURM, taskset) started
+    a worker per core of the node, at most 4, to share its one. The reference: the affinity, set here and restored."""
+    from trunksplit.ssl.data import num_workers
+
+    cfg, cores = load_config(QUICK, ["DATA.NUM_WORKERS", "-1"]), os.sched_getaffinity(0)
+    assert num_workers(cfg) == min(4, len(cores) - 1)
+    try:
+        os.sched_setaffinity(0, {min(cores)})  # this thread's: what a loader started here would share
+        assert num_workers(cfg) == 0
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 @pytest.mark.parametrize("n,batch,world", [(10, 2, 2), (11, 3, 1), (12, 2, 3)])
 def test_no_step_holds_an_image_twice_and_an_epoch_draws_each_image_at_most_once(n, batch, world):
     """Each epoch is a shuffle of the data set cut into whole steps, its remainder left out (a DataLoader's

@@ -119,14 +119,17 @@ def test_a_runs_evaluations_keep_one_set_of_loader_workers_and_read_as_one_proce
     assert not worker.is_alive()
 
 
-def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_reads_the_same(tmp_path, folders, capsys):
+def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_reads_the_same(tmp_path, folders, capsys, monkeypatch):
     """Labels dealt at random, so the accuracies are not all 1.0: the step-0 point is the model the
     run started from (offline ``--untrained`` builds it again from the config and seed), the last
-    is the checkpoint's (offline, and kept in knn.jsonl for the report)."""
-    overrides = [*SMALL, "TRAIN.STEPS", "3"]
+    is the checkpoint's (offline, and kept in knn.jsonl for the report). Offline, the images are read
+    by as many workers as the run's (it read them all in its own process, whatever the machine had)."""
+    overrides = [*SMALL, "TRAIN.STEPS", "3", "DATA.NUM_WORKERS", "1"]
+    read_by = []
+    monkeypatch.setattr(knn, "RankShare", lambda dataset, workers=0, *a: read_by.append(workers) or RankShare(dataset, workers, *a))
     plain, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "plain"), *overrides]))
-    knn = ["EVAL.KNN.TRAIN_PATH", folders["random_train"], "EVAL.KNN.VAL_PATH", folders["random_val"], "EVAL.KNN.EVERY_STEPS", "2"]
-    monitored, last = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "knn"), *overrides, *knn]))
+    watched = ["EVAL.KNN.TRAIN_PATH", folders["random_train"], "EVAL.KNN.VAL_PATH", folders["random_val"], "EVAL.KNN.EVERY_STEPS", "2"]
+    monitored, last = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "knn"), *overrides, *watched]))
     for (name, a), (_, b) in zip(plain.state_dict().items(), monitored.state_dict().items()):
         assert torch.equal(a, b), name
     rows = [json.loads(line) for line in (tmp_path / "knn" / "metrics.jsonl").read_text().splitlines()]
@@ -139,6 +142,7 @@ def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_
         out, err = capsys.readouterr()
         assert f"top-1 {row['knn_top1']:.4f}, top-5 {row['knn_top5']:.4f}" in out, (flags, out)
         assert "\r" not in err  # stderr here is not a terminal, as in a log: no progress bar's carriage returns
+    assert read_by == [1, 1, 1]  # the run's monitor, then each offline command
     kept = [json.loads(line) for line in (tmp_path / "knn" / "knn.jsonl").read_text().splitlines()]
     assert [(r["step"], r["untrained"], r["knn_top1"]) for r in kept] == [(3, False, last["knn_top1"]), (0, True, rows[0]["knn_top1"])]
     assert kept[0]["val"] == os.path.abspath(folders["random_val"])

@@ -69,7 +69,7 @@ _C.DATA.AUG.BLUR_PROB = [0.5]
 _C.DATA.AUG.SOLARIZE_PROB = [0.0]  # DINO: [0.0, 0.2, 0.0]
 _C.DATA.AUG.MEAN = [0.485, 0.456, 0.406]  # ImageNet's
 _C.DATA.AUG.STD = [0.229, 0.224, 0.225]
-_C.DATA.NUM_WORKERS = -1  # DataLoader worker processes; -1: the machine's spare cores per process, at most 4
+_C.DATA.NUM_WORKERS = -1  # DataLoader worker processes; -1: the spare cores per process of those it may run on, at most 4
 
 _C.TRAIN = CN()
 _C.TRAIN.BATCH_SIZE_PER_RANK = 8  # 0: the largest that fits TRAIN.MEMORY_LIMIT (trunksplit.fit)

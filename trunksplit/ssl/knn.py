@@ -28,7 +28,7 @@ from torchvision.transforms.v2 import functional as TF
 from tqdm import tqdm
 
 from .config import load_config
-from .data import IMAGE_EXTENSIONS, read_image
+from .data import IMAGE_EXTENSIONS, num_workers, read_image
 from .dino import build_ssl_model
 from .parallel import autocast_for
 from .run_dir import CHECKPOINT, load_checkpoint, load_sharded_model
@@ -227,4 +227,5 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
             model.load_state_dict(state["model"])
         step = state["step"]
     device = torch.device(device)
-    return step, monitor.evaluate(evaluated_trunk(model.to(device)), device, autocast=autocast_for(cfg, device), progress=True)  # as the monitor ran
+    # as the monitor ran, images read by as many workers as the run's loader had
+    return step, monitor.evaluate(evaluated_trunk(model.to(device)), device, num_workers(cfg), autocast=autocast_for(cfg, device), progress=True)
