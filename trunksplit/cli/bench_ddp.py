@@ -6,7 +6,6 @@ Both paths run in the same processes, interleaved step by step; rank 0 prints
 the median step times and their ratio.
 """
 import argparse
-import os
 import socket
 import statistics
 import time
@@ -18,6 +17,7 @@ import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
+from ..ssl.data import usable_cores
 from ..trunk import CheckpointedTrunk
 
 
@@ -75,6 +75,6 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = max(1, (os.cpu_count() or 2) // 2)
+    threads = max(1, usable_cores() // 2)
     mp.spawn(_worker, args=(2, port, args, threads), nprocs=2, join=True)
     return 0

@@ -198,10 +198,13 @@ def step_loader(dataset, cfg, rank: int, world: int, start: int, pin_memory: boo
 def num_workers(cfg) -> int:
     """``DATA.NUM_WORKERS``, or for -1 (the default) the cores this process can have beyond its own,
     shared with the other processes torchrun starts on the machine, at most 4. The cores it can have:
-    those it may run on (a job given 2 cores of a 64-core node, by SLURM or ``taskset``, has 2), not the
-    machine's, where the platform says (Linux)."""
+    those it may run on (a job given 2 cores of a 64-core node, by SLURM or ``taskset``, has 2)."""
     if cfg.DATA.NUM_WORKERS >= 0:
         return cfg.DATA.NUM_WORKERS
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(0, min(4, cores // local - 1))
+    return max(0, min(4, usable_cores() // local - 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the platform has one (Linux), else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
