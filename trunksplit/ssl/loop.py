@@ -88,7 +88,7 @@ def _check_before_start(cfg, resume: bool, device, strategy) -> None:
     """What can be refused before anything is run or written: the output directory, the logging, a bf16
     run on a CPU whose convolutions torch computes wrong (every rank takes rank 0's answer); and, said by
     rank 0, an fp16 run on a CPU."""
-    check_output_dir(cfg.OUTPUT_DIR, resume)
+    check_output_dir(cfg.OUTPUT_DIR, resume, strategy.agree)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
     refuse_wrong_bf16_convolutions(cfg, device, strategy.agree)
     if strategy.rank == 0:

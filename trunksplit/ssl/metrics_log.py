@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 from .run_dir import METRICS, metrics_rows
+from .run_lock import release_output_dir
 
 TENSORBOARD = "tensorboard"  # under OUTPUT_DIR: the event files
 SUMMARY = "summary.json"
@@ -54,11 +55,13 @@ class MetricsLog:
         self.writer.flush()  # a killed run keeps what it logged, as metrics.jsonl does
 
     def finish(self, summary: dict) -> None:
-        """Write ``summary.json`` (a resumed run replaces it at its end) and close the event file."""
+        """Write ``summary.json`` (a resumed run replaces it at its end), close the event file, and let go of
+        the run's directory (another process may train into it now)."""
         with open(os.path.join(self.run_dir, SUMMARY), "w") as f:
             json.dump(summary, f, indent=1)
         if self.writer is not None:
             self.writer.close()
+        release_output_dir(self.run_dir)
 
 
 def read_summary(run_dir: str) -> dict:

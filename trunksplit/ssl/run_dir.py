@@ -7,7 +7,7 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,13 +17,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from ..planning.plan import SplitPlan
+from .run_lock import held_elsewhere, hold_output_dir, in_use
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 
 
-def check_output_dir(path: str, resume: bool) -> None:
-    """Refuse, before anything is written, an OUTPUT_DIR that cannot be used or would destroy a run."""
+def check_output_dir(path: str, resume: bool, agree: Callable = lambda decision: decision) -> None:
+    """Refuse, before anything is written, an OUTPUT_DIR that cannot be used or would destroy a run, or
+    that a run still going writes (see :func:`hold_output_dir`; rank 0's answer, by ``agree``, on every rank)."""
+    if agree(held_elsewhere(path)):
+        raise in_use(path)
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -223,10 +227,13 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
 
 
 def start_run_dir(cfg, rows) -> None:
-    """Rank 0, once everything is checked: the directory, its config, and the metrics logged so far."""
+    """Rank 0, once everything is checked: the directory held (:mod:`trunksplit.ssl.run_lock`), its
+    config, and the metrics logged so far."""
     os.makedirs(cfg.OUTPUT_DIR, exist_ok=True)
+    held = hold_output_dir(cfg.OUTPUT_DIR)
     remove_stale_temporaries(os.path.join(cfg.OUTPUT_DIR, CHECKPOINT))
-    with open(os.path.join(cfg.OUTPUT_DIR, "config.yaml"), "w") as f:
+    with os.fdopen(os.dup(held), "w") as f:  # the same open file: closing this copy keeps the lock
+        f.truncate(0)
         f.write(cfg.dump())
     with open(os.path.join(cfg.OUTPUT_DIR, METRICS), "w") as f:
         f.writelines(rows)
