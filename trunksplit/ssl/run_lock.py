@@ -54,7 +54,10 @@ def held_elsewhere(path: str) -> bool:
     config = os.path.join(path, CONFIG)
     if os.path.realpath(path) in _HELD or not os.path.isfile(config):
         return False
-    fd = os.open(config, os.O_RDONLY)
+    try:
+        fd = os.open(config, os.O_RDONLY)
+    except OSError:  # unreadable: whether the run may write there is check_output_dir's and start_run_dir's to say
+        return False
     try:
         return not _locked(fd, exclusive=False)
     finally:
