@@ -4,7 +4,7 @@
     python tools/library_checkpointing_benchmark.py --against timm hf --batch 4 --resolution 224
 
 timm's ``set_grad_checkpointing(True)`` (ResNet-50, ConvNeXt-T, ViT-B/16, Swin-T) and transformers'
-``gradient_checkpointing_enable()`` (ViT, DINOv2, ConvNeXt, base sizes, random weights) are one
+``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before; ViT, DINOv2, ConvNeXt, base sizes, random weights) are one
 setting each. For each model this measures the plain step, the switch's step, and trunksplit at
 several budgets: a timm model as a ``CheckpointedTrunk`` (its chain cut, the budget planned from one
 profile), a transformers model through ``apply_activation_checkpointing`` (its blocks wrapped, the
@@ -105,7 +105,7 @@ def _hf(name: str, x, gradients: str):
     plain = model_class(config).train()
     switch = copy.deepcopy(plain)
     try:
-        switch.gradient_checkpointing_enable()
+        (getattr(switch, "activation_checkpointing_enable", None) or switch.gradient_checkpointing_enable)()  # the older name, where the transformers installed has no other
     except ValueError:  # "does not support activation checkpointing" (ConvNext): no switch to compare with
         switch = None
 

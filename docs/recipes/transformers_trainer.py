@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A Hugging Face vision transformer under ``Trainer`` at a memory budget, in place of
-``gradient_checkpointing_enable()``: runnable as it is.
+``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` in older transformers): runnable as it is.
 
     pip install -e ".[clients]"
     python docs/recipes/transformers_trainer.py --budget 0.8 --batch 8 --steps 5
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = transformers.ViTForImageClassification(config)
     example = torch.stack([d["pixel_values"] for d in data[:args.batch]])
-    plan = trunksplit.apply_activation_checkpointing(model, memory_budget=args.budget, example_inputs=(example,))  # changed: was model.gradient_checkpointing_enable()
+    plan = trunksplit.apply_activation_checkpointing(model, memory_budget=args.budget, example_inputs=(example,))  # changed: was model.activation_checkpointing_enable()
     print(plan)
     training = transformers.TrainingArguments(args.out, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-3,
                                               report_to=[], save_strategy="no", logging_steps=1, seed=0, dataloader_num_workers=0)
