@@ -132,8 +132,10 @@ def test_a_commands_warnings_print_as_one_line_each():
 
 def test_bench_writes_a_table_and_a_plot(tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "3", "--budgets", "0.9", "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "3", "--budgets", "0.9", "--repeats", "1", "--out", str(out),
+                 "--objective", "auto", "flops"]) == 0
     table = (out / "benchmark.md").read_text()
+    assert "budget plans priced in flops\n" in table  # auto, the trunk's default, is FLOPs on a CPU: once
     for row in ["plain", "checkpoint_sequential k=3", "vissl k=3", "balanced k=3", "budget 0.9", "budget 0.9, cuts only", "budget floor", "wrap every block"]:
         assert f"| {row}" in table
     assert (out / "benchmark.png").read_bytes()[:4] == b"\x89PNG"

@@ -318,3 +318,14 @@ def test_a_multi_crop_step_backward_by_crop_group_on_cuda():
         if a.grad is not None:
             assert ((a.grad - b.grad).norm() / a.grad.norm()).item() <= 1e-5, name
     assert grouped_peak.peak_bytes < 0.8 * whole_peak.peak_bytes, (grouped_peak.peak_bytes, whole_peak.peak_bytes)
+
+
+def test_bench_plans_budgets_as_a_trunk_on_the_gpu_does_by_default(tmp_path):
+    """A trunk on a GPU prices its recompute in time (``objective="auto"``); bench's budget rows priced it in
+    FLOPs whatever the device, plans no trunk there trained (ResNet-50 at budget 0.5: 3.65x the plain step
+    against 1.98x on an H100, docs/gpu.md)."""
+    from trunksplit.cli import main
+
+    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "64", "--splits", "2", "--budgets", "0.9", "--repeats", "1",
+                 "--no-selective", "--device", "cuda", "--out", str(tmp_path)]) == 0
+    assert "cuda, peak beyond parameters (gradients allocated by the step), budget plans priced in time\n" in (tmp_path / "benchmark.md").read_text()

@@ -28,6 +28,7 @@ from ..chains.traced import ChainUnit
 from ..planning.memory import PeakMemory
 from ..planning.peak import PeakModel
 from ..planning.plan import policy_counts
+from ..planning.request import priced_in
 from ..planning.budget import MemoryBudget
 from ..planning.search import annotate, best_plan, peak_model, plan_from_cuts, plan_trunk
 from ..recompute.select import every_k, wrap_selected
@@ -216,11 +217,13 @@ def run_benchmark(
     selective: bool = True,
     progress: bool = True,
     gradients: str = "allocated",
-    objectives: Sequence[str] = ("flops",),
+    objectives: Sequence[str] = ("auto",),
 ) -> str:
     """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``).
-    ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side."""
+    ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side;
+    ``"auto"`` is the one a trunk on ``device`` plans with by default (time on a GPU, FLOPs on a CPU)."""
     dev = torch.device(device)
+    objectives = list(dict.fromkeys(priced_in(o, dev) for o in objectives))
     x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
     tables, all_rows = [], []
     for arch in archs:
@@ -229,7 +232,7 @@ def run_benchmark(
         for r in rows:  # keep the figures, not a model copy per row: five big models would not fit
             r.run = r.module = None
         all_rows += rows
-        tables.append(_table(rows, arch, x, gradients))
+        tables.append(_table(rows, arch, x, gradients, objectives))
         if out_dir:  # written as each model finishes, so a long run keeps what it measured
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
@@ -238,7 +241,7 @@ def run_benchmark(
     return "\n\n".join(tables)
 
 
-def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str) -> str:
+def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str, objectives: Sequence[str]) -> str:
     from tabulate import tabulate
 
     plain = rows[0]
@@ -260,7 +263,7 @@ def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str) -> str:
             ]
         )
     beyond = "parameters (gradients allocated by the step)" if gradients == "allocated" else "parameters and kept gradients"
-    head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond {beyond}"
+    head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond {beyond}, budget plans priced in {' and '.join(objectives)}"
     headers = ["plan", "peak MiB", "peak / plain", "predicted MiB", "predicted vs measured", "recompute / forward", "step time / plain", "note"]
     return head + "\n\n" + tabulate(body, headers=headers, tablefmt="github")
 

@@ -16,7 +16,7 @@ import warnings
 from typing import List, Optional
 
 from ..planning.budget import MemoryBudget, parse_memory_size
-from ..planning.choices import GRADIENT_MODES, OBJECTIVES, PRICES
+from ..planning.choices import GRADIENT_MODES, OBJECTIVES
 
 # what ``trunksplit --help`` says: the module's docstring speaks to its readers, this to whoever runs it
 DESCRIPTION = ("Plan activation checkpointing for a vision trunk and check it: see how a trunk would be cut (plan), measure plans (bench), "
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=_writable_dir, default="output/bench", help="where benchmark.md and benchmark.png are written")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
     b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0])
-    b.add_argument("--objective", choices=PRICES, nargs="+", default=["flops"], help=OBJECTIVE_HELP.split("; auto")[0] + "; several: budget rows for each")
+    b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["auto"], help=OBJECTIVE_HELP + " (the trunk's default); several: budget rows for each")
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50", help=ARCH_HELP)
     f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
