@@ -53,16 +53,21 @@ def test_plan_with_an_impossible_budget_says_so_in_the_commands_terms(capsys):
 def test_a_device_this_machine_lacks_is_said_before_any_work(tmp_path, capsys, device):
     """A missing GPU once read as the model failing its input ("resnet18 cannot run an input of shape
     3x64x64: Found no NVIDIA driver"); now each command says it of --device, before any work. So for
-    another device type this machine lacks (an Apple GPU's mps: a traceback from moving the model)."""
+    another device type this machine lacks (an Apple GPU's mps: a traceback from moving the model). ``plan`` had no
+    --device: it measured on the CPU whatever the trunk would train on."""
+    import importlib.util
+
     import torch
 
     if device == "mps" and torch.mps.is_available():
         pytest.skip("this machine has an Apple GPU: --device mps is no mistake here")
     said = {"gpu": "is not a device: cpu, cuda, cuda:N, or auto", "cuda:99": f"torch sees {torch.cuda.device_count()} GPU(s) on this machine"}.get(
         device, f"torch has no usable {device} device on this machine; use cpu, or auto")
+    quick = os.path.join(ROOT, "configs", "quickstart.yaml")
+    wrapped = [["plan", "--arch", "hf:beit", "--input", "2x3x32x32", "--budget", "0.9"]] if importlib.util.find_spec("transformers") else []
     for argv in (["fit", "--arch", "resnet18", "--input", "3x64x64", "--memory", "1GiB"], ["bench", "--arch", "resnet18", "--out", str(tmp_path / "bench")],
-                 ["fit", "--config-file", os.path.join(ROOT, "configs", "quickstart.yaml"), "--memory", "1GiB"],
-                 ["knn", str(tmp_path / "run"), "--train", str(tmp_path), "--val", str(tmp_path)]):
+                 ["fit", "--config-file", quick, "--memory", "1GiB"], ["knn", str(tmp_path / "run"), "--train", str(tmp_path), "--val", str(tmp_path)],
+                 ["plan", "--arch", "resnet18", "--input", "2x3x64x64"], ["plan", "--config-file", quick], *wrapped):
         assert main([*argv, "--device", device]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"error: --device {repr(device) if device == 'gpu' else device}") and said in err, (argv, err)

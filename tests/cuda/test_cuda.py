@@ -329,3 +329,12 @@ def test_bench_plans_budgets_as_a_trunk_on_the_gpu_does_by_default(tmp_path):
     assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "64", "--splits", "2", "--budgets", "0.9", "--repeats", "1",
                  "--no-selective", "--device", "cuda", "--out", str(tmp_path)]) == 0
     assert "cuda, peak beyond parameters (gradients allocated by the step), budget plans priced in time\n" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_plan_measures_where_the_trunk_trains_by_default(capsys):
+    """``trunksplit plan`` had no --device: on a GPU machine it measured on the CPU, in tensor bytes priced in FLOPs,
+    a plan the GPU trunk (the allocator's bytes, recompute priced in time) would not make."""
+    from trunksplit.cli import main
+
+    assert main(["plan", "--arch", "resnet18", "--input", "4x3x64x64", "--budget", "0.7", "--gradients", "kept"]) == 0
+    assert "MiB of the CUDA allocator's bytes (max_memory_allocated)" in capsys.readouterr().out

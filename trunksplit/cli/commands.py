@@ -62,12 +62,13 @@ def run_plan(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            model = build_backbone(args.arch, args.input[-1])
+            device = device_of(args.device)  # before the model: a missing GPU is no fault of its input
+            model = build_backbone(args.arch, args.input[-1]).to(device)
             trunk = CheckpointedTrunk(model, args.features or list(feature_blocks(model))[-1:], num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
                                      objective=args.objective)
             if args.gradients == "in_backward":
-                trunk.update_temporaries = _update_temporaries(args.optimizer)
-            plan, unsplit = _measured_plan(trunk, torch.randn(*args.input), args.world_size)
+                trunk.update_temporaries = _update_temporaries(args.optimizer, device)
+            plan, unsplit = _measured_plan(trunk, torch.randn(*args.input, device=device), args.world_size)
         except ValueError as e:
             _library_error(e)
             return 2
@@ -104,17 +105,19 @@ def _plan_config(args) -> int:
     """``plan --config-file``: the plan the launcher's trunk makes for each crop group's call, before a run."""
     try:
         cfg, layout = as_trained(load_config(args.config_file, args.opts), args.world_size)
+        device = device_of(args.device)
         if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
             raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file CONFIG --memory SIZE "
                              "prints that batch and each crop group's plan")
         trunk = build_trunk(cfg)
         feature_width(trunk, cfg)  # every crop size runs
+        trunk.to(device)
         if len(cfg.MODEL.ACTIVATION_CHECKPOINTING.SELECT):
             wrapped = checkpoint_wrapped_names(trunk)
             print(f"MODEL.ACTIVATION_CHECKPOINTING.SELECT wraps {len(wrapped)} blocks, each its own checkpoint (no segments to plan): {' '.join(wrapped)}")
             return 0
         if trunk.gradients == "in_backward":
-            trunk.update_temporaries = update_temporaries(*optimizer_of(cfg))  # the run's optimizer, as it builds it
+            trunk.update_temporaries = update_temporaries(*optimizer_of(cfg), device)  # the run's optimizer, as it builds it
         batch, groups = cfg.TRAIN.BATCH_SIZE_PER_RANK, crop_groups(cfg)
         held = held_calls(cfg, [torch.zeros(1, 1, size, size) for size, count in groups for _ in range(count)])
         for k, (size, count) in enumerate(groups):
@@ -122,7 +125,7 @@ def _plan_config(args) -> int:
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank"
                   + (", updates held until the last group's: its backward keeps every gradient" if held[k] else ""))
             try:
-                _print_plan(*_measured_plan(trunk, torch.randn(*shape), layout.world, held[k]), shape)
+                _print_plan(*_measured_plan(trunk, torch.randn(*shape, device=device), layout.world, held[k]), shape)
             except BudgetTooLowError as e:
                 raise ValueError(budget_refused(cfg, trunk, e)) from None
         print("\neach peak is the trunk's own step; the whole SSL step (head, loss, teacher, every crop group) is what "
@@ -147,11 +150,12 @@ def _plan_wrapped(args) -> int:
         print(f"error: {args.arch} is wrapped block by block to a memory budget, not cut into segments: pass --budget (0.5, 2GiB)", file=sys.stderr)
         return 2
     try:
-        model = build_hf_model(args.arch, args.input[-1])
-        x = torch.randn(*args.input)
+        device = device_of(args.device)
+        model = build_hf_model(args.arch, args.input[-1]).to(device)
+        x = torch.randn(*args.input, device=device)
         _phase(f"measuring {args.arch}'s blocks, then wrapping those that meet the budget with the least recompute")
         plan = apply_activation_checkpointing(model, memory_budget=args.budget, example_inputs=(x,), gradients=args.gradients,
-                                              update_temporaries=_update_temporaries(args.optimizer) if args.gradients == "in_backward" else None)
+                                              update_temporaries=_update_temporaries(args.optimizer, device) if args.gradients == "in_backward" else None)
     except ValueError as e:
         _library_error(e)
         return 2
@@ -160,11 +164,11 @@ def _plan_wrapped(args) -> int:
     return 0
 
 
-def _update_temporaries(optimizer: str) -> float:
-    """What one parameter's update allocates, for ``--optimizer`` stepped in backward."""
+def _update_temporaries(optimizer: str, device) -> float:
+    """What one parameter's update on ``device`` allocates, for ``--optimizer`` stepped in backward."""
     if optimizer == "none":
         raise ValueError("--gradients in_backward steps an optimizer in backward: name it with --optimizer (sgd, lars or adamw)")
-    return update_temporaries(*NAMED_OPTIMIZERS[optimizer])
+    return update_temporaries(*NAMED_OPTIMIZERS[optimizer], device)
 
 
 def run_bench(args) -> int:

@@ -118,20 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trunksplit", description=DESCRIPTION, epilog="trunksplit COMMAND --help: a command's flags")
     parser.add_argument("--version", action="version", version=f"trunksplit {_installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ParserWithDefaults)
-    p = sub.add_parser("plan", help="print how a trunk (torchvision, timm:, hf:) would be cut, with predicted memory")
-    p.add_argument("--arch", default="resnet50", help=PLAN_ARCH_HELP)
-    p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
-    p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
-    p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
-    p.add_argument("--features", nargs="+", default=None, help="feature blocks the trunk returns (res4 res5 ...); default: its last block (flatten for torchvision's)")
-    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
-    p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
-    p.add_argument("--world-size", type=_positive, default=1, help=PLAN_WORLD_HELP)
-    p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
-    p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
-    p.add_argument("--config-file", default=None, help="the plan the launcher trains this config with, one per crop group, before a run; "
-                   "its other flags but --world-size are then the config's to say (given too, refused)")
-    p.add_argument("opts", nargs="*", help=OVERRIDES_HELP)
+    _add_plan_parser(sub)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"], help=BENCH_ARCH_HELP)
     b.add_argument("--batch", type=_positive, default=4, help="images per step")
@@ -160,6 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_data_parser(sub)
     _add_run_parsers(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="print how a trunk (torchvision, timm:, hf:) would be cut, with predicted memory")
+    p.add_argument("--arch", default="resnet50", help=PLAN_ARCH_HELP)
+    p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
+    p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
+    p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
+    p.add_argument("--features", nargs="+", default=None, help="feature blocks the trunk returns (res4 res5 ...); default: its last block (flatten for torchvision's)")
+    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
+    p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
+    p.add_argument("--world-size", type=_positive, default=1, help=PLAN_WORLD_HELP)
+    p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
+    p.add_argument("--objective", choices=OBJECTIVES, default="auto", help=OBJECTIVE_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + ": where the units are measured, as the trunk there plans (on a GPU by the allocator)")
+    p.add_argument("--config-file", default=None, help="the plan the launcher trains this config with, one per crop group, before a run; "
+                   "its other flags but --world-size and --device are then the config's to say (given too, refused)")
+    p.add_argument("opts", nargs="*", help=OVERRIDES_HELP)
 
 
 def _add_bench_data_parser(sub) -> None:
