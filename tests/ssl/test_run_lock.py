@@ -20,10 +20,10 @@ TINY = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_S
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="Windows has no flock: runs there are not guarded")
 
 
-def _first_row(run: subprocess.Popen, metrics: str, seconds: float = 120) -> None:
+def _first_row(run: subprocess.Popen, metrics: str, log: str, seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while not (os.path.isfile(metrics) and os.path.getsize(metrics)):
-        assert run.poll() is None, run.stderr.read()[-800:]
+        assert run.poll() is None, open(log).read()[-800:]
         assert time.monotonic() < deadline, "the first run logged no step"
         time.sleep(0.1)
 
@@ -31,11 +31,12 @@ def _first_row(run: subprocess.Popen, metrics: str, seconds: float = 120) -> Non
 def test_a_second_run_is_refused_while_the_first_writes_the_directory_and_goes_on_after_a_sigkill(tmp_path):
     """Before, a --resume started while its run still went (or two runs started together) trained beside it:
     metrics.jsonl held every step twice, interleaved, and each overwrote the other's checkpoint."""
-    out = str(tmp_path / "run")
-    first = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "train.py"), "--config-file", QUICK, *TINY, "TRAIN.STEPS", "100000",
-                              "TRAIN.CHECKPOINT_EVERY", "1", "OUTPUT_DIR", out], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    out, log = str(tmp_path / "run"), str(tmp_path / "first.log")
+    with open(log, "w") as stderr:  # a file, not a pipe: a pipe nobody reads would stop the run once full
+        first = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "train.py"), "--config-file", QUICK, *TINY, "TRAIN.STEPS", "100000",
+                                  "TRAIN.CHECKPOINT_EVERY", "1", "OUTPUT_DIR", out], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        _first_row(first, os.path.join(out, "metrics.jsonl"))
+        _first_row(first, os.path.join(out, "metrics.jsonl"), log)
         config = open(os.path.join(out, "config.yaml"), "rb").read()
         for resume in (False, True):
             with pytest.raises(ValueError, match=f"OUTPUT_DIR {out} is in use: a run still going writes it"):
