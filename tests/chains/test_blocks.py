@@ -137,3 +137,12 @@ def test_a_torchvision_layer_name_or_a_misspelt_key_is_refused_with_the_key_mean
     with pytest.raises(ValueError, match="unknown feature key") as e:
         CheckpointedTrunk(torchvision.models.resnet18(), keys, num_splits=2)
     assert hint in str(e.value) and "known keys: ['conv1', 'bn1'" in str(e.value)
+
+
+def test_vissls_stage_names_on_a_trunk_named_as_its_model_are_refused_with_the_stage_meant():
+    """A vissl config's ``res4`` on a trunk whose stages keep the model's names (timm's ResNets, traced: ``layer3``;
+    a dict of blocks named so) was refused with no hint."""
+    model = torchvision.models.resnet18()
+    blocks = OrderedDict((name, getattr(model, name)) for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4"))
+    with pytest.raises(ValueError, match=r"did you mean layer3 for res4, layer4 for res5\?"):
+        CheckpointedTrunk(blocks, ["res4", "res5"], num_splits=2)

@@ -138,9 +138,13 @@ def _check_keys(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> None:
 
 
 def _did_you_mean(key: str, known: List[str]) -> Optional[str]:
-    """The known key ``key`` most likely meant: torchvision's ``layer1..4`` are vissl's ``res2..5``."""
+    """The known key ``key`` most likely meant: torchvision's ``layer1..4`` are vissl's ``res2..5``, and
+    the other way round where a trunk names its stages as its model does (timm's, traced; a dict of blocks)."""
     layer = re.fullmatch(r"layer(\d)", key)
     if layer and f"res{int(layer[1]) + 1}" in known:
         return f"res{int(layer[1]) + 1} for {key}"
+    res = re.fullmatch(r"res(\d)", key)
+    if res and f"layer{int(res[1]) - 1}" in known:
+        return f"layer{int(res[1]) - 1} for {key}"
     close = difflib.get_close_matches(key.lower(), known, n=1)
     return f"{close[0]} for {key}" if close else None
