@@ -52,17 +52,21 @@ def _library_error(e: Exception) -> None:
 
 
 def run_plan(args) -> int:
-    if args.config_file:
-        return _plan_config(args)
-    if args.opts:
+    if args.opts and not args.config_file:
         print(f"error: config overrides {' '.join(args.opts[:2])} ... need --config-file", file=sys.stderr)
         return 2
+    try:
+        device = device_of(args.device)  # before any model: a missing GPU is no fault of its input
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.config_file:
+        return _plan_config(args, device)
     if _wrapped_only(args.arch):
-        return _plan_wrapped(args)
+        return _plan_wrapped(args, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            device = device_of(args.device)  # before the model: a missing GPU is no fault of its input
             model = build_backbone(args.arch, args.input[-1]).to(device)
             trunk = CheckpointedTrunk(model, args.features or list(feature_blocks(model))[-1:], num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
                                      objective=args.objective)
@@ -101,11 +105,10 @@ def _print_plan(plan, unsplit: int, shape) -> None:
           f"({unsplit / 2**20:.1f} MiB), input {'x'.join(map(str, shape))}")
 
 
-def _plan_config(args) -> int:
+def _plan_config(args, device: str) -> int:
     """``plan --config-file``: the plan the launcher's trunk makes for each crop group's call, before a run."""
     try:
         cfg, layout = as_trained(load_config(args.config_file, args.opts), args.world_size)
-        device = device_of(args.device)
         if cfg.TRAIN.BATCH_SIZE_PER_RANK == 0:
             raise ValueError("TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file CONFIG --memory SIZE "
                              "prints that batch and each crop group's plan")
@@ -144,13 +147,12 @@ def _wrapped_only(arch: str) -> bool:
         return False
 
 
-def _plan_wrapped(args) -> int:
+def _plan_wrapped(args, device: str) -> int:
     """``plan --arch hf:TYPE``: a model trunksplit cannot cut, wrapped block by block to ``--budget``."""
     if args.budget is None:
         print(f"error: {args.arch} is wrapped block by block to a memory budget, not cut into segments: pass --budget (0.5, 2GiB)", file=sys.stderr)
         return 2
     try:
-        device = device_of(args.device)
         model = build_hf_model(args.arch, args.input[-1]).to(device)
         x = torch.randn(*args.input, device=device)
         _phase(f"measuring {args.arch}'s blocks, then wrapping those that meet the budget with the least recompute")
