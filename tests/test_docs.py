@@ -12,7 +12,7 @@ import shlex
 import pytest
 
 from trunksplit.cli.bench_ddp import build_parser as bench_ddp_parser
-from trunksplit.cli.parser import build_parser as cli_parser
+from trunksplit.cli.parser import build_parser as cli_parser, parse_with_overrides
 from trunksplit.ssl.config import load_config
 
 from docs_pages import PAGES, ROOT, fences as _fences
@@ -95,7 +95,7 @@ def test_documented_command_parses(page, command, tmp_path, monkeypatch):
         bench_ddp_parser().parse_args(args) if "--ddp" in args else cli_parser().parse_args(["bench"] + args)
         return
     assert script == "tools/train.py", command
-    parsed = _tool_parser("train").parse_intermixed_args(args)
+    parsed = parse_with_overrides(_tool_parser("train"), args, "overrides")
     load_config(str(ROOT / parsed.config_file), parsed.overrides)  # the file exists, every key and value is valid
 
 

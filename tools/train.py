@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from trunksplit.cli.parser import warnings_as_lines
+from trunksplit.cli.parser import parse_with_overrides, warnings_as_lines
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.stopping import Stopped, interrupted_note
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_intermixed_args(argv)
+    args = parse_with_overrides(build_parser(), argv, "overrides")
     if not args.config_file and os.environ.get("RANK", "0") == "0":  # one line, from one process under torchrun
         print("no --config-file: training the defaults of trunksplit/ssl/config.py and the overrides given "
               "(the quick start: --config-file configs/quickstart.yaml; all configs: configs/)", flush=True)

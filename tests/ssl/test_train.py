@@ -71,6 +71,21 @@ def test_the_launcher_without_a_config_file_says_it_trains_the_defaults(tmp_path
     assert "no --config-file" not in _cli("--config-file", QUICK, "OUTPUT_DIR", str(tmp_path / "quick"), *SMALL, "TRAIN.STEPS", "1").stdout
 
 
+
+def test_an_override_in_exponent_form_is_a_value_and_flags_may_come_between_overrides(tmp_path):
+    """``OPTIM.WEIGHT_DECAY -1e-4`` reached argparse as a flag it did not know ("unrecognized arguments"),
+    never the config, which says what is wrong with the value. Overrides on both sides of a flag are
+    read in order; a flag spelt wrong among them is still a usage error."""
+    refused = _cli("--config-file", QUICK, "OUTPUT_DIR", str(tmp_path / "refused"), "OPTIM.WEIGHT_DECAY", "-1e-4", "TRAIN.STEPS", "1")
+    assert refused.returncode == 2 and "OPTIM.WEIGHT_DECAY and WEIGHT_DECAY_END must be finite numbers >= 0" in refused.stderr
+    assert "got -0.0001" in refused.stderr and not (tmp_path / "refused").exists()
+    result = _cli("OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "--config-file", QUICK, "OPTIM.LR", "-0", "TRAIN.STEPS", "1")
+    assert result.returncode == 0 and "no --config-file" not in result.stdout, result.stderr
+    assert load_config(str(tmp_path / "run" / "config.yaml")).OPTIM.LR == 0 and "step 1/1" in result.stdout
+    with pytest.raises(SystemExit) as stopped:
+        _cli("--config-file", QUICK, "TRAIN.STEPS", "1", "--restart")
+    assert stopped.value.code == 2
+
 def test_quickstart_cli_writes_finite_metrics(tmp_path):
     out = tmp_path / "run"
     result = _script("--config-file", QUICK, "OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL)

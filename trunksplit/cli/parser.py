@@ -46,11 +46,7 @@ FIT_WORLD_HELP = ("fit one of N FSDP2 ranks (predicted, not measured); with --co
 def main(argv: Optional[List[str]] = None) -> int:
     """Parse, then load the module that runs the command and run it."""
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # overrides after a flag (CONFIG KEY VALUE --memory 1GiB KEY VALUE), as tools/train.py takes them
-        if not hasattr(args, "opts") or any(t.startswith("-") and not _number(t) for t in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.opts += extra
+    args = parse_with_overrides(parser, argv, "opts")
     if args.command in ("plan", "fit") and args.config_file:
         _refuse_what_the_config_says(parser, args)
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
@@ -60,6 +56,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: a traceback would only say which line was running
         print(f"interrupted: trunksplit {args.command} stopped before it finished and kept nothing; run it again", file=sys.stderr)
         return 130  # a shell's code for a command ended by SIGINT
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: Optional[List[str]], overrides: str) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` where the positional ``overrides`` takes config overrides, KEY VALUE ...:
+    they may come before, between and after the flags (``C KEY VALUE --memory 1GiB KEY VALUE``), and a
+    value in exponent form is a value (``OPTIM.LR -1e-4``: argparse alone takes it for a flag it does not
+    know). A word after the first flag that is neither is still a usage error, exit status 2."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, overrides, None) is None or any(t.startswith("-") and not _number(t) for t in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        setattr(args, overrides, getattr(args, overrides) + extra)
+    return args
 
 
 @contextlib.contextmanager
