@@ -141,3 +141,21 @@ def test_where_vissl_would_assert_a_clear_error_is_raised():
     blocks = OrderedDict(res2=nn.Sequential(), res3=nn.Sequential())
     with pytest.raises(ValueError, match="empty"):
         checkpoint_trunk(blocks, ["res2", "res3"], 4)
+
+
+def test_a_vissl_plan_says_why_it_has_no_predicted_memory_and_the_command_it_names_measures_it(capsys):
+    """vissl's plan measures nothing, so its table lacks the memory columns a balanced plan's has; a
+    newcomer's first ``print(trunk.plan)`` said nothing of why. The command it names prints the same cuts
+    with their predicted peaks."""
+    import torch
+    from trunksplit.cli.parser import main
+
+    x = torch.randn(2, 3, 64, 64)
+    printed = str(CheckpointedTrunk(torchvision.models.resnet18(), ["res4", "flatten"], num_splits=4).plan_for(x))
+    assert "predicted memory: not measured (vissl cuts by module count); trunksplit plan --features" in printed
+    assert "predicted memory: not measured" not in str(CheckpointedTrunk(torchvision.models.resnet18(), ["res4", "flatten"], num_splits=4,
+                                                                          strategy="balanced").plan_for(x))
+    assert main(["plan", "--arch", "resnet18", "--features", "res4", "flatten", "--splits", "4", "--input", "2x3x64x64"]) == 0
+    measured = capsys.readouterr().out
+    cuts = lambda text: [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "segment" not in line]  # noqa: E731
+    assert cuts(measured) == cuts(printed) and len(cuts(printed)) == 4 and "predicted peak (MiB)" in measured
