@@ -805,7 +805,6 @@ def _rows(out):
 
 
 @pytest.mark.slow  # fp16 autocast runs slowly on CPU (25 s here); it matters on a GPU
-@pytest.mark.filterwarnings("ignore:TRAIN.AUTOCAST fp16 on a CPU")  # said and tested in test_cpu_bf16.py; here the resume is the point
 def test_fp16_resume_keeps_the_grad_scaler(tmp_path, monkeypatch):
     overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", "TRAIN.AUTOCAST", "fp16", *SMALL]
     train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))

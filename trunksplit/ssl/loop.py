@@ -29,7 +29,7 @@ from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard
 from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
-from .parallel import autocast_for, setup_distributed, warn_of_fp16_on_a_cpu
+from .parallel import autocast_for, setup_distributed, warn_of_slow_half_precision_on_a_cpu
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .stopping import EvaluationStopped, StopSignals, next_unless_stopping, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
@@ -87,12 +87,12 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
 def _check_before_start(cfg, resume: bool, device, strategy) -> None:
     """What can be refused before anything is run or written: the output directory, the logging, a bf16
     run on a CPU whose convolutions torch computes wrong (every rank takes rank 0's answer); and, said by
-    rank 0, an fp16 run on a CPU."""
+    rank 0, a half precision this CPU runs slowly."""
     check_output_dir(cfg.OUTPUT_DIR, resume, strategy.agree)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
     refuse_wrong_bf16_convolutions(cfg, device, strategy.agree)
     if strategy.rank == 0:
-        warn_of_fp16_on_a_cpu(cfg, device)
+        warn_of_slow_half_precision_on_a_cpu(cfg, device)
 
 
 def _check_images_a_step(cfg, world: int, data_set: int) -> None:

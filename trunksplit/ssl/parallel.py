@@ -3,11 +3,14 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import statistics
 import sys
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def setup_distributed(cfg):
@@ -61,14 +64,47 @@ def autocast_for(cfg, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.TRAIN.AUTOCAST == "bf16" else torch.float16)
 
 
-def warn_of_fp16_on_a_cpu(cfg, device: torch.device) -> None:
-    """``TRAIN.AUTOCAST fp16`` on a CPU trains, but most CPUs have no fp16 arithmetic and torch runs fp16
-    convolutions there far slower than fp32 (docs/config.md has a figure); bf16 is the CPU's fast half precision.
-    A warning, not a refusal: a CPU with fp16 units (AMX-FP16) may run it well."""
-    if cfg.TRAIN.AUTOCAST == "fp16" and device.type == "cpu":
-        warnings.warn("TRAIN.AUTOCAST fp16 on a CPU: most CPUs have no fp16 arithmetic, and torch runs fp16 convolutions there many "
-                      "times slower than fp32. bf16 is what a CPU runs fast (TRAIN.AUTOCAST bf16), or train in fp32 (TRAIN.AUTOCAST \"\")",
-                      UserWarning, stacklevel=3)
+HALF_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # TRAIN.AUTOCAST's values
+SLOW = 2.0  # a half precision whose convolutions take more than this many times fp32's is warned of
+
+
+def warn_of_slow_half_precision_on_a_cpu(cfg, device: torch.device) -> None:
+    """``TRAIN.AUTOCAST bf16`` or ``fp16`` on a CPU trains, but where the CPU has no arithmetic for it (most
+    have none for fp16, x86 CPUs without AVX-512 mostly none for bf16) torch emulates it and its convolutions
+    run many times slower than fp32 (docs/config.md has figures). Measured at start, not guessed from the CPU's
+    name: a warning with the slowdown and what runs faster here; nothing where the CPU runs it fast."""
+    asked = cfg.TRAIN.AUTOCAST
+    if asked not in HALF_PRECISIONS or device.type != "cpu":
+        return
+    slowdown = convolution_slowdown(HALF_PRECISIONS[asked])
+    if slowdown <= SLOW:
+        return
+    other = next(name for name in HALF_PRECISIONS if name != asked)
+    other_slowdown = convolution_slowdown(HALF_PRECISIONS[other])
+    faster = f", or in {other} (TRAIN.AUTOCAST {other}: it ran {other_slowdown:.1f}x)" if other_slowdown <= SLOW else ""
+    warnings.warn(f"TRAIN.AUTOCAST {asked} on this CPU: its {asked} convolutions ran {slowdown:.0f}x as long as fp32's in a check at start "
+                  f"(the CPU has no {asked} arithmetic: torch emulates it), so the run trains several times slower than in fp32, if in less "
+                  f"memory. Train in fp32 (TRAIN.AUTOCAST \"\"){faster}", UserWarning, stacklevel=3)
+
+
+def convolution_slowdown(dtype: torch.dtype) -> float:
+    """How many times as long a 3x3 convolution's forward and backward take on this CPU under autocast to
+    ``dtype`` as in fp32: medians of three, after a first call each (where oneDNN picks its kernel). One small
+    ResNet layer (4 images, 32 channels, 28x28): milliseconds in fp32, emulated many times that."""
+    g = torch.Generator().manual_seed(0)  # not torch's: the run's randomness stays the run's
+    weight, x = (torch.randn(32, 32, 3, 3, generator=g) * 0.05).requires_grad_(), torch.randn(4, 32, 28, 28, generator=g)
+
+    def seconds(dtype_or_none) -> float:
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=dtype_or_none or torch.bfloat16, enabled=dtype_or_none is not None):
+                y = nn.functional.conv2d(x, weight, padding=1)
+            y.float().sum().backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    return seconds(dtype) / seconds(None)
 
 
 def keep_freed_host_memory() -> bool:
