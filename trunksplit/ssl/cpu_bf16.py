@@ -2,9 +2,8 @@
 
 torch's bf16 convolution on x86 CPUs (oneDNN; not on an AVX2-only one, where it takes another path) fills
 the weight gradient of a strided convolution whose output is one pixel wide, in the taps that see only
-padding, with memory it never wrote: zeros when that
-memory is fresh, anything once it is reused (up to 1e33, and NaN). fp32, and the same convolution without
-oneDNN, are right; so are GPUs. Small crops bring a trunk's last stages there: a ResNet at a DINO local
+padding, with memory it never wrote: zeros when that memory is fresh, anything once it is reused (up to
+1e33, and NaN). fp32, and the same convolution without oneDNN, are right; so are GPUs. Small crops bring a trunk's last stages there: a ResNet at a DINO local
 crop of 16-32 px (its res5 sees 1-2 pixels). Measured on torch 2.14.1 (a kin of pytorch/pytorch#169688,
 open: stride 3 bf16 convolutions wrong on CPU); a DDP DINO run in bf16 here trained NaN weights from its
 second step. Each such convolution of the trunk is run at its shape, in bf16 and in float64, freed memory

@@ -57,14 +57,16 @@ def no_such_device(device: torch.device) -> bool:
     return device.index is not None and device.index >= backend.device_count()
 
 
+HALF_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # TRAIN.AUTOCAST's values
+
+
 def autocast_for(cfg, device: torch.device):
     """The autocast ``TRAIN.AUTOCAST`` asks for on ``device`` (a fresh context each call), or none."""
     if not cfg.TRAIN.AUTOCAST:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if cfg.TRAIN.AUTOCAST == "bf16" else torch.float16)
+    return torch.autocast(device.type, dtype=HALF_PRECISIONS[cfg.TRAIN.AUTOCAST])
 
 
-HALF_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}  # TRAIN.AUTOCAST's values
 SLOW = 2.0  # a half precision whose convolutions take more than this many times fp32's is warned of
 
 
