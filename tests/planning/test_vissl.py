@@ -149,12 +149,15 @@ def test_a_vissl_plan_says_why_it_has_no_predicted_memory_and_the_command_it_nam
     with their predicted peaks."""
     import torch
     from trunksplit.cli.parser import main
+    from trunksplit.planning.search import unsplit_plan
 
     x = torch.randn(2, 3, 64, 64)
     printed = str(CheckpointedTrunk(torchvision.models.resnet18(), ["res4", "flatten"], num_splits=4).plan_for(x))
     assert "predicted memory: not measured (vissl cuts by module count); trunksplit plan --features" in printed
     assert "predicted memory: not measured" not in str(CheckpointedTrunk(torchvision.models.resnet18(), ["res4", "flatten"], num_splits=4,
                                                                           strategy="balanced").plan_for(x))
+    # a measured plan that runs unsplit has no per-segment columns either, and was measured
+    assert "not measured" not in str(unsplit_plan(["conv1", "flatten"], {"flatten": 2}, "balanced", 2**20, "every cut is predicted above"))
     assert main(["plan", "--arch", "resnet18", "--features", "res4", "flatten", "--splits", "4", "--input", "2x3x64x64"]) == 0
     measured = capsys.readouterr().out
     cuts = lambda text: [line.split("|")[1:3] for line in text.splitlines() if line.startswith("| ") and "segment" not in line]  # noqa: E731

@@ -109,7 +109,7 @@ class SplitPlan:
         text = title + ")\n" + tabulate(rows, headers=headers, tablefmt="github")
         if self.note:
             text += f"\n{self.note}"
-        if not with_costs:  # vissl's plan: a newcomer's first print, which would not say why it lacks the columns
+        if self.strategy == "vissl" and not with_costs:  # a newcomer's first print, which would not say why it lacks the columns
             text += ("\npredicted memory: not measured (vissl cuts by module count); trunksplit plan --features ... --input ... "
                      "measures this plan, and strategy='balanced' or a memory_budget plans from measurements")
         for policy in POLICIES.values():
