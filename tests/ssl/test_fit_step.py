@@ -15,6 +15,7 @@ from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.fit_step import crop_groups
 from trunksplit.ssl.loop import step_for_fit, train
+from trunksplit.ssl.parallel import SLOW, convolution_slowdown
 
 from distributed_harness import run_processes
 
@@ -91,6 +92,9 @@ def test_a_fitted_bf16_run_stepped_in_backward_trains_the_plans_its_fit_checked(
     parameter before the first call's part of its gradient arrives (the later call's parts wait in
     autograd's buffers), which the fit did not count (0.82 of the limit). Now 0.85-1.00, with the plans
     the fit checked: the trunk is never planned again."""
+    slowdown = convolution_slowdown(torch.bfloat16)
+    if slowdown > SLOW:  # an AVX2-only CPU (2026-11-29): the fitted step alone ran past 20 minutes
+        pytest.skip(f"this CPU emulates bf16 (its convolutions {slowdown:.0f}x as long as fp32's): the fitted run takes over 20 minutes here")
     planned_again = []
     real = trunk_module.plan_trunk
     monkeypatch.setattr(trunk_module, "plan_trunk", lambda *a, **kw: planned_again.append(a[1].shape) or real(*a, **kw))
