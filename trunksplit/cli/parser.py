@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto", help=DEVICE_HELP)
     b.add_argument("--out", type=_writable_dir, default="output/bench", help="where benchmark.md and benchmark.png are written")
     b.add_argument("--no-selective", action="store_true", help="skip the selective-wrapping rows")
-    b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0])
+    b.add_argument("--gradients", choices=GRADIENT_MODES[:2], default="allocated", help=GRADIENTS_HELP.split("; in_backward")[0] + "; the optimizer stepped in backward: python tools/in_backward_benchmark.py in a clone")
     b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["auto"], help=OBJECTIVE_HELP + " (the trunk's default); several: budget rows for each")
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50", help=ARCH_HELP)
