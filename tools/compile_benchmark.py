@@ -19,7 +19,6 @@ stores every row's model and input channels-last first (the baseline a user of t
 """
 import argparse
 import copy
-import statistics
 import time
 import warnings
 
@@ -30,6 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from trunksplit import CheckpointedTrunk, PeakMemory
 from trunksplit.planning.memory import profiled_peak
 from trunksplit.ssl.backbones import build_backbone
+from trunksplit.planning.timing import interleaved_medians
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,28 +147,20 @@ def _forward_flops(model, x) -> int:
 
 
 def measure_times(rows, x, repeats: int) -> None:
-    """Step times, interleaved (load drifting on a shared machine hits every row alike), after
-    one untimed round."""
-    for r in rows:
-        r["times"] = []
-    for i in range(repeats + 1):
-        for r in rows:
-            start = time.perf_counter()
-            _step(r["model"], x)
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            if i:
-                r["times"].append(time.perf_counter() - start)
+    """Each row's median step time (``r["step"]``), the rows interleaved after one untimed round."""
+    medians = interleaved_medians({i: (lambda m=r["model"]: _step(m, x)) for i, r in enumerate(rows)}, x.device, repeats)
+    for i, r in enumerate(rows):
+        r["step"] = medians[i]
 
 
 def table(arch, rows, x, objective: str) -> str:
     plain = rows[0]
-    compiled_time = statistics.median(next(r for r in rows if r["name"] == "compile plain")["times"])
+    compiled_time = next(r for r in rows if r["name"] == "compile plain")["step"]
     meter = "allocator" if x.is_cuda else "profiler"
     body = [[r["name"], f"{r['peak'] / 2**20:.1f}", f"{r['peak'] / plain['peak']:.2f}",
              f"{r['exact'] / plain['exact']:.2f}" if "exact" in r else "-",
              "-" if r["recompute"] is None else f"{r['recompute']:.2f}",
-             f"{statistics.median(r['times']) / compiled_time:.2f}", f"{r['seconds']:.1f}"] for r in rows]
+             f"{r['step'] / compiled_time:.2f}", f"{r['seconds']:.1f}"] for r in rows]
     headers = ["row", f"peak MiB ({meter})", f"/ plain eager ({meter})", "/ plain eager (tracker)", "recompute / forward",
                "step time / compiled plain", "plan + compile s"]
     return f"### {arch}, input {tuple(x.shape)}, {x.device.type}, gradients kept, objective {objective}\n\n" + tabulate(body, headers=headers, tablefmt="github")
@@ -184,9 +176,9 @@ def plot(results, path: str) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.6), squeeze=False)
     for ax, (arch, rows) in zip(axes[0], results):
-        plain, compiled = rows[0], statistics.median(next(r for r in rows if r["name"] == "compile plain")["times"])
+        plain, compiled = rows[0], next(r for r in rows if r["name"] == "compile plain")["step"]
         for kind in dict.fromkeys(r["kind"] for r in rows):
-            points = [(statistics.median(r["times"]) / compiled, r["peak"] / plain["peak"]) for r in rows if r["kind"] == kind]
+            points = [(r["step"] / compiled, r["peak"] / plain["peak"]) for r in rows if r["kind"] == kind]
             ax.plot(*zip(*points), marker="o", label=kind)
         ax.set_title(arch)
         ax.set_xlabel("step time / compiled plain step")

@@ -26,7 +26,6 @@ than the convolutions it keeps from rerunning (a GPU), below 0 less (a CPU).
 """
 import argparse
 import copy
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -41,6 +40,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 from trunksplit import CheckpointedTrunk, PeakMemory
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import peak_model, plan_trunk
+from trunksplit.planning.timing import interleaved_medians, synchronize
 from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
 from trunksplit.recompute.policies import POLICIES, RECOMPUTE
 
@@ -76,11 +76,6 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _step(trunk, x):
     sum(f.float().mean() for f in trunk(x)).backward()
     for p in trunk.parameters():
@@ -101,16 +96,8 @@ def _ops(trunk, x):
 
 
 def _median_ms(steps: dict, x, repeats: int) -> dict:
-    times = {k: [] for k in steps}
-    for i in range(repeats + 1):
-        for k, trunk in steps.items():
-            _sync(x.device)
-            start = time.perf_counter()
-            _step(trunk, x)
-            _sync(x.device)
-            if i:
-                times[k].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    seconds = interleaved_medians({k: (lambda t=trunk: _step(t, x)) for k, trunk in steps.items()}, x.device, repeats)
+    return {k: s * 1e3 for k, s in seconds.items()}
 
 
 def unit_forward_ms(trunk, x, repeats: int) -> list:
@@ -120,10 +107,10 @@ def unit_forward_ms(trunk, x, repeats: int) -> list:
     for _, unit in trunk.units:
         best = float("inf")
         for _ in range(max(repeats, 2)):
-            _sync(x.device)
+            synchronize(x.device)
             start = time.perf_counter()
             out = unit(h)
-            _sync(x.device)
+            synchronize(x.device)
             best = min(best, (time.perf_counter() - start) * 1e3)
         times.append(best)
         h = out.detach()

@@ -18,7 +18,6 @@ import argparse
 import copy
 import datetime
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -31,6 +30,7 @@ from tabulate import tabulate  # noqa: E402
 
 from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory, fit, optimizer_in_backward  # noqa: E402
 from trunksplit.planning.budget import gib  # noqa: E402
+from trunksplit.planning.timing import interleaved_medians, synchronize  # noqa: E402
 
 FULL = {"resnet50": "resnet50", "convnext_tiny": "convnext_tiny", "vit_b_16": "vit_base_patch16_224"}  # torchvision -> timm
 QUICK = {"mobilenet_v3_small": "mobilenetv3_small_100"}  # activations outweigh its gradients even at 96px, so budgets below 1 are feasible
@@ -53,11 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", default="", help="fit's memory size (default: 4GiB, or 64MiB with --quick)")
     p.add_argument("--report", default="", help="where to write the markdown report (default: print it)")
     return p
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -95,26 +90,12 @@ def measure(step, device: torch.device):
         with PeakMemory(device) as mem:
             step()
         return mem.peak_bytes, None
-    _sync(device)
+    synchronize(device)
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     with PeakMemory(device) as mem:
         step()
     return mem.peak_bytes, torch.cuda.max_memory_reserved(device) - reserved
-
-
-def median_seconds(steps: dict, repeats: int, device: torch.device) -> dict:
-    """Median seconds of each named step, run interleaved (one warm-up each first)."""
-    times = {name: [] for name in steps}
-    for i in range(repeats + 1):
-        for name, step in steps.items():
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            if i:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def environment(device: torch.device) -> list:
@@ -268,7 +249,7 @@ def time_rows(name: str, timm_name: str, x: torch.Tensor, repeats: int, budget: 
     out = []
     for group in groups:
         runnable = {r["label"]: (lambda m=r["model"], w=(weights if group is rows else tweights): (_step(m, x, w), _clear(m))) for r in group if r["model"] is not None}
-        seconds = median_seconds(runnable, repeats, x.device)
+        seconds = interleaved_medians(runnable, x.device, repeats)
         base = group[0]
         for r in group:
             s = seconds.get(r["label"])
@@ -294,7 +275,7 @@ def compile_rows(name: str, x: torch.Tensor, repeats: int, budget: float) -> lis
     ours = CheckpointedTrunk(model, memory_budget=budget)
     ours.compile()
     rows.append(_timed_row(f"trunksplit budget {budget}, trunk.compile()", ours, x, weights))
-    seconds = median_seconds({r["label"]: (lambda m=r["model"]: (_step(m, x, weights), _clear(m))) for r in rows}, repeats, x.device)
+    seconds = interleaved_medians({r["label"]: (lambda m=r["model"]: (_step(m, x, weights), _clear(m))) for r in rows}, x.device, repeats)
     base = rows[0]
     return [[name, r["label"], _mib(r["peak"]), f"{r['peak'] / base['peak']:.3f}", f"{seconds[r['label']] * 1e3:.1f}",
              f"{seconds[r['label']] / seconds[base['label']]:.3f}"] for r in rows]

@@ -14,9 +14,7 @@ in each ``--memory`` (verified by a real step). Prints a markdown table.
 """
 import argparse
 import copy
-import statistics
 import sys
-import time
 import warnings
 from dataclasses import replace
 
@@ -29,6 +27,7 @@ from trunksplit.planning.budget import MemoryBudget, parse_memory_size
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import best_plan, peak_model, plan_from_cuts, plan_trunk
 from trunksplit.ssl.backbones import build_backbone
+from trunksplit.planning.timing import interleaved_medians
 
 BUDGETS = (0.5, 0.3)  # of the default mode's plain step
 
@@ -89,19 +88,7 @@ def _plans(request, x, costs_model, gradients: str, temporaries: float, plain: i
 
 def _timed(pairs, x, repeats: int) -> dict:
     """Median seconds of each (trunk, optimizer-after-backward or None) pair's step, interleaved."""
-    times = {name: [] for name in pairs}
-    for name, (trunk, after) in pairs.items():
-        _step(trunk, x, after)  # warm
-    for _ in range(repeats):
-        for name, (trunk, after) in pairs.items():
-            if x.device.type == "cuda":
-                torch.cuda.synchronize(x.device)
-            start = time.perf_counter()
-            _step(trunk, x, after)
-            if x.device.type == "cuda":
-                torch.cuda.synchronize(x.device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return interleaved_medians({name: (lambda t=trunk, a=after: _step(t, x, a)) for name, (trunk, after) in pairs.items()}, x.device, repeats)
 
 
 def benchmark(arch: str, args) -> list:

@@ -19,9 +19,7 @@ import argparse
 import contextlib
 import copy
 import os
-import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -34,6 +32,7 @@ from trunksplit.ssl.grouped import grouped_step
 from trunksplit.ssl.loop import whole_step_loss
 from trunksplit.ssl.optim import optimizer_of
 from trunksplit.ssl.parallel import autocast_for
+from trunksplit.planning.timing import interleaved_medians
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = {"dino": "configs/recipes/dino.yaml", "swav": "configs/recipes/swav.yaml"}
@@ -94,17 +93,7 @@ def measure(method: str, plan: str, args) -> list:
             m.zero_grad(set_to_none=True)
             _step(cfg, m, crops, grouped)
         peaks[grouped] = mem.peak_bytes
-    times = {g: [] for g in models}
-    for _ in range(args.repeats):
-        for grouped, m in models.items():
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            _step(cfg, m, crops, grouped)
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times[grouped].append(time.perf_counter() - start)
-    t = {g: statistics.median(v) for g, v in times.items()}
+    t = interleaved_medians({g: (lambda m=m, g=g: _step(cfg, m, crops, g)) for g, m in models.items()}, args.device, args.repeats, warmup=0)  # warmed above
     del stand_ins
     return [method, plan, f"{peaks[False] / 2**20:.0f}", f"{peaks[True] / 2**20:.0f}", f"{peaks[True] / peaks[False]:.3f}",
             f"{t[False]:.2f}", f"{t[True]:.2f}", f"{t[True] / t[False]:.3f}"]

@@ -135,6 +135,29 @@ def test_short_steps_are_timed_more_often_until_they_took_long_enough(monkeypatc
     assert len(ticks) == 1
 
 
+def test_benchmark_steps_take_turns_and_each_reports_the_median_of_its_timed_rounds(monkeypatch):
+    """``interleaved_medians`` (every benchmark's step times): the steps alternate within each round, the
+    warm-up rounds are run but not counted, and a step's figure is the median of its timed calls, so one
+    disturbed call moves none. The clock is the test's: each call advances it by a duration chosen here."""
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    durations = {"plain": iter([50.0, 1.0, 9.0, 2.0]), "split": iter([70.0, 3.0, 3.5, 30.0])}  # a warm-up call, then 3 timed
+    calls = []
+
+    def step(name):
+        def run():
+            calls.append(name)
+            now[0] += next(durations[name])
+        return run
+
+    medians = timing.interleaved_medians({"plain": step("plain"), "split": step("split")}, "cpu", repeats=3)
+    assert calls == ["plain", "split"] * 4
+    assert medians == {"plain": 2.0, "split": 3.5}  # sorted 1, 2, 9 and 3, 3.5, 30; the warm-ups (50, 70) left out
+    calls.clear()
+    assert timing.interleaved_medians({"plain": lambda: calls.append(1)}, torch.device("cpu"), repeats=2, warmup=0) == {"plain": 0.0}
+    assert calls == [1, 1]
+
+
 def test_a_region_nested_in_a_checkpointed_segment_is_priced_at_its_run_in_the_segments_recompute():
     """Nested in a checkpointed segment, a region runs in the segment's recompute too, where a later
     unit of the segment needs it (torch reruns a nested checkpoint as its first forward ran, hooks

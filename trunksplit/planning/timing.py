@@ -18,8 +18,9 @@ in the recompute, which cost more than the rerun ops themselves where ops are sm
 launch-bound step; docs/benchmarks.md).
 """
 import functools
+import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -41,14 +42,40 @@ def fastest(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS)
     included: synchronised)."""
     times: List[float] = []
     while _more(times, repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def synchronize(device) -> None:
+    """Wait for the kernels queued on ``device`` (a no-op on a CPU). CUDA runs them asynchronously:
+    a clock read without this measures their launches. The device is named: ``torch.cuda.synchronize()``
+    waits for the current one, which a tensor on ``cuda:1`` need not be on."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(steps: Mapping[str, Callable[[], Any]], device, repeats: int, warmup: int = 1) -> Dict[str, float]:
+    """Median wall seconds of each of ``steps`` over ``repeats`` timed rounds, after ``warmup`` untimed ones.
+
+    The steps take turns within a round, so load drifting on a shared machine hits each alike (a step's
+    calls in a row would each meet another moment's load); a call is timed between two synchronisations
+    of ``device``. Compare the medians of one call with each other, not with another call's:
+    ``interleaved_medians({"plain": plain_step, "split": split_step}, "cpu", repeats=5)``."""
+    times: Dict[str, List[float]] = {name: [] for name in steps}
+    for i in range(warmup + repeats):
+        for name, step in steps.items():
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _more(times: Sequence[float], repeats: int) -> bool:

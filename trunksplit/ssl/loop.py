@@ -18,6 +18,7 @@ from ..in_backward import holding_updates, update_temporaries, updates_of_this_r
 from ..planning.budget import BudgetTooLowError
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
+from ..planning.timing import synchronize
 from ..recompute.wrapper import checkpoint_wrapped_names
 from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import image_dataset, num_workers, step_loader, step_views
@@ -198,8 +199,7 @@ def _optimizer_step(cfg, model, optimizer, scaler, step: int, device, rule=None)
     optimizer.zero_grad(set_to_none=cfg.TRAIN.GRADIENTS != "kept")
     if model.teacher is not None:
         update_teacher(model, teacher_momentum(cfg, step))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)  # the step's time is its kernels', not their launches
 
 
 def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, strategy, world: int) -> None:
