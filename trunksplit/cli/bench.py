@@ -31,7 +31,7 @@ from ..planning.plan import policy_counts
 from ..planning.request import priced_in
 from ..planning.budget import MemoryBudget
 from ..planning.search import annotate, best_plan, peak_model, plan_from_cuts, plan_trunk
-from ..planning.timing import synchronize
+from ..planning.timing import wall_seconds
 from ..recompute.select import every_k, wrap_selected
 from ..ssl.backbones import build_backbone
 from ..trunk import CheckpointedTrunk
@@ -195,11 +195,7 @@ def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gra
     for _ in range(repeats):  # interleaved, so drifting machine load hits every row alike
         for r in runnable:
             zero_grad(r)
-            synchronize(x.device)
-            t = time.perf_counter()
-            r.run(x).backward()
-            synchronize(x.device)
-            r.times.append(time.perf_counter() - t)
+            r.times.append(wall_seconds(lambda: r.run(x).backward(), x.device))
             bar.update(1)
     bar.close()
 

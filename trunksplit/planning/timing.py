@@ -42,12 +42,17 @@ def fastest(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS)
     included: synchronised)."""
     times: List[float] = []
     while _more(times, repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(wall_seconds(fn, device))
     return min(times)
+
+
+def wall_seconds(fn: Callable[[], Any], device) -> float:
+    """The wall time of one call of ``fn``, ``device``'s queued kernels waited for before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def synchronize(device) -> None:
@@ -69,12 +74,9 @@ def interleaved_medians(steps: Mapping[str, Callable[[], Any]], device, repeats:
     times: Dict[str, List[float]] = {name: [] for name in steps}
     for i in range(warmup + repeats):
         for name, step in steps.items():
-            synchronize(device)
-            start = time.perf_counter()
-            step()
-            synchronize(device)
+            seconds = wall_seconds(step, device)
             if i >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
