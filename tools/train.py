@@ -12,6 +12,7 @@ import sys
 from trunksplit.cli.parser import parse_with_overrides, warnings_as_lines
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
+from trunksplit.ssl.metrics_log import images_per_second
 from trunksplit.ssl.stopping import Stopped, interrupted_note
 
 
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
         chance = last["chance_loss"]
         learned = f" ({last['loss'] / chance:.2f} of {chance:.4f}, the loss of a model that learned nothing)" if chance else ""
         print(
-            f"done: step {last['step']}, loss {last['loss']:.4f}{learned}, {last['images_per_sec']:.1f} images/s, "
+            f"done: step {last['step']}, loss {last['loss']:.4f}{learned}, {images_per_second(last['images_per_sec'])} images/s, "
             f"step peak {last['peak_memory_bytes'] / 2**20:.1f} MiB beyond {last['peak_beyond']} "
             f"(trunk plan: {last['plan']})"
         )

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from trunksplit.cli import main
 from trunksplit.ssl import loop
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.loop import train
@@ -49,3 +50,15 @@ def test_tensorboard_scalars_equal_the_metrics_rows_and_a_resumed_run_shows_each
         scalars = events.Scalars(tag)
         assert [s.step for s in scalars] == [1, 2, 3], tag  # step 3 once: the killed process's step 3 forgotten
         assert [s.value for s in scalars] == pytest.approx([r[key] * scale for r in rows], rel=1e-6), tag  # float32 in the event file
+
+
+def test_a_slow_runs_speed_reads_in_significant_digits_not_as_zero(tmp_path, capsys):
+    """A step of 100 s over 2 images (bf16 emulated on a CPU) printed "0.0 images/s": the report, as the launcher's
+    lines, gives two significant digits below 1 image/s and one decimal above."""
+    for rate, printed in ((2 / 94.0, "0.021"), (0.96, "0.96"), (7.63, "7.6"), (123.45, "123.5")):
+        run = tmp_path / str(rate)
+        run.mkdir()
+        row = {"step": 1, "loss": 4.0, "images_per_sec": rate, "peak_memory_bytes": 2**20, "data_seconds": 0.01}
+        (run / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        assert main(["report", str(run)]) == 0
+        assert f"median {printed} images/s" in capsys.readouterr().out

@@ -27,7 +27,7 @@ from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teac
 from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step, held_calls
 from .losses import chance_loss, nt_xent, swav_loss
-from .metrics_log import MetricsLog, check_tensorboard
+from .metrics_log import MetricsLog, check_tensorboard, images_per_second
 from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_slow_half_precision_on_a_cpu
@@ -308,7 +308,7 @@ def _log_row(cfg, log: MetricsLog, bar, step: int, loss, optimizer, seconds: flo
     knn = f"  kNN top-1 {row['knn_top1']:.3f}" if "knn_top1" in row else ""
     bar.write(
         f"step {step + 1}/{cfg.TRAIN.STEPS}  loss {row['loss']:.4f}  lr {row['lr']:.4g}  "
-        f"{row['images_per_sec']:.1f} images/s  peak {peak_bytes / 2**20:.1f} MiB  data wait {row['data_seconds']:.3f} s{knn}"
+        f"{images_per_second(row['images_per_sec'])} images/s  peak {peak_bytes / 2**20:.1f} MiB  data wait {row['data_seconds']:.3f} s{knn}"
     )
     return row
 

@@ -23,6 +23,12 @@ SCALARS = {
 }
 
 
+def images_per_second(rate: float) -> str:
+    """A speed as the launcher and ``trunksplit report`` print it: one decimal from 1 image/s up, two
+    significant digits below, where one decimal read a slow step (bf16 emulated on a CPU) as 0.0."""
+    return f"{rate:.1f}" if rate >= 1 else f"{rate:.2g}"
+
+
 def check_tensorboard(wanted: bool) -> None:
     """``LOGGING.TENSORBOARD True`` needs the optional package: refused, with the command, before
     anything is written."""

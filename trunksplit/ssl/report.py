@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import List
 
-from .metrics_log import offline_knn, read_summary
+from .metrics_log import images_per_second, offline_knn, read_summary
 from .run_dir import METRICS, metrics_rows
 
 REPORT = "report.png"
@@ -68,7 +68,7 @@ def summary(run: Run) -> str:
     peak = max(r["peak_memory_bytes"] for r in run.steps)
     vs = run.summary.get("memory_vs_plain")
     plain = f" (one step side by side: {vs['checkpointed'] * MiB:.1f} MiB checkpointed, {vs['plain'] * MiB:.1f} MiB without)" if vs else ""
-    lines.append(f"  median {statistics.median(r['images_per_sec'] for r in run.steps):.1f} images/s, largest step peak {peak * MiB:.1f} MiB{plain}, "
+    lines.append(f"  median {images_per_second(statistics.median(r['images_per_sec'] for r in run.steps))} images/s, largest step peak {peak * MiB:.1f} MiB{plain}, "
                  f"median data wait {statistics.median(r.get('data_seconds', 0.0) for r in run.steps):.3f} s")
     return "\n".join(lines)
 
