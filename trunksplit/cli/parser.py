@@ -108,10 +108,22 @@ def _refuse_what_the_config_says(parser: argparse.ArgumentParser, args) -> None:
 
 
 class _ParserWithDefaults(argparse.ArgumentParser):
-    """A subcommand's parser whose ``--help`` shows every option's default beside its help."""
+    """A subcommand's parser whose ``--help`` shows each option's default beside its help as one would
+    type it (``8x3x224x224``, ``0.5 0.45``); nothing where there is none (argparse's own formatter
+    printed ``(default: None)``, ``(default: False)`` and a shape as a tuple) or the help says it."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kwargs)
+    def add_argument(self, *args, **kwargs):
+        default, text = kwargs.get("default"), kwargs.get("help")
+        if text and default not in (None, False, "", argparse.SUPPRESS) and "default:" not in text:
+            kwargs["help"] = f"{text} (default: {_as_typed(default)})"
+        return super().add_argument(*args, **kwargs)
+
+
+def _as_typed(default) -> str:
+    """A default as the command line spells it: a shape joined by x, a list by spaces."""
+    if isinstance(default, tuple):
+        return "x".join(map(str, default))
+    return " ".join(map(str, default)) if isinstance(default, list) else str(default)
 
 
 def _installed_version() -> str:
@@ -142,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["auto"], help=OBJECTIVE_HELP + " (the trunk's default); several: budget rows for each")
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50", help=ARCH_HELP)
-    f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, e.g. 3x224x224")
+    f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, CxHxW")
     f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
     f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state is resident (sgd, lars: one buffer per parameter; adamw: two)")
     f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
@@ -165,7 +177,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
     p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
     p.add_argument("--features", nargs="+", default=None, help="feature blocks the trunk returns (res4 res5 ...); default: its last block (flatten for torchvision's)")
-    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="e.g. 8x3x224x224")
+    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="the batch planned for, NxCxHxW")
     p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     p.add_argument("--world-size", type=_positive, default=1, help=PLAN_WORLD_HELP)
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
