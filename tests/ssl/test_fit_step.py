@@ -172,6 +172,8 @@ def test_fit_from_the_command_line_answers_what_the_launcher_trains_with(fitted,
     assert phases[:4] == ["profiling", "profiling", "measuring", "searching"] and set(phases[4:]) == {"checking"}, err
     batch, total, _ = fitted("dino")
     assert batch == images and total <= LIMIT
+    said = out.split("TRAIN.MEMORY_LIMIT ")[1].split()[0]  # what to paste: exactly --memory (it printed 3.146e+08, 27200 bytes short)
+    assert load_config(QUICK, ["TRAIN.MEMORY_LIMIT", said]).TRAIN.MEMORY_LIMIT == 300 * 2**20
 
 
 def test_a_fit_on_a_small_data_set_stops_at_its_share_of_a_step(tmp_path, capsys):

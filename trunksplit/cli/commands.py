@@ -241,7 +241,7 @@ def _fit_config(args) -> int:
     print(found)
     views = sum(cfg.DATA.CROP_COUNTS)
     print(f"images: each brings {views} crops ({' + '.join(f'{n} x {s}px' for s, n in zip(cfg.DATA.CROP_SIZES, cfg.DATA.CROP_COUNTS))}); "
-          f"train with TRAIN.BATCH_SIZE_PER_RANK 0 TRAIN.MEMORY_LIMIT {float(args.memory):.4g} (or BATCH_SIZE_PER_RANK {found.images})")
+          f"train with TRAIN.BATCH_SIZE_PER_RANK 0 TRAIN.MEMORY_LIMIT {args.memory} (or BATCH_SIZE_PER_RANK {found.images})")
     return 0
 
 

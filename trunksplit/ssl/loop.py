@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ..in_backward import holding_updates, update_temporaries, updates_of_this_rank_alone
-from ..planning.budget import BudgetTooLowError
+from ..planning.budget import BudgetTooLowError, format_bytes
 from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan
 from ..planning.timing import synchronize
@@ -178,7 +178,7 @@ def _batch_to_train(cfg, device, strategy, resume: bool, images_at_most: int):
         return with_batch(cfg, *saved, strategy.rank, "resumed with its checkpoint's batch:"), []
     say = (lambda line: print(f"fit: {line}", flush=True)) if strategy.rank == 0 else None
     images, budget, plans = strategy.agree(fitted_batch(cfg, device, step_for_fit(cfg, autocast_for(cfg, device)), strategy.rank_layout, say, images_at_most))
-    return with_batch(cfg, images, budget, strategy.rank, f"TRAIN.MEMORY_LIMIT {cfg.TRAIN.MEMORY_LIMIT:.4g} bytes fits"), plans
+    return with_batch(cfg, images, budget, strategy.rank, f"TRAIN.MEMORY_LIMIT {format_bytes(int(cfg.TRAIN.MEMORY_LIMIT))} fits"), plans
 
 
 def step_for_fit(cfg, autocast) -> Callable:
