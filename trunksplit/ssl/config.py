@@ -14,6 +14,7 @@ from fvcore.common.config import CfgNode as CN
 
 from ..planning.budget import MemoryBudget
 from .config_checks import SELECT_KEY, check_config, type_refusal
+from .vissl_keys import refuse_vissl_file, vissl_hint
 
 _C = CN()
 _C.OUTPUT_DIR = "output/run"
@@ -183,7 +184,7 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
 def _did_you_mean(key: str, cfg: CN) -> str:
     """``"; did you mean TRAIN.STEPS?"`` for ``TRAIN.STEP``: the closest known key, where one is close."""
     close = difflib.get_close_matches(key, list(_full_keys(cfg)), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]}?" if close else ""
+    return vissl_hint(key) or (f"; did you mean {close[0]}?" if close else "")
 
 
 def _full_keys(node: CN, prefix: str = ""):
@@ -232,6 +233,7 @@ def _merge_file(cfg: CN, path: str) -> None:
         raise ValueError(f"config file not found: {path}")
     try:
         loaded = cfg.load_yaml_with_base(path, allow_unsafe=False)
+        refuse_vissl_file(loaded, _full_keys(cfg))
         for key in SIZE_KEYS:  # "MEMORY_BUDGET: 2GiB": a size string, read as the command line reads it
             section, name = key.rsplit(".", 1)
             node = loaded

@@ -1,0 +1,82 @@
+"""vissl's config keys and what each one is in trunksplit's config.
+
+A vissl user's first run points ``--config-file`` at a vissl YAML (its keys under ``config:``, for hydra) or
+types a vissl key on the command line. Both are refused, as every unknown key is, but saying what to write
+here instead: most of vissl's keys that an SSL run sets are renamed, and the activation-checkpointing and
+manual-DDP keys are the same. No file is translated silently: several keys mean something else here
+(vissl counts epochs, trunksplit steps), so the user writes the new file, once, from the list.
+
+    vissl_hint("DATA.TRAIN.DATA_PATHS")   # "; that is vissl's key: here, DATA.PATH (one ImageFolder root, not a list)"
+"""
+from typing import Iterable, List, Tuple
+
+# vissl's key (under ``config.``) -> what to write in trunksplit's config instead (vissl/config/defaults.yaml)
+RENAMED = {
+    "SEED_VALUE": "SEED",
+    "LOG_FREQUENCY": "TRAIN.LOG_EVERY",
+    "DATA.TRAIN.DATA_PATHS": "DATA.PATH (one ImageFolder root, not a list)",
+    "DATA.TRAIN.BATCHSIZE_PER_REPLICA": "TRAIN.BATCH_SIZE_PER_RANK",
+    "DATA.NUM_DATALOADER_WORKERS": "DATA.NUM_WORKERS",
+    "MODEL.TRUNK.RESNETS.DEPTH": "MODEL.TRUNK.NAME, a torchvision model's name (resnet50 for vissl's resnet of depth 50)",
+    "MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH": "MODEL.TRUNK.NAME, a torchvision model's name (resnet50 for vissl's resnet of depth 50)",
+    "MODEL.AMP_PARAMS.USE_AMP": "TRAIN.AUTOCAST (bf16 or fp16: torch's autocast)",
+    "MODEL.HEAD.PARAMS": "MODEL.HEAD.HIDDEN_DIM and MODEL.HEAD.OUTPUT_DIM (METHOD.NAME builds the head)",
+    "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP": "DISTRIBUTED.STRATEGY fsdp (FSDP2)",
+    "MODEL.GRAD_CLIP.MAX_NORM": "OPTIM.CLIP_GRAD (each parameter's gradient clipped to it, as DINO does, not their joint norm)",
+    "LOSS.name": "METHOD.NAME (simclr, swav or dino)",
+    "OPTIMIZER.name": "OPTIM.NAME (sgd, lars or adamw)",
+    "OPTIMIZER.use_larc": "OPTIM.NAME lars",
+    "OPTIMIZER.larc_config.trust_coefficient": "OPTIM.LARS_TRUST_COEFFICIENT",
+    "OPTIMIZER.momentum": "OPTIM.MOMENTUM",
+    "OPTIMIZER.weight_decay": "OPTIM.WEIGHT_DECAY",
+    "OPTIMIZER.regularize_bn": "OPTIM.EXCLUDE_BIAS_AND_NORM (True where vissl's is False)",
+    "OPTIMIZER.regularize_bias": "OPTIM.EXCLUDE_BIAS_AND_NORM (True where vissl's is False)",
+    "OPTIMIZER.num_epochs": "TRAIN.STEPS (steps, not epochs)",
+    "OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_value": "OPTIM.LR (the rate at OPTIM.LR_BATCH_SIZE images a step)",
+    "OPTIMIZER.param_schedulers.lr.auto_lr_scaling.base_lr_batch_size": "OPTIM.LR_BATCH_SIZE",
+    "CHECKPOINT.DIR": "OUTPUT_DIR",
+    "CHECKPOINT.CHECKPOINT_FREQUENCY": "TRAIN.CHECKPOINT_EVERY (steps, not epochs)",
+    "CHECKPOINT.CHECKPOINT_ITER_FREQUENCY": "TRAIN.CHECKPOINT_EVERY",
+    "CHECKPOINT.AUTO_RESUME": "tools/train.py --resume",
+    "DISTRIBUTED.NUM_PROC_PER_NODE": "torchrun --nproc_per_node",
+    "DISTRIBUTED.NUM_NODES": "torchrun --nnodes",
+    "HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD": "LOGGING.TENSORBOARD",
+}
+SHOWN_WITHOUT_COUNTERPART = 8  # of a vissl file's keys that mean nothing here: this many named, the rest counted
+
+
+def vissl_hint(key: str) -> str:
+    """``"; that is vissl's key: here, X"`` for a key of vissl's (``config.`` before it or not), else ``""``."""
+    said = RENAMED.get(key[len("config."):] if key.startswith("config.") else key)
+    return f"; that is vissl's key: here, {said}" if said else ""
+
+
+def refuse_vissl_file(loaded: dict, known: Iterable[str]) -> None:
+    """A YAML file laid out as vissl's (its keys under ``config:``) refused with, for each of its keys,
+    what to write here: renamed, the same key, or nothing (``known``: trunksplit's full keys)."""
+    if not isinstance(loaded.get("config"), dict):
+        return
+    known = set(known)
+    renamed, same, other = [], [], []
+    for key, value in _leaves(loaded["config"]):
+        if key in RENAMED:
+            renamed.append(f"  {key} {value!r} -> {RENAMED[key]}")
+        else:
+            (same if key in known else other).append(key)
+    lines = ["a vissl config (its keys under `config:`); trunksplit's config has keys of its own "
+             "(trunksplit/ssl/config.py; configs/quickstart.yaml is a file of them). Write instead:", *renamed]
+    if same:
+        lines.append(f"  the same key here: {', '.join(same)}")
+    if other:
+        more = f" and {len(other) - SHOWN_WITHOUT_COUNTERPART} more" if len(other) > SHOWN_WITHOUT_COUNTERPART else ""
+        lines.append(f"  no counterpart here (leave out): {', '.join(other[:SHOWN_WITHOUT_COUNTERPART])}{more}")
+    raise ValueError("\n".join(lines))
+
+
+def _leaves(node: dict, prefix: str = "") -> List[Tuple[str, object]]:
+    """(full key, value) of each value in a nested mapping that is not itself a mapping."""
+    leaves = []
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        leaves += _leaves(value, key + ".") if isinstance(value, dict) else [(key, value)]
+    return leaves
