@@ -14,7 +14,7 @@ from fvcore.common.config import CfgNode as CN
 
 from ..planning.budget import MemoryBudget
 from .config_checks import SELECT_KEY, check_config, type_refusal
-from .vissl_keys import refuse_vissl_file, vissl_hint
+from .config_keys import by_dotted_key, refuse_vissl_file, vissl_hint
 
 _C = CN()
 _C.OUTPUT_DIR = "output/run"
@@ -182,14 +182,10 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
 
 
 def _did_you_mean(key: str, cfg: CN) -> str:
-    """``"; did you mean TRAIN.STEPS?"`` for ``TRAIN.STEP``: the closest known key, where one is close."""
-    close = difflib.get_close_matches(key, list(_full_keys(cfg)), n=1, cutoff=0.75)
+    """``"; did you mean TRAIN.STEPS?"`` for ``TRAIN.STEP``: the closest known key, where one is close; for
+    a key of vissl's (``OPTIMIZER.num_epochs``), what it is here."""
+    close = difflib.get_close_matches(key, list(by_dotted_key(cfg)), n=1, cutoff=0.75)
     return vissl_hint(key) or (f"; did you mean {close[0]}?" if close else "")
-
-
-def _full_keys(node: CN, prefix: str = ""):
-    for name, value in node.items():
-        yield from _full_keys(value, f"{prefix}{name}.") if isinstance(value, CN) else [prefix + name]
 
 
 def _scalar(key: str, default, text: str) -> str:
@@ -233,7 +229,7 @@ def _merge_file(cfg: CN, path: str) -> None:
         raise ValueError(f"config file not found: {path}")
     try:
         loaded = cfg.load_yaml_with_base(path, allow_unsafe=False)
-        refuse_vissl_file(loaded, _full_keys(cfg))
+        refuse_vissl_file(loaded, by_dotted_key(cfg))
         for key in SIZE_KEYS:  # "MEMORY_BUDGET: 2GiB": a size string, read as the command line reads it
             section, name = key.rsplit(".", 1)
             node = loaded

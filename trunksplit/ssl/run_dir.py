@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from ..planning.plan import SplitPlan
+from .config_keys import by_dotted_key
 from .run_lock import held_elsewhere, hold_output_dir, in_use
 
 CHECKPOINT = "checkpoint.pt"
@@ -135,15 +136,6 @@ def _check_same_run(saved: dict, now: dict, path: str) -> None:
                              f"resume with the same {key}, or start afresh in another OUTPUT_DIR")
 
 
-def _leaves(config: dict, prefix: str = "") -> dict:
-    """Every value of a nested config dict by its dotted key: ``{"TRAIN.STEPS": 30, ...}``."""
-    leaves = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        leaves.update(_leaves(value, dotted + ".") if isinstance(value, dict) else {dotted: value})
-    return leaves
-
-
 def _value(value) -> str:
     """A config value as a person reads it: 0.00234375, not 0.0023437500000000003 (a scaled learning rate)."""
     return format(value, ".6g") if isinstance(value, float) else str(value)
@@ -154,7 +146,7 @@ def _say_other_training(saved: dict, now: dict, path: str) -> None:
     than the checkpoint's run (a larger TRAIN.STEPS, which stretches the schedules; another batch or
     learning rate): it goes on, but it is no longer the run an uninterrupted one would have been. A key
     the checkpoint's config lacks (an earlier release's) is not said."""
-    before, after = _leaves(saved), _leaves(now)
+    before, after = by_dotted_key(saved), by_dotted_key(now)
     changed = [key for key in after if key in before and before[key] != after[key]
                and not any(key == kept or key.startswith(kept + ".") for kept in WEIGHTS_KEEP_ACROSS)]
     if changed:

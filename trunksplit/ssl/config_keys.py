@@ -1,4 +1,4 @@
-"""vissl's config keys and what each one is in trunksplit's config.
+"""A config's keys by their dotted names (``TRAIN.STEPS``), and vissl's keys with what each one is here.
 
 A vissl user's first run points ``--config-file`` at a vissl YAML (its keys under ``config:``, for hydra) or
 types a vissl key on the command line. Both are refused, as every unknown key is, but saying what to write
@@ -8,7 +8,7 @@ manual-DDP keys are the same. No file is translated silently: several keys mean 
 
     vissl_hint("DATA.TRAIN.DATA_PATHS")   # "; that is vissl's key: here, DATA.PATH (one ImageFolder root, not a list)"
 """
-from typing import Iterable, List, Tuple
+from typing import Iterable
 
 # vissl's key (under ``config.``) -> what to write in trunksplit's config instead (vissl/config/defaults.yaml)
 RENAMED = {
@@ -58,7 +58,7 @@ def refuse_vissl_file(loaded: dict, known: Iterable[str]) -> None:
         return
     known = set(known)
     renamed, same, other = [], [], []
-    for key, value in _leaves(loaded["config"]):
+    for key, value in by_dotted_key(loaded["config"]).items():
         if key in RENAMED:
             renamed.append(f"  {key} {value!r} -> {RENAMED[key]}")
         else:
@@ -73,10 +73,11 @@ def refuse_vissl_file(loaded: dict, known: Iterable[str]) -> None:
     raise ValueError("\n".join(lines))
 
 
-def _leaves(node: dict, prefix: str = "") -> List[Tuple[str, object]]:
-    """(full key, value) of each value in a nested mapping that is not itself a mapping."""
-    leaves = []
+def by_dotted_key(node: dict, prefix: str = "") -> dict:
+    """Every value of a nested mapping (a YAML file's, a ``CfgNode``) that is not itself a mapping, by its
+    dotted key, in the file's order: ``{"TRAIN.STEPS": 30, ...}``."""
+    found = {}
     for name, value in node.items():
         key = f"{prefix}{name}"
-        leaves += _leaves(value, key + ".") if isinstance(value, dict) else [(key, value)]
-    return leaves
+        found.update(by_dotted_key(value, key + ".") if isinstance(value, dict) else {key: value})
+    return found

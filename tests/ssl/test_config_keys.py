@@ -6,7 +6,7 @@ import re
 import pytest
 
 from trunksplit.ssl.config import default_config, load_config
-from trunksplit.ssl.vissl_keys import RENAMED
+from trunksplit.ssl.config_keys import RENAMED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
