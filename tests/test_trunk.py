@@ -403,6 +403,26 @@ def test_a_plain_models_checkpoint_loads_strictly_into_the_trunk_even_inside_a_w
         CheckpointedTrunk(torchvision.models.resnet18()).load_state_dict(plain.state_dict())
 
 
+def test_a_vissl_checkpoints_trunk_weights_load_strictly_into_the_trunk():
+    """vissl's ResNet trunk holds torchvision's modules under ``_feature_blocks.``: its checkpoint's
+    ``["classy_state_dict"]["base_model"]["model"]["trunk"]`` loads as it is (users stripped the prefix and
+    loaded a torchvision ResNet with ``fc = Identity()`` by hand), and the trunk then computes what that model does."""
+    torch.manual_seed(0)
+    vissl_trained = torchvision.models.resnet18()
+    vissl_trained.fc = nn.Identity()
+    checkpoint = {"classy_state_dict": {"base_model": {"model": {
+        "trunk": {f"_feature_blocks.{k}": v.clone() for k, v in vissl_trained.state_dict().items()}, "heads": {}}}}}
+    torch.manual_seed(1)
+    trunk = CheckpointedTrunk(torchvision.models.resnet18(), ["res4", "flatten"], num_splits=3)
+    trunk.load_state_dict(checkpoint["classy_state_dict"]["base_model"]["model"]["trunk"])  # strict
+    x = torch.randn(2, 3, 64, 64)
+    trunk.eval(), vissl_trained.eval()
+    assert torch.equal(trunk(x)[1], vissl_trained(x))
+    wrong = {f"_feature_blocks.{k}": v for k, v in torchvision.models.resnet34().state_dict().items() if not k.startswith("fc.")}
+    with pytest.raises(RuntimeError, match="Unexpected key.*_feature_blocks.layer1.2.conv1.weight"):  # another depth: strict says which
+        CheckpointedTrunk(torchvision.models.resnet18()).load_state_dict(wrong)
+
+
 def test_an_unplanned_cost_aware_trunk_says_so_and_prints_its_plan_once_planned_up_front_or_by_a_forward():
     for how, kind in ((dict(num_splits=3, strategy="balanced"), "balanced"), (dict(memory_budget=0.9, gradients="kept"), "budget")):
         trunk = CheckpointedTrunk(build("resnet18"), **how)

@@ -35,12 +35,19 @@ def to_source_names(state: Mapping, names: Dict[str, str], model: Optional[nn.Mo
     return OrderedDict((k, out.get(k, v)) for k, v in theirs.items())
 
 
+# vissl's ResNe(X)t trunk holds torchvision's modules under this prefix: its checkpoints' trunk weights
+# (``ckpt["classy_state_dict"]["base_model"]["model"]["trunk"]``) are torchvision's names behind it
+VISSL_PREFIX = "_feature_blocks."
+
+
 def from_source_names(state_dict: dict, prefix: str, names: Dict[str, str]) -> None:
     """Rename, in place, the entries of ``state_dict`` under ``prefix`` that carry the model's
-    names to the holder's: a load-state-dict pre-hook's work. An entry already under the holder's
-    name wins (nothing is overwritten); unknown names are left for ``load_state_dict`` to report."""
+    names (or vissl's for them: ``_feature_blocks.layer1.0.conv1.weight``) to the holder's: a
+    load-state-dict pre-hook's work. An entry already under the holder's name wins (nothing is
+    overwritten); unknown names are left for ``load_state_dict`` to report."""
     theirs = {model: mine for mine, model in names.items()}
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        mine = theirs.get(key[len(prefix):])
-        if mine is not None and mine != key[len(prefix):] and prefix + mine not in state_dict:
+        name = key[len(prefix):]
+        mine = theirs.get(name[len(VISSL_PREFIX):] if name.startswith(VISSL_PREFIX) else name)
+        if mine is not None and mine != name and prefix + mine not in state_dict:
             state_dict[prefix + mine] = state_dict.pop(key)
