@@ -79,6 +79,11 @@ def test_a_vissl_key_on_the_command_line_is_refused_with_its_name_here():
     for key in ("OPTIMIZER.num_epochs", "config.OPTIMIZER.num_epochs"):
         with pytest.raises(ValueError, match=re.escape(f"unknown config key: {key}; that is vissl's key: here, TRAIN.STEPS (steps, not epochs)")):
             load_config(QUICK, [key, "3"])
+    with pytest.raises(ValueError, match=re.escape("config=pretrain/simclr/simclr_8node_resnet: vissl's config=FILE is --config-file FILE here")):
+        load_config("", ["config=pretrain/simclr/simclr_8node_resnet"])  # vissl's command line
+    with pytest.raises(ValueError, match=re.escape("KEY VALUE pairs with a space between, as in detectron2: config.OPTIMIZER.num_epochs 3; "
+                                                   "that is vissl's key: here, TRAIN.STEPS")):
+        load_config("", ["config.OPTIMIZER.num_epochs=3"])
     with pytest.raises(ValueError, match=re.escape("unknown config key: TRAIN.STEP; did you mean TRAIN.STEPS?")):
         load_config(QUICK, ["TRAIN.STEP", "3"])  # a key of neither: the closest of trunksplit's
 

@@ -151,7 +151,9 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
     for key in overrides[0::2]:  # hydra's (vissl's command line) KEY=VALUE: shifted, it would pair a key with the next key
         if "=" in key:
             name, value = key.split("=", 1)
-            raise ValueError(f"{key}: overrides are KEY VALUE pairs with a space between, as in detectron2: {name} {value}")
+            if name == "config":
+                raise ValueError(f"{key}: vissl's config=FILE is --config-file FILE here, a YAML of trunksplit's keys (configs/ holds them)")
+            raise ValueError(f"{key}: overrides are KEY VALUE pairs with a space between, as in detectron2: {name} {value}{vissl_hint(name)}")
     if len(overrides) % 2:
         raise ValueError(f"overrides come in KEY VALUE pairs; got an odd count: {list(overrides)}")
     plain = []
