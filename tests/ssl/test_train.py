@@ -889,7 +889,8 @@ def _write(path, text):
         (lambda d: _write(d / "child.yaml", "_BASE_: missing_base.yaml\n"), [], "missing_base.yaml does not exist"),
         (lambda d: _write(d / "typo.yaml", "TRAIN:\n  STEP: 5\n"), [], "unknown config key in {d}/typo.yaml: TRAIN.STEP; did you mean TRAIN.STEPS?"),
         (None, ["MODEL.TRUNK.NAME", "get_model"], "torchvision has no model 'get_model'"),
-        (None, ["MODEL.TRUNK.NAME", "resnet"], "torchvision has no model 'resnet'"),
+        (None, ["MODEL.TRUNK.NAME", "resnet"], "torchvision has no model 'resnet'; did you mean resnet18 or resnet34 or resnet50 or resnet101 (5 in all)?"),
+        (None, ["MODEL.TRUNK.NAME", "regnet_y"], "did you mean regnet_y_8gf or regnet_y_16gf or regnet_y_32gf or regnet_y_128gf (8 in all)?"),  # vissl's: a family
         (None, ["TRAIN.STEPS=3"], "TRAIN.STEPS=3: overrides are KEY VALUE pairs with a space between, as in detectron2: TRAIN.STEPS 3"),
         (None, ["OUTPUT_DIR", "/tmp/a=b", "OPTIM.LR=0.1", "TRAIN.STEPS=3"], "OPTIM.LR=0.1: overrides are KEY VALUE pairs"),  # a value may hold one
         (None, ["TRAIN.STEPS"], "overrides come in KEY VALUE pairs; got an odd count: ['TRAIN.STEPS']"),

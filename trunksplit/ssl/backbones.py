@@ -68,6 +68,10 @@ def _did_you_mean(name: str, torchvision_names: List[str]) -> str:
     bare = re.split("[/:]", name)[-1]
     timm_names = importlib.import_module("timm").list_models() if importlib.util.find_spec("timm") else []
     near = [n for n in torchvision_names if n == bare] + [TIMM + n for n in timm_names if n == bare]
+    family = sorted((n for n in torchvision_names if n.startswith(bare)), key=lambda n: (len(n), n))  # vissl's "resnet", "regnet"
+    if not near and len(family) > 1:
+        more = f" ({len(family)} in all)" if len(family) > 4 else ""
+        return f"; did you mean {' or '.join(family[:4])}{more}?"
     near = near or difflib.get_close_matches(bare, torchvision_names, n=3) + [TIMM + n for n in difflib.get_close_matches(bare, timm_names, n=3)]
     return f"; did you mean {' or '.join(near[:4])}?" if near else ""
 
