@@ -1,4 +1,5 @@
 """feature_blocks, register_trunk, layer_splittable_before."""
+import re
 from collections import OrderedDict
 
 import pytest
@@ -137,6 +138,23 @@ def test_a_torchvision_layer_name_or_a_misspelt_key_is_refused_with_the_key_mean
     with pytest.raises(ValueError, match="unknown feature key") as e:
         CheckpointedTrunk(torchvision.models.resnet18(), keys, num_splits=2)
     assert hint in str(e.value) and "known keys: ['conv1', 'bn1'" in str(e.value)
+
+
+def test_vissls_feature_names_that_are_not_blocks_here_are_refused_naming_the_block_and_its_conv1_is_conv1_relu():
+    """vissl's ResNet maps the feature names its configs ask for to blocks: conv1 -> conv1_relu, res1 -> maxpool,
+    res5avg -> avgpool. Here the names are the blocks': res1 and res5avg are refused naming the block, and
+    vissl's conv1 (the stem after its ReLU) is conv1_relu, the plain model's relu(bn1(conv1(x)))."""
+    with pytest.raises(ValueError, match=re.escape("did you mean maxpool for res1 (vissl's name of that block's output), "
+                                                   "avgpool for res5avg (vissl's name of that block's output)?")):
+        CheckpointedTrunk(torchvision.models.resnet18(), ["res1", "res5avg"])
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(2, 3, 64, 64)
+    stem, maxpool, pooled = CheckpointedTrunk(model, ["conv1_relu", "maxpool", "avgpool"]).eval()(x)
+    with torch.no_grad():
+        assert torch.equal(stem, model.relu(model.bn1(model.conv1(x))))
+        assert torch.equal(maxpool, model.maxpool(stem))
+        assert torch.equal(pooled, model.avgpool(model.layer4(model.layer3(model.layer2(model.layer1(maxpool))))))
 
 
 def test_vissls_stage_names_on_a_trunk_named_as_its_model_are_refused_with_the_stage_meant():

@@ -137,9 +137,16 @@ def _check_keys(blocks: Mapping[str, nn.Module], keys: Sequence[str]) -> None:
                          + f"; known keys: {list(blocks)}")
 
 
+# vissl's ResNet feature names (its trunk's feat_eval_mapping) that are not block names here; its "conv1", the
+# stem after its ReLU, is the block conv1_relu here, where conv1 is the convolution's own output
+VISSL_FEATURE_NAMES = {"res1": "maxpool", "res5avg": "avgpool"}
+
+
 def _did_you_mean(key: str, known: List[str]) -> Optional[str]:
     """The known key ``key`` most likely meant: torchvision's ``layer1..4`` are vissl's ``res2..5``, and
     the other way round where a trunk names its stages as its model does (timm's, traced; a dict of blocks)."""
+    if VISSL_FEATURE_NAMES.get(key) in known:
+        return f"{VISSL_FEATURE_NAMES[key]} for {key} (vissl's name of that block's output)"
     layer = re.fullmatch(r"layer(\d)", key)
     if layer and f"res{int(layer[1]) + 1}" in known:
         return f"res{int(layer[1]) + 1} for {key}"
