@@ -29,6 +29,7 @@ REFUSED = [
     (-math.inf, ValueError, "inf"), (1.5, ValueError, "did you mean 0.015"), (50.5, ValueError, "neither a fraction"),
     (True, TypeError, "bool"), (False, TypeError, "bool"), ([0.4], TypeError, "list"), ("abc", ValueError, "cannot read"),
     ("12XB", ValueError, "cannot read"), ("2gb", ValueError, "cannot read"), ("", ValueError, "cannot read"),
+    ("50%", ValueError, "(50% is 0.5)"), ("37.5 %", ValueError, "(37.5% is 0.375)"),  # a percentage: the fraction to write
 ]
 
 

@@ -141,5 +141,11 @@ def _number_and_unit(value, name: str, write: str = WRITE):
         return value, ""
     match = _SIZE.fullmatch(value)
     if not match or (match.group(2) or "B") not in _UNITS:  # the units' case matters: mb is no MB
-        raise ValueError(f"cannot read {name} from {value!r}: write {write}")
+        raise ValueError(f"cannot read {name} from {value!r}: write {write}{_as_fraction(value) if write == WRITE else ''}")
     return float(match.group(1)), match.group(2) or ""
+
+
+def _as_fraction(value: str) -> str:
+    """``" (50% is 0.5)"`` for a percentage of the unsplit step, which a budget writes as a fraction; else ``""``."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", value)
+    return f" ({match.group(1)}% is {float(match.group(1)) / 100:g})" if match and 0 < float(match.group(1)) <= 100 else ""
