@@ -888,6 +888,8 @@ def _write(path, text):
         (lambda d: _write(d / "bad.yaml", "TRAIN: [unclosed\n"), [], "is not valid YAML"),
         (lambda d: _write(d / "child.yaml", "_BASE_: missing_base.yaml\n"), [], "missing_base.yaml does not exist"),
         (lambda d: _write(d / "typo.yaml", "TRAIN:\n  STEP: 5\n"), [], "unknown config key in {d}/typo.yaml: TRAIN.STEP; did you mean TRAIN.STEPS?"),
+        (lambda d: _write(d / "lower.yaml", "train:\n  steps: 5\n"), [], "unknown config key in {d}/lower.yaml: train; did you mean TRAIN?"),  # keys are upper case
+        (None, ["model.trunk.name", "resnet18"], "unknown config key: model.trunk.name; did you mean MODEL.TRUNK.NAME?"),
         (None, ["MODEL.TRUNK.NAME", "get_model"], "torchvision has no model 'get_model'"),
         (None, ["MODEL.TRUNK.NAME", "resnet"], "torchvision has no model 'resnet'; did you mean resnet18 or resnet34 or resnet50 or resnet101 (5 in all)?"),
         (None, ["MODEL.TRUNK.NAME", "regnet_y"], "did you mean regnet_y_8gf or regnet_y_16gf or regnet_y_32gf or regnet_y_128gf (8 in all)?"),  # vissl's: a family

@@ -184,9 +184,12 @@ def load_config(path: str = "", overrides: Sequence[str] = ()) -> CN:
 
 
 def _did_you_mean(key: str, cfg: CN) -> str:
-    """``"; did you mean TRAIN.STEPS?"`` for ``TRAIN.STEP``: the closest known key, where one is close; for
-    a key of vissl's (``OPTIMIZER.num_epochs``), what it is here."""
-    close = difflib.get_close_matches(key, list(by_dotted_key(cfg)), n=1, cutoff=0.75)
+    """``"; did you mean TRAIN.STEPS?"`` for ``TRAIN.STEP`` or ``train.steps``: the closest known key (or
+    section), where one is close; for a key of vissl's (``OPTIMIZER.num_epochs``), what it is here."""
+    known = list(by_dotted_key(cfg))
+    sections = {key.rsplit(".", i)[0] for key in known for i in range(1, key.count(".") + 1)}
+    same_but_case = [k for k in (*known, *sections) if k.upper() == key.upper()]
+    close = same_but_case or difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     return vissl_hint(key) or (f"; did you mean {close[0]}?" if close else "")
 
 
