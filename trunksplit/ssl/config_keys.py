@@ -17,6 +17,8 @@ RENAMED = {
     "DATA.TRAIN.DATA_PATHS": "DATA.PATH (one ImageFolder root, not a list)",
     "DATA.TRAIN.BATCHSIZE_PER_REPLICA": "TRAIN.BATCH_SIZE_PER_RANK",
     "DATA.NUM_DATALOADER_WORKERS": "DATA.NUM_WORKERS",
+    "DATA.TRAIN.TRANSFORMS": ("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES (ImgPilToMultiCrop's size_crops, num_crops and "
+                              "crop_scales), and DATA.AUG.* for the rest (configs/recipes/ holds SimCLR's, SwAV's and DINO's)"),
     "MODEL.TRUNK.RESNETS.DEPTH": "MODEL.TRUNK.NAME, a torchvision model's name (resnet50 for vissl's resnet of depth 50)",
     "MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH": "MODEL.TRUNK.NAME, a torchvision model's name (resnet50 for vissl's resnet of depth 50)",
     "MODEL.AMP_PARAMS.USE_AMP": "TRAIN.AUTOCAST (bf16 or fp16: torch's autocast)",
@@ -56,6 +58,7 @@ RENAMED = {
     "HOOKS.TENSORBOARD_SETUP.USE_TENSORBOARD": "LOGGING.TENSORBOARD",
 }
 SHOWN_WITHOUT_COUNTERPART = 8  # of a vissl file's keys that mean nothing here: this many named, the rest counted
+SHOWN_VALUE = 60  # characters of a renamed key's value (a transforms list runs to hundreds)
 
 
 def vissl_hint(key: str) -> str:
@@ -73,7 +76,8 @@ def refuse_vissl_file(loaded: dict, known: Iterable[str]) -> None:
     renamed, same, other = [], [], []
     for key, value in by_dotted_key(loaded["config"]).items():
         if key in RENAMED:
-            renamed.append(f"  {key} {value!r} -> {RENAMED[key]}")
+            shown = repr(value) if len(repr(value)) <= SHOWN_VALUE else repr(value)[:SHOWN_VALUE] + " ..."
+            renamed.append(f"  {key} {shown} -> {RENAMED[key]}")
         else:
             (same if key in known else other).append(key)
     lines = ["a vissl config (its keys under `config:`); trunksplit's config has keys of its own "
