@@ -2,7 +2,7 @@
 
 Layers, each importing only those below it:
 
-    cli/          the trunksplit command (plan, bench, fit, bench-data)
+    cli/          the trunksplit command (plan, bench, fit, bench-data, knn, report)
     ssl/          the launcher: config, data, models, losses, the distributed strategy, the loop
     fit.py        the largest batch that fits a memory size
     in_backward.py the optimizer stepped in backward: each gradient freed at its update
