@@ -301,6 +301,21 @@ def test_a_module_called_twice_gets_names_that_cannot_collide():
     assert sorted(id(p) for p in trunk.parameters()) == sorted(id(p) for p in model.parameters())
 
 
+def test_the_models_checkpoint_loads_strictly_where_two_units_run_one_module():
+    """The shared block's tensors are the trunk's under two names (one per unit that runs it, as a
+    traced timm ViT's position embedding): the model's state_dict fills both, and the trunk then
+    computes what the model that saved it does."""
+    torch.manual_seed(0)
+    saved = SharedWeights()
+    torch.manual_seed(1)
+    trunk = CheckpointedTrunk(SharedWeights(), num_splits=3)
+    trunk.load_state_dict(saved.state_dict())  # strict
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.equal(trunk(x)[-1], saved(x))
+    back = trunk.model_state_dict()
+    assert set(back) == set(saved.state_dict()) and all(torch.equal(back[k], v) for k, v in saved.state_dict().items())
+
+
 def test_buffer_reads_are_traced_not_frozen_at_trace_time():
     """fx's default would run ``self.ema.mul_(0.9)`` once while tracing and bake ``self.ema.view(...)``
     into a constant; the chain's units read and write the model's own buffer when they run."""

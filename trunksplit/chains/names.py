@@ -43,11 +43,18 @@ VISSL_PREFIX = "_feature_blocks."
 def from_source_names(state_dict: dict, prefix: str, names: Dict[str, str]) -> None:
     """Rename, in place, the entries of ``state_dict`` under ``prefix`` that carry the model's
     names (or vissl's for them: ``_feature_blocks.layer1.0.conv1.weight``) to the holder's: a
-    load-state-dict pre-hook's work. An entry already under the holder's name wins (nothing is
-    overwritten); unknown names are left for ``load_state_dict`` to report."""
-    theirs = {model: mine for mine, model in names.items()}
+    load-state-dict pre-hook's work. A tensor the holder keeps under several names (a module two
+    units run: a traced ViT's position embedding, a block called twice) fills each of them. An
+    entry already under the holder's name wins (nothing is overwritten); unknown names are left
+    for ``load_state_dict`` to report."""
+    theirs: Dict[str, list] = {}
+    for mine, model in names.items():
+        theirs.setdefault(model, []).append(mine)
     for key in [k for k in state_dict if k.startswith(prefix)]:
         name = key[len(prefix):]
-        mine = theirs.get(name[len(VISSL_PREFIX):] if name.startswith(VISSL_PREFIX) else name)
-        if mine is not None and mine != name and prefix + mine not in state_dict:
-            state_dict[prefix + mine] = state_dict.pop(key)
+        mine = theirs.get(name[len(VISSL_PREFIX):] if name.startswith(VISSL_PREFIX) else name, [])
+        filled = [m for m in mine if m != name and prefix + m not in state_dict]
+        for m in filled:
+            state_dict[prefix + m] = state_dict[key]
+        if filled and name not in mine:
+            del state_dict[key]
