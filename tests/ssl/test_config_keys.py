@@ -39,6 +39,11 @@ config:
     ACTIVATION_CHECKPOINTING:
       USE_ACTIVATION_CHECKPOINTING: true
       NUM_ACTIVATION_CHECKPOINTING_SPLITS: 4
+    WEIGHTS_INIT:
+      PARAMS_FILE: /weights/resnet50_supervised.torch
+      STATE_DICT_KEY_NAME: ""
+      REMOVE_PREFIX: module.
+      APPEND_PREFIX: trunk._feature_blocks.
   LOSS:
     name: simclr_info_nce_loss
   OPTIMIZER:
@@ -71,11 +76,14 @@ def test_a_vissl_config_file_is_refused_saying_what_each_of_its_keys_is_here(tmp
                  "  OPTIMIZER.use_larc True -> OPTIM.NAME lars", "  OPTIMIZER.num_epochs 100 -> TRAIN.STEPS (steps, not epochs)",
                  "  CHECKPOINT.DIR '/checkpoints/simclr' -> OUTPUT_DIR", "  LOG_FREQUENCY 100 -> TRAIN.LOG_EVERY",
                  "  DISTRIBUTED.NUM_PROC_PER_NODE 8 -> torchrun --nproc_per_node",
-                 "  DATA.TRAIN.TRANSFORMS [{'name': 'ImgPilToMultiCrop', 'total_num_crops': 8, 'size_c ... -> DATA.CROP_SIZES"):
+                 "  DATA.TRAIN.TRANSFORMS [{'name': 'ImgPilToMultiCrop', 'total_num_crops': 8, 'size_c ... -> DATA.CROP_SIZES",
+                 "  MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME '' -> nothing: the trunk's weights are found in the file",
+                 "  MODEL.WEIGHTS_INIT.APPEND_PREFIX 'trunk._feature_blocks.' -> nothing: the trunk's names, its model's"):
         assert "\n" + line in said, line
     same = said.split("  the same key here: ")[1].split("\n")[0].split(", ")
     assert same == ["MODEL.TRUNK.NAME", "MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING",
-                    "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION"]
+                    "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "MODEL.WEIGHTS_INIT.PARAMS_FILE",
+                    "MODEL.WEIGHTS_INIT.REMOVE_PREFIX", "DISTRIBUTED.MANUAL_GRADIENT_REDUCTION"]
     assert said.endswith("no counterpart here (leave out): DATA.TRAIN.DATA_SOURCES, DATA.TRAIN.DATASET_NAMES")
 
 
@@ -97,7 +105,7 @@ def test_every_name_the_hints_give_is_a_key_here_and_every_vissl_key_they_read_i
     for vissl_key, said in RENAMED.items():
         assert vissl_key not in ours, vissl_key  # a key of both would never reach its hint
         named = said.split(" ")[0].rstrip(",")
-        assert named in ours or named in ("tools/train.py", "torchrun"), (vissl_key, said)
+        assert named in ours or named in ("tools/train.py", "torchrun", "nothing:"), (vissl_key, said)
         for also in re.findall(r"\b[A-Z]+\.[A-Z_.]+[A-Z]\b", said):  # a key, or a section (DATA.AUG.*)
             assert also in ours or any(key.startswith(also + ".") for key in ours), (vissl_key, also)
 

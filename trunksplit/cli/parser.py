@@ -203,7 +203,7 @@ def _add_run_parsers(sub) -> None:
     k.add_argument("run_dir", help="a run's OUTPUT_DIR (its config.yaml and checkpoint.pt)")
     k.add_argument("--train", required=True, help="an ImageFolder root (a folder per class): the neighbours")
     k.add_argument("--val", required=True, help="an ImageFolder root with the same classes: the images classified")
-    k.add_argument("--untrained", action="store_true", help="evaluate the model the run started from (its config and seed): a baseline")
+    k.add_argument("--untrained", action="store_true", help="evaluate the model the run started from (its config and seed, or its MODEL.WEIGHTS_INIT file): a baseline")
     k.add_argument("--device", default="auto", help=DEVICE_HELP)
     r = sub.add_parser("report", help="draw runs' loss, kNN accuracy, speed, memory and data wait, overlaid, into one PNG")
     r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's OUTPUT_DIR (its metrics.jsonl); several: drawn over one another")

@@ -33,6 +33,11 @@ _C.MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT = False
 # Selective wrapping instead of trunk splitting, e.g. {every_k: 2, types: [torchvision.models.resnet.Bottleneck]}
 # From the command line: SELECT "{every_k: 2, types: [torchvision.models.resnet.Bottleneck]}" or SELECT.every_k 2.
 _C.MODEL.ACTIVATION_CHECKPOINTING.SELECT = CN(new_allowed=True)
+# the trunk starts from a file's weights, not random ones (a torchvision or timm state_dict, a vissl or trunksplit
+# checkpoint; the trunk's entries are found in it): trunksplit/ssl/weights_init.py. Not read on --resume.
+_C.MODEL.WEIGHTS_INIT = CN()
+_C.MODEL.WEIGHTS_INIT.PARAMS_FILE = ""  # "": random weights
+_C.MODEL.WEIGHTS_INIT.REMOVE_PREFIX = ""  # where the file holds the trunk under several prefixes (DINO's student and teacher): the one
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.HIDDEN_DIM = 512
 _C.MODEL.HEAD.OUTPUT_DIM = 128

@@ -80,13 +80,8 @@ def check_config(cfg: CN, defaults: CN) -> None:
             raise ValueError(f"{key} must be >= 1, got {cfg[section][name]}")
     if cfg.TRAIN.BATCH_SIZE_PER_RANK < 0:
         raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK must be >= 1 (or 0 with TRAIN.MEMORY_LIMIT), got {cfg.TRAIN.BATCH_SIZE_PER_RANK}")
-    if cfg.DATA.NUM_WORKERS < -1:
-        raise ValueError(f"DATA.NUM_WORKERS must be >= 0, or -1 for the machine's spare cores; got {cfg.DATA.NUM_WORKERS}")
-    if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
-        raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
+    _check_data(cfg)
     _check_optim(cfg)
-    if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
-        raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
     _check_method_and_head(cfg)
     if cfg.METHOD.NAME == "simclr" and list(cfg.DATA.CROP_COUNTS) != [2]:
         raise ValueError("SimCLR takes exactly two views: DATA.CROP_COUNTS [2]")
@@ -97,6 +92,19 @@ def check_config(cfg: CN, defaults: CN) -> None:
     _check_distributed(cfg)
     if cfg.TRAIN.AUTOCAST not in ("", "bf16", "fp16"):
         raise ValueError(f"TRAIN.AUTOCAST must be '', bf16 or fp16, got {cfg.TRAIN.AUTOCAST!r}")
+    if cfg.MODEL.WEIGHTS_INIT.REMOVE_PREFIX and not cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:
+        raise ValueError(f"MODEL.WEIGHTS_INIT.REMOVE_PREFIX {cfg.MODEL.WEIGHTS_INIT.REMOVE_PREFIX!r} says where the trunk is in "
+                         "MODEL.WEIGHTS_INIT.PARAMS_FILE: give that file too")
+
+
+def _check_data(cfg: CN) -> None:
+    """The loader's workers, the crops, the synthetic images (an ImageFolder is read when the run starts)."""
+    if cfg.DATA.NUM_WORKERS < -1:
+        raise ValueError(f"DATA.NUM_WORKERS must be >= 0, or -1 for the machine's spare cores; got {cfg.DATA.NUM_WORKERS}")
+    if any(s < 1 for s in cfg.DATA.CROP_SIZES) or any(c < 1 for c in cfg.DATA.CROP_COUNTS):
+        raise ValueError("DATA.CROP_SIZES and DATA.CROP_COUNTS must be >= 1")
+    if not (len(cfg.DATA.CROP_SIZES) == len(cfg.DATA.CROP_COUNTS) == len(cfg.DATA.CROP_SCALES)):
+        raise ValueError("DATA.CROP_SIZES, DATA.CROP_COUNTS and DATA.CROP_SCALES need one entry per resolution")
     if cfg.DATA.SYNTHETIC not in SYNTHETIC_KINDS:
         raise ValueError(f"DATA.SYNTHETIC must be one of {SYNTHETIC_KINDS}, got {cfg.DATA.SYNTHETIC!r}")
 

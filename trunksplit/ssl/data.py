@@ -129,6 +129,21 @@ class _ImagesOnly(torch.utils.data.Dataset):
         return self.folder.samples[i][0]
 
 
+def check_images_a_step(cfg, world: int, data_set: int) -> None:
+    """A step's images are distinct images of the data set (``data_set`` of them). SimCLR tells each
+    view's partner from the views of the step's other images (every rank's): a step of one image has
+    none, so its loss is 0 and its gradient too."""
+    images = cfg.TRAIN.BATCH_SIZE_PER_RANK * world
+    if images > data_set:
+        source = f"{data_set} images in DATA.PATH" if cfg.DATA.PATH else f"DATA.NUM_IMAGES {data_set}"
+        raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank{'s' if world > 1 else ''} is {images} images a step, "
+                         f"more than the data set holds ({source}): a step would hold an image more than once (SimCLR would take its copies "
+                         f"for different images). Set TRAIN.BATCH_SIZE_PER_RANK {data_set // world} or less, or give more images")
+    if cfg.METHOD.NAME == "simclr" and images < 2:
+        raise ValueError(f"SimCLR needs at least 2 images a step, all ranks together (each view is told from the other images' views), got "
+                         f"{images} (TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank): its loss would be 0 and nothing learned")
+
+
 def batch_indices(n: int, batch: int, step: int, rank: int, world: int, seed: int) -> List[int]:
     """This rank's images for ``step``: epoch-wise shuffles of the data set, split across ranks. An
     epoch is the steps its shuffle fills; its last images short of a step are left out (a

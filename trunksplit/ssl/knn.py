@@ -33,6 +33,7 @@ from .dino import build_ssl_model
 from .parallel import autocast_for
 from .run_dir import CHECKPOINT, load_checkpoint, load_sharded_model
 from .stopping import ignore_interrupts
+from .weights_init import start_from_weights
 
 EVAL_CROP_FRACTION = 0.875  # the centre crop's share of the resized image (ImageNet's 224 of 256)
 BATCH = 64  # images per forward while extracting features
@@ -209,7 +210,7 @@ def _warn_if_trained_on(data_path: str, val: LabelledImages) -> None:
 
 def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = False, device: str = "cpu") -> Tuple[int, Dict[str, float]]:
     """(step, accuracies) of a finished run's trunk (its ``checkpoint.pt``), or with ``untrained`` of
-    the model it started from (its config and seed): the numbers the online monitor logs at that
+    the model it started from (its config and seed, or its ``MODEL.WEIGHTS_INIT`` file): the numbers the online monitor logs at that
     step. A sharded (FSDP2) checkpoint's shards are read into one whole model."""
     config = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config):
@@ -219,6 +220,8 @@ def knn_of_run(run_dir: str, train_path: str, val_path: str, untrained: bool = F
     torch.manual_seed(cfg.SEED)
     model = build_ssl_model(cfg)
     step = 0
+    if untrained and cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE:  # the run started from that file's weights
+        start_from_weights(model, cfg)
     if not untrained:
         state = load_checkpoint(os.path.join(run_dir, CHECKPOINT), "trunksplit knn")
         if "sharded" in state:  # an FSDP2 run's: its shards read into one whole model

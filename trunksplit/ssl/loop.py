@@ -21,7 +21,7 @@ from ..planning.plan import SplitPlan
 from ..planning.timing import synchronize
 from ..recompute.wrapper import checkpoint_wrapped_names
 from .cpu_bf16 import refuse_wrong_bf16_convolutions
-from .data import image_dataset, num_workers, step_loader, step_views
+from .data import check_images_a_step, image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor, evaluated_trunk
 from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
 from .fit_step import crop_groups, fitted_batch
@@ -34,6 +34,7 @@ from .parallel import autocast_for, setup_distributed, warn_of_slow_half_precisi
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
 from .stopping import EvaluationStopped, StopSignals, next_unless_stopping, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
+from .weights_init import check_weights_file, start_from_weights
 
 
 def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
@@ -43,11 +44,11 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
     _check_before_start(cfg, resume, device, strategy)
     dataset = image_dataset(cfg)  # fails early on a bad DATA.PATH, before anything is written; its images bound a step's
     cfg, fitted_plans = _batch_to_train(strategy.configured(cfg), device, strategy, resume, len(dataset) // world)
-    _check_images_a_step(cfg, world, len(dataset))
+    check_images_a_step(cfg, world, len(dataset))
     cfg = with_scaled_lr(cfg, world, rank)
     monitor = KnnMonitor(cfg) if cfg.EVAL.KNN.TRAIN_PATH else None  # and on bad kNN folders
     torch.manual_seed(cfg.SEED)
-    model = _build_model(cfg, device, fitted_plans)
+    model = _build_model(cfg, device, fitted_plans, resume, rank)
     wrapped = strategy.wrap(cfg, model)
     optimizer = build_optimizer(cfg, model, wrapped)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.TRAIN.AUTOCAST == "fp16")
@@ -90,25 +91,12 @@ def _check_before_start(cfg, resume: bool, device, strategy) -> None:
     run on a CPU whose convolutions torch computes wrong (every rank takes rank 0's answer); and, said by
     rank 0, a half precision this CPU runs slowly."""
     check_output_dir(cfg.OUTPUT_DIR, resume, strategy.agree)
+    if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE and not resume:
+        check_weights_file(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
     refuse_wrong_bf16_convolutions(cfg, device, strategy.agree)
     if strategy.rank == 0:
         warn_of_slow_half_precision_on_a_cpu(cfg, device)
-
-
-def _check_images_a_step(cfg, world: int, data_set: int) -> None:
-    """A step's images are distinct images of the data set (``data_set`` of them). SimCLR tells each
-    view's partner from the views of the step's other images (every rank's): a step of one image has
-    none, so its loss is 0 and its gradient too."""
-    images = cfg.TRAIN.BATCH_SIZE_PER_RANK * world
-    if images > data_set:
-        source = f"{data_set} images in DATA.PATH" if cfg.DATA.PATH else f"DATA.NUM_IMAGES {data_set}"
-        raise ValueError(f"TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank{'s' if world > 1 else ''} is {images} images a step, "
-                         f"more than the data set holds ({source}): a step would hold an image more than once (SimCLR would take its copies "
-                         f"for different images). Set TRAIN.BATCH_SIZE_PER_RANK {data_set // world} or less, or give more images")
-    if cfg.METHOD.NAME == "simclr" and images < 2:
-        raise ValueError(f"SimCLR needs at least 2 images a step, all ranks together (each view is told from the other images' views), got "
-                         f"{images} (TRAIN.BATCH_SIZE_PER_RANK {cfg.TRAIN.BATCH_SIZE_PER_RANK} x {world} rank): its loss would be 0 and nothing learned")
 
 
 def _start_logging(cfg, resumed: Resumed, rank: int) -> Optional[MetricsLog]:
@@ -129,9 +117,15 @@ def _log_untrained_knn(log: Optional[MetricsLog], accuracies: dict) -> None:
     print(f"step 0 (untrained)  kNN top-1 {accuracies['knn_top1']:.3f}", flush=True)
 
 
-def _build_model(cfg, device, fitted_plans: list) -> SSLModel:
-    """The model to train; its trunk runs the plans a whole-step fit checked (not ones measured again)."""
-    model = build_ssl_model(cfg).to(device)
+def _build_model(cfg, device, fitted_plans: list, resume: bool, rank: int) -> SSLModel:
+    """The model to train, from the weights file the config names (resumed, the checkpoint's instead); its
+    trunk runs the plans a whole-step fit checked (not ones measured again)."""
+    model = build_ssl_model(cfg)
+    if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE and not resume:
+        said = start_from_weights(model, cfg)
+        if rank == 0:
+            print(f"trunk weights: {said}", flush=True)
+    model.to(device)
     if cfg.OPTIM.IN_BACKWARD:  # what the run's optimizer will mark: set now, the fitted plans (made for it) are kept then
         model.trunk.update_temporaries = update_temporaries(*optimizer_of(cfg), device)
     for key, plan in fitted_plans:

@@ -114,10 +114,10 @@ SAME_ON_RESUME = ("MODEL.TRUNK.NAME", "METHOD.NAME", "OPTIM.NAME")
 # what the trunk's saved plans were made for: another value plans again
 PLANNED_FOR = ("MODEL.ACTIVATION_CHECKPOINTING", "TRAIN.GRADIENTS", "OPTIM.IN_BACKWARD")
 # what leaves the weights as they would be (checkpointing is exact; where files go, how often they are
-# written, how many workers load the same batches, what is evaluated): any other key changed on resume
-# trains another run from the checkpoint on, and is said
+# written, how many workers load the same batches, what is evaluated, the weights the run started from:
+# the checkpoint holds its own): any other key changed on resume trains another run from the checkpoint on, and is said
 WEIGHTS_KEEP_ACROSS = (*PLANNED_FOR, "OUTPUT_DIR", "TRAIN.LOG_EVERY", "TRAIN.CHECKPOINT_EVERY", "TRAIN.MEMORY_LIMIT", "TRAIN.DEVICE",
-                       "TRAIN.BACKWARD_BY_CROP_GROUP", "DATA.NUM_WORKERS", "EVAL", "LOGGING", "DISTRIBUTED")
+                       "TRAIN.BACKWARD_BY_CROP_GROUP", "DATA.NUM_WORKERS", "EVAL", "LOGGING", "DISTRIBUTED", "MODEL.WEIGHTS_INIT")
 
 
 def _at(config: dict, key: str):
