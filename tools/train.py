@@ -53,6 +53,8 @@ def main(argv=None) -> int:
         if side_by_side:
             print(side_by_side)
         print(f"metrics: {cfg.OUTPUT_DIR}/metrics.jsonl")
+        whose = "the teacher's trunk weights" if cfg.METHOD.NAME == "dino" else "the trunk's weights"
+        print(f"{whose}, under {cfg.MODEL.TRUNK.NAME}'s names: {cfg.OUTPUT_DIR}/trunk.pt")
     return 0
 
 

@@ -138,15 +138,15 @@ class CheckpointedTrunk(nn.Module):
                            use_reentrant=self.use_reentrant, compiled=self._compiled is not None, world_size=sharded_world_size([m for _, m in units]),
                            update_temporaries=planned_temporaries(self.parameters(), self._update_temporaries))  # its optimizer's, where one steps in backward
 
-    def model_state_dict(self, model: Optional[nn.Module] = None) -> "OrderedDict[str, torch.Tensor]":
-        """The trunk's weights and buffers under the names of the model it was built from
-        (``layer1.0.conv1.weight``, not ``res2.0.conv1.weight``); with ``model`` (the same
-        architecture) its other entries too (the classifier), so that it loads strictly. The other
-        way needs nothing: ``trunk.load_state_dict`` takes the model's names as well as its own.
-        A trunk built from an ordered dict of blocks has no model names: ``ValueError``."""
+    def model_state_dict(self, model: Optional[nn.Module] = None, state: Optional[Mapping] = None) -> "OrderedDict[str, torch.Tensor]":
+        """The trunk's weights and buffers (or ``state``, a trunk's of the same blocks: an EMA teacher's, an
+        FSDP2 trunk's gathered whole) under the names of the model it was built from (``layer1.0.conv1.weight``,
+        not ``res2.0.conv1.weight``); with ``model`` (the same architecture) its other entries too (the classifier),
+        so that it loads strictly. The other way needs nothing: ``trunk.load_state_dict`` takes the model's names
+        as well as its own. A trunk built from an ordered dict of blocks has no model names: ``ValueError``."""
         if not self._model_keys:
             raise ValueError("this trunk was built from feature blocks, not a model: there are no model names to map to")
-        return to_source_names(self.state_dict(), self._model_keys, model)
+        return to_source_names(self.state_dict() if state is None else state, self._model_keys, model)
 
     @property
     def plan(self) -> SplitPlan:

@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+import torchvision
 import torch.distributed as dist
 import yaml
 from torch.multiprocessing.reductions import StorageWeakRef  # private, as trunksplit.planning.memory imports it: a storage's liveness
@@ -26,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # private, as trunk
 from trunksplit.cli import main as cli_main
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop
+from trunksplit import CheckpointedTrunk
 from trunksplit import trunk as trunk_module
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.stopping import StopSignals, Stopped, stop_between_steps
@@ -1096,6 +1098,12 @@ def test_an_fsdp_run_goes_on_in_one_process_from_its_shards_read_whole(tmp_path,
     run_processes(_fsdp_two_steps, 2, (str(out),))
     dcp_to_torch_save(out / "sharded" / "step_2", tmp_path / "shards.pt")
     want = torch.load(tmp_path / "shards.pt", weights_only=False)
+    # the trained trunk, gathered whole from the shards at the end, under torchvision's names
+    plain = torchvision.models.resnet18()
+    plain.fc = torch.nn.Identity()
+    plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict
+    gathered = CheckpointedTrunk(plain).state_dict()
+    assert all(torch.equal(v, want["model"][f"trunk.{k}"]) for k, v in gathered.items())
     loaded, real = {}, strategy.Strategy.load
 
     def load_and_keep(self, cfg, state, model, optimizer):

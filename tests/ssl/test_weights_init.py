@@ -157,3 +157,25 @@ def test_a_file_holding_the_trunk_twice_names_both_places_and_a_prefix_must_be_o
         assert all(torch.equal(before[k], v) for k, v in model.trunk.state_dict().items())  # nothing loaded
     with pytest.raises(ValueError, match="MODEL.WEIGHTS_INIT.REMOVE_PREFIX 'module.' says where the trunk is in MODEL.WEIGHTS_INIT.PARAMS_FILE: give that file too"):
         load_config(QUICK, ["MODEL.WEIGHTS_INIT.REMOVE_PREFIX", "module."])
+
+
+def test_a_finished_runs_trunk_weights_load_into_the_plain_model_and_start_another_run(tmp_path, capsys):
+    """A DINO run ends by writing its teacher's trunk (what DINO evaluates and releases) under
+    torchvision's names: the plain model without its classifier loads it strictly and computes the
+    teacher's features, not the student's; a new run's MODEL.WEIGHTS_INIT takes the file as it is."""
+    out = tmp_path / "dino"
+    dino = [*SMALL, "METHOD.NAME", "dino", "DATA.CROP_COUNTS", "[2]", "METHOD.NUM_PROTOTYPES", "16", "OUTPUT_DIR", str(out), "TRAIN.STEPS", "1"]
+    model, _ = train(load_config(QUICK, dino))
+    plain = torchvision.models.resnet18()
+    plain.fc = torch.nn.Identity()
+    plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict
+    x = torch.randn(2, 3, 32, 32)
+    plain.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(x), model.teacher.trunk(x)[-1]) and not torch.equal(plain(x), model.trunk(x)[-1])
+    cfg = load_config(QUICK, [*SMALL, "MODEL.WEIGHTS_INIT.PARAMS_FILE", str(out / "trunk.pt")])
+    again = build_ssl_model(cfg)
+    assert start_from_weights(again, cfg) == f"120 tensors from {out / 'trunk.pt'}"
+    again.eval()
+    with torch.no_grad():
+        assert torch.equal(again.trunk(x)[-1], plain(x))

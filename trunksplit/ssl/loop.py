@@ -31,7 +31,7 @@ from .metrics_log import MetricsLog, check_tensorboard, images_per_second
 from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_slow_half_precision_on_a_cpu
-from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, saved_batch, start_run_dir
+from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, save_trunk_weights, saved_batch, start_run_dir
 from .stopping import EvaluationStopped, StopSignals, next_unless_stopping, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
 from .weights_init import check_weights_file, start_from_weights
@@ -80,10 +80,16 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
                 data.update(_evaluate(monitor, strategy, wrapped, model, cfg, device, autocast, signals))
             if logging and rank == 0:
                 last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
-    strategy.finish(wrapped, model)
+    _finish(cfg, strategy, wrapped, model)
     if last is not None:
         _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy, world)
     return model, last
+
+
+def _finish(cfg, strategy, wrapped, model) -> None:
+    """Every rank ends alike; then the trained trunk (DINO: its teacher, what DINO evaluates) is written for use elsewhere."""
+    strategy.finish(wrapped, model)
+    save_trunk_weights(cfg.OUTPUT_DIR, model.trunk, strategy.whole_state(evaluated_trunk(model)), strategy.rank)
 
 
 def _check_before_start(cfg, resume: bool, device, strategy) -> None:
@@ -151,7 +157,7 @@ def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast, signals:
     statistics on every rank: each moves its own, and evaluates in eval mode with them), and the seconds they took;
     none where a stop signal reached a rank (``signals``) before the evaluation was done."""
     start = time.perf_counter()
-    strategy.finish(wrapped, model)
+    _finish(cfg, strategy, wrapped, model)
     batches = iter if signals is None else lambda loader: until_stopped(loader, signals, strategy.largest)
     try:
         accuracies = monitor.evaluate(evaluated_trunk(model), device, num_workers(cfg), strategy.rank, strategy.world, autocast, batches=batches)

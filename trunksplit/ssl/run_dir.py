@@ -21,6 +21,7 @@ from .config_keys import by_dotted_key
 from .run_lock import held_elsewhere, hold_output_dir, in_use
 
 CHECKPOINT = "checkpoint.pt"
+TRUNK_WEIGHTS = "trunk.pt"  # the trained trunk under its model's names, written at the end of a run
 METRICS = "metrics.jsonl"
 
 
@@ -58,6 +59,14 @@ def load_checkpoint(path: str, reader: str = "--resume") -> dict:
     if missing:
         raise ValueError(f"{reader}: {path} is not a trunksplit checkpoint (missing {sorted(missing)}); the file is left as it is")
     return state
+
+
+def save_trunk_weights(out: str, trunk, state: dict, rank: int) -> None:
+    """Rank 0: ``state`` (a ``state_dict`` of ``trunk``'s blocks, gathered whole) under the names of the
+    model ``trunk`` was built from, in ``out/trunk.pt``: it loads strictly into that model without its
+    classifier (``model.fc = nn.Identity()``), and a run's ``MODEL.WEIGHTS_INIT.PARAMS_FILE`` takes it."""
+    if rank == 0:
+        save_atomically(trunk.model_state_dict(state=state), os.path.join(out, TRUNK_WEIGHTS))
 
 
 def save_atomically(obj, path: str) -> None:

@@ -14,6 +14,7 @@ from typing import Callable, ContextManager, List, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -115,6 +116,10 @@ class Strategy:
             return
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+    def whole_state(self, module: nn.Module) -> dict:
+        """``module``'s ``state_dict`` whole, on the host, on rank 0 (empty on the others): every rank calls it."""
+        return {k: v.cpu() for k, v in module.state_dict().items()} if self.rank == 0 else {}
 
     def finish(self, wrapped: nn.Module, model: nn.Module) -> None:
         """End every rank with the same BatchNorm statistics (rank 0's, as saved)."""
@@ -249,6 +254,10 @@ class FSDP(Strategy):
             load_whole_into_shards(state, model, standard_optimizer(optimizer))
             return
         super().load(cfg, state, model, optimizer)  # the shards, resharded to this world
+
+    def whole_state(self, module):
+        whole = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # gathered to rank 0
+        return whole if self.rank == 0 else {}
 
     def finish(self, wrapped, model):
         broadcast_buffers(model)
