@@ -127,12 +127,15 @@ def _refused(tmp_path, name, arch="resnet18"):
     if name == "no_tensors":
         path = _saved(tmp_path, "empty.pt", {"epoch": 3})
         return path, f"{path}: it holds no tensors"
+    if name == "run_folder":
+        _saved(tmp_path, "trunk.pt", torchvision.models.resnet18().state_dict())
+        return str(tmp_path), f"'{tmp_path}' is not a file ({tmp_path} is a run's folder: {tmp_path / 'trunk.pt'} holds its trained trunk)"
     path = str(tmp_path / "missing.pt")
     return path, f"'{path}' is not a file: give a file of weights"
 
 
 @pytest.mark.parametrize("name, arch", [("deeper", "resnet18"), ("shallower", "resnet50"), ("wider", "wide_resnet50_2"),
-                                        ("pickled_object", "resnet18"), ("no_tensors", "resnet18"), ("missing", "resnet18")])
+                                        ("pickled_object", "resnet18"), ("no_tensors", "resnet18"), ("missing", "resnet18"), ("run_folder", "resnet18")])
 def test_a_file_that_is_not_the_trunks_is_refused_saying_why_before_anything_is_written(tmp_path, name, arch):
     path, why = _refused(tmp_path, name)
     out = tmp_path / "run"

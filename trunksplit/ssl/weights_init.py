@@ -21,6 +21,7 @@ from torch import nn
 
 from ..chains.names import VISSL_PREFIX
 from .backbones import build_backbone
+from .run_dir import TRUNK_WEIGHTS
 
 KEY = "MODEL.WEIGHTS_INIT.PARAMS_FILE"
 PREFIX_KEY = "MODEL.WEIGHTS_INIT.REMOVE_PREFIX"
@@ -60,10 +61,12 @@ def _names_model(name: str, size: int) -> nn.Module:
 
 
 def check_weights_file(path: str) -> None:
-    """Refuse, before a run starts, a weights file that is not there."""
+    """Refuse, before a run starts, a weights file that is not there (a run's folder: its trunk.pt named)."""
     if not os.path.isfile(path):
-        raise ValueError(f"{KEY} {path!r} is not a file: give a file of weights (a model's state_dict, a vissl or trunksplit checkpoint), "
-                         "or '' to start from random weights")
+        run = os.path.join(path, TRUNK_WEIGHTS)
+        hint = f" ({path} is a run's folder: {run} holds its trained trunk)" if os.path.isfile(run) else ""
+        raise ValueError(f"{KEY} {path!r} is not a file{hint}: give a file of weights (a model's state_dict, a vissl or trunksplit "
+                         "checkpoint), or '' to start from random weights")
 
 
 def read_weights(path: str):
