@@ -204,6 +204,37 @@ def test_in_place_matches_are_skipped_with_a_warning_and_the_step_stays_exact():
         assert torch.equal(a.grad, b.grad), n
 
 
+def _recomputed(trunk, names):
+    """How many times each named module ran while a training step recomputed (0: not checkpointed; a
+    wrapper recomputes its module's forward, so name a module inside it)."""
+    counts = dict.fromkeys(names, 0)
+    hooks = [trunk.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: counts.__setitem__(n, counts[n] + is_recomputing()))
+             for n in names]
+    loss_of(trunk(torch.randn(2, 3, 32, 32))).backward()
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def test_a_trunks_stage_is_never_selected_its_blocks_are_and_they_recompute():
+    """A CheckpointedTrunk runs a stage's blocks one by one, never the stage's own forward: a wrapper on
+    ``res4`` would never run, and selecting it (by name, a Sequential's type, every_k counting it) left
+    the stage unchecked, silently. Its blocks are selectable and recompute in backward."""
+    trunk = CheckpointedTrunk(torchvision.models.resnet18())
+    with pytest.raises(ValueError, match=re.escape("not checkpointing 1 selected module(s) that a trunk runs block by block (res4): the trunk never "
+                                                   "calls a stage itself, so a wrapper on one would never run; nothing else was selected. "
+                                                   r"Select their blocks instead (by_name(r'res4\.\d+')")):
+        apply_activation_checkpointing(trunk, by_name("res4"))
+    assert not any(is_checkpoint_wrapped(m) for m in trunk.modules())
+    with pytest.warns(UserWarning, match=re.escape("that a trunk runs block by block (res2, res3, res4, res5)")):
+        assert apply_activation_checkpointing(trunk, by_type(nn.Sequential)) == ["res3.0.downsample", "res4.0.downsample", "res5.0.downsample"]
+    trunk = CheckpointedTrunk(torchvision.models.resnet18())
+    assert apply_activation_checkpointing(trunk, by_name(r"res4\.\d+")) == ["res4.0", "res4.1"]
+    assert _recomputed(trunk, ["res3.1.conv1", "res4.0.conv1", "res4.1.conv1"]) == {"res3.1.conv1": 0, "res4.0.conv1": 1, "res4.1.conv1": 1}
+    with pytest.raises(ValueError, match=re.escape("A trunk's modules are named by its feature blocks (a ResNet's res4.0 is torchvision's layer3.0)")):
+        apply_activation_checkpointing(CheckpointedTrunk(torchvision.models.resnet18()), by_name(r"layer3\.\d+"))
+
+
 def test_applying_the_same_counting_condition_again_selects_the_same_modules():
     model = torchvision.models.resnet50()
     condition = every_k(2, Bottleneck)

@@ -11,7 +11,7 @@ from typing import Callable, Dict, Type
 
 from torch import nn
 
-from .blocks import FeatureBlocks, child_name, expand_units, feature_ends, layer_splittable_before, stage_names, warn_of_hooks_bypassed
+from .blocks import FeatureBlocks, child_name, expand_units, feature_ends, layer_splittable_before, stage_names, stages_run_apart, warn_of_hooks_bypassed
 from .families import TORCHVISION_FAMILIES
 from .hugging_face import hf_family
 from .traced import traced_blocks

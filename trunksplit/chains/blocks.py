@@ -42,6 +42,18 @@ def stage_names(blocks: Mapping[str, nn.Module]) -> frozenset:
 
 
 
+def stages_run_apart(model: nn.Module) -> frozenset:
+    """The names, as ``model.named_modules()`` gives them, of stages whose blocks a trunk inside ``model``
+    (a module with :class:`FeatureBlocks` as ``feature_blocks``: a ``CheckpointedTrunk``) runs one by
+    one, never through the stage's own forward: a wrapper on one of them would never run."""
+    found = set()
+    for prefix, module in model.named_modules():
+        blocks = getattr(module, "feature_blocks", None)
+        if isinstance(blocks, FeatureBlocks):
+            found.update(f"{prefix}.{child_name(s)}".lstrip(".") for s in blocks.stages)
+    return frozenset(found)
+
+
 def layer_splittable_before(module: nn.Module) -> bool:
     """Whether a checkpoint segment may start at ``module``.
 

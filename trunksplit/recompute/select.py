@@ -14,7 +14,7 @@ from typing import Callable, List, Mapping, Type
 
 from torch import nn
 
-from ..chains.blocks import layer_splittable_before
+from ..chains.blocks import layer_splittable_before, stages_run_apart
 from .wrapper import checkpoint_wrapper, is_checkpoint_wrapped
 
 Condition = Callable[[str, nn.Module], bool]
@@ -143,34 +143,48 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
     condition = as_condition(condition)
     if hasattr(condition, "reset"):
         condition.reset()
-    selected, in_place, covered = [], [], []
+    selected, in_place, apart, covered = [], [], [], []
+    stages = stages_run_apart(model)
     for name, module in model.named_modules():
         if not name or any(name.startswith(c + ".") for c in covered) or type(module).forward is nn.Module.forward:
             continue
         if condition(name, module):
-            if layer_splittable_before(module):
+            if name in stages:
+                apart.append(name)  # its blocks stay candidates
+            elif layer_splittable_before(module):
                 selected.append((name, module))
                 covered.append(name)
             else:
                 in_place.append(name)
         elif is_checkpoint_wrapped(module):
             covered.append(name)
-    if in_place:
-        shown = ", ".join(in_place[:5]) + (f" and {len(in_place) - 5} more" if len(in_place) > 5 else "")
-        message = f"not checkpointing {len(in_place)} selected module(s) whose first operation is in-place ({shown}): a checkpoint would overwrite its own input"
-        if not selected:
-            raise ValueError(message + "; nothing else was selected. Select the blocks that contain them instead (by_type of the block class)")
-        warnings.warn(message, UserWarning, stacklevel=2)
+    _say_skipped(in_place, "whose first operation is in-place", "a checkpoint would overwrite its own input",
+                 "Select the blocks that contain them instead (by_type of the block class)", bool(selected))
+    _say_skipped(apart, "that a trunk runs block by block", "the trunk never calls a stage itself, so a wrapper on one would never run",
+                 f"Select their blocks instead (by_name(r'{re.escape(apart[0]) if apart else ''}\\.\\d+'), SELECT.name_regex, or by_type of the block class)", bool(selected))
     if not selected:
         present = sorted({type(m).__name__ for n, m in model.named_modules() if n})
         traced = "" if "ChainUnit" not in present else (  # the model's own block classes were traced through
             ". A traced trunk runs its model's blocks as ChainUnits, each named after the outermost module whose last call it "
             "holds (stages_0_blocks_0; a stage's last block ends its stage: stages_0; the model's last: output): select those by "
             "name (by_name, SELECT.name_regex), or give the trunk a memory budget")
-        raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}{traced}")
+        named = "" if not stages else (". A trunk's modules are named by its feature blocks (a ResNet's res4.0 is torchvision's layer3.0): "
+                                       "by_name and SELECT.name_regex match those")
+        raise ValueError(f"the condition {condition!r} selected no submodule to checkpoint; module types present: {present}{traced}{named}")
     for _, module in selected:
         checkpoint_wrapper(module, offload_to_cpu=offload_to_cpu)
     return [name for name, _ in selected]
+
+
+def _say_skipped(names: List[str], which: str, why: str, instead: str, others_selected: bool) -> None:
+    """Matches that cannot be checkpointed: a warning naming them, or, with nothing else selected, ``ValueError``."""
+    if not names:
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    message = f"not checkpointing {len(names)} selected module(s) {which} ({shown}): {why}"
+    if not others_selected:
+        raise ValueError(f"{message}; nothing else was selected. {instead}")
+    warnings.warn(f"{message}. {instead}", UserWarning, stacklevel=3)
 
 
 def _import_class(path: str) -> type:
