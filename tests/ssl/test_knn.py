@@ -129,7 +129,10 @@ def test_a_run_with_the_monitor_trains_the_weights_of_a_run_without_and_offline_
     monkeypatch.setattr(knn, "RankShare", lambda dataset, workers=0, *a: read_by.append(workers) or RankShare(dataset, workers, *a))
     plain, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "plain"), *overrides]))
     watched = ["EVAL.KNN.TRAIN_PATH", folders["random_train"], "EVAL.KNN.VAL_PATH", folders["random_val"], "EVAL.KNN.EVERY_STEPS", "2"]
+    trunks_written = []
+    monkeypatch.setattr(loop, "save_trunk_weights", lambda out, *a: trunks_written.append(out))
     monitored, last = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "knn"), *overrides, *watched]))
+    assert trunks_written == [str(tmp_path / "knn")]  # at the end of the run, not at each evaluation
     for (name, a), (_, b) in zip(plain.state_dict().items(), monitored.state_dict().items()):
         assert torch.equal(a, b), name
     rows = [json.loads(line) for line in (tmp_path / "knn" / "metrics.jsonl").read_text().splitlines()]

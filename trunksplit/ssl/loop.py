@@ -157,7 +157,7 @@ def _evaluate(monitor, strategy, wrapped, model, cfg, device, autocast, signals:
     statistics on every rank: each moves its own, and evaluates in eval mode with them), and the seconds they took;
     none where a stop signal reached a rank (``signals``) before the evaluation was done."""
     start = time.perf_counter()
-    _finish(cfg, strategy, wrapped, model)
+    strategy.finish(wrapped, model)
     batches = iter if signals is None else lambda loader: until_stopped(loader, signals, strategy.largest)
     try:
         accuracies = monitor.evaluate(evaluated_trunk(model), device, num_workers(cfg), strategy.rank, strategy.world, autocast, batches=batches)
