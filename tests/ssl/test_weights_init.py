@@ -115,7 +115,8 @@ def _refused(tmp_path, name, arch="resnet18"):
         return path, f"{path} holds weights under '' of modules resnet18 does not have (layer1.2, layer2.2, layer2.3, layer3.2 and 4 more): a checkpoint of another model"
     if name == "shallower":
         path = _saved(tmp_path, "r18.pt", torchvision.models.resnet18().state_dict())
-        return path, f"{path}: it holds no complete set of the trunk's 265 weights under any prefix: the most, 100, under '', lacking layer1.0.bn3.bias"
+        return path, (f"{path}: it holds no complete set of the trunk's 265 weights under any prefix: the most, 100, under '', lacking "
+                      "layer1.0.bn3.bias, layer1.0.bn3.running_mean, layer1.0.bn3.running_var, layer1.0.bn3.weight and 161 more: is it a checkpoint of resnet50?")
     if name == "wider":
         path = _saved(tmp_path, "r50.pt", torchvision.models.resnet50().state_dict())
         return path, f"{path}: its weights do not fit MODEL.TRUNK.NAME wide_resnet50_2 (size mismatch for res2.0.conv1.weight"

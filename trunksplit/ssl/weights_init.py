@@ -34,7 +34,7 @@ def start_from_weights(model: nn.Module, cfg) -> str:
     path, prefix = cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE, cfg.MODEL.WEIGHTS_INIT.REMOVE_PREFIX
     flat = flat_tensors(read_weights(path))
     namings = trunk_namings(model.trunk, _names_model(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0]))
-    prefix, naming = find_trunk(flat, namings, prefix, path)
+    prefix, naming = find_trunk(flat, namings, prefix, path, cfg.MODEL.TRUNK.NAME)
     loaded = {name[len(prefix):]: t for name, t in flat.items() if name.startswith(prefix) and name[len(prefix):] in naming.names}
     _refuse_other_models(flat, prefix, naming, path, cfg.MODEL.TRUNK.NAME)
     try:
@@ -114,7 +114,7 @@ def trunk_namings(trunk: nn.Module, source: nn.Module) -> List[Naming]:
     return [own, Naming(model_names, modules), Naming((VISSL_PREFIX + n for n in model_names), vissl_modules)]
 
 
-def find_trunk(flat: Mapping[str, torch.Tensor], namings: List[Naming], asked: str, path: str) -> Tuple[str, Naming]:
+def find_trunk(flat: Mapping[str, torch.Tensor], namings: List[Naming], asked: str, path: str, arch: str) -> Tuple[str, Naming]:
     """The prefix under which ``flat`` holds every entry the trunk requires, with the naming it holds them
     by: ``asked`` where given, else the one place it is (several readings of the same tensors, as vissl's
     ``trunk.`` with ``_feature_blocks.`` names and ``trunk._feature_blocks.`` with the model's, are one)."""
@@ -133,16 +133,16 @@ def find_trunk(flat: Mapping[str, torch.Tensor], namings: List[Naming], asked: s
         chosen = [found for found in places if found[0] == asked]
         if chosen:
             return chosen[0]
-        raise ValueError(f"{PREFIX_KEY} {asked!r}: {path} does not hold the trunk's weights under it; " + _where(places, under, namings))
+        raise ValueError(f"{PREFIX_KEY} {asked!r}: {path} does not hold the trunk's weights under it; " + _where(places, under, namings, arch))
     if len(places) == 1:
         return places[0]
     if not places:
-        raise ValueError(f"{KEY} {path}: " + _where(places, under, namings))
+        raise ValueError(f"{KEY} {path}: " + _where(places, under, namings, arch))
     raise ValueError(f"{KEY} {path} holds the trunk's weights under {len(places)} prefixes, {', '.join(repr(p) for p, _ in places)}: "
                      f"set {PREFIX_KEY} to the one to start from (of a DINO run's, the teacher's is the one DINO evaluates)")
 
 
-def _where(places: List[Tuple[str, Naming]], under: Dict[str, Set[str]], namings: List[Naming]) -> str:
+def _where(places: List[Tuple[str, Naming]], under: Dict[str, Set[str]], namings: List[Naming], arch: str) -> str:
     """Where the file holds the trunk, or how near it comes to holding it: what is missing under the best prefix."""
     if places:
         return f"it does under {', '.join(repr(p) for p, _ in places)}"
@@ -151,7 +151,7 @@ def _where(places: List[Tuple[str, Naming]], under: Dict[str, Set[str]], namings
     prefix, naming = max(((p, n) for p in under for n in namings), key=lambda pn: len(pn[1].required & under[pn[0]]))
     missing = sorted(naming.required - under[prefix])
     return (f"it holds no complete set of the trunk's {len(naming.required)} weights under any prefix: the most, "
-            f"{len(naming.required) - len(missing)}, under {prefix!r}, lacking {_some(missing)}: is it a checkpoint of MODEL.TRUNK.NAME?")
+            f"{len(naming.required) - len(missing)}, under {prefix!r}, lacking {_some(missing)}: is it a checkpoint of {arch}?")
 
 
 def _refuse_other_models(flat: Mapping, prefix: str, naming: Naming, path: str, arch: str) -> None:
