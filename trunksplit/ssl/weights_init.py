@@ -2,7 +2,7 @@
 
 The file is whatever a user has at hand: a torchvision or timm model's ``state_dict()`` (its
 classifier's entries are left out), a vissl checkpoint (the trunk under
-``classy_state_dict.base_model.model.trunk``), a trunksplit run's ``checkpoint.pt``, a Lightning or
+``classy_state_dict.base_model.model.trunk``), a trunksplit run's ``checkpoint.pt`` or ``trunk.pt``, a Lightning or
 DDP checkpoint (``state_dict.module.``). Its nested keys are read joined by dots, and the trunk's
 entries are looked for under every prefix, by the trunk's own names (``res2.0.conv1.weight``), its
 model's (``layer1.0.conv1.weight``) or vissl's (``_feature_blocks.layer1.0.conv1.weight``). Nothing is
@@ -10,7 +10,7 @@ guessed: where the file holds the trunk under several prefixes (a DINO checkpoin
 teacher), ``MODEL.WEIGHTS_INIT.REMOVE_PREFIX`` says which; entries under the prefix for modules the
 model does not have (a deeper model's blocks) are refused, not dropped.
 
-    start_from_weights(model, cfg)   # "120 tensors from r18.pt; left out: fc.weight, fc.bias (its classifier)"
+    start_from_weights(model, cfg)   # "120 tensors from r18.pt; left out, the model's beyond the trunk: fc.bias, fc.weight"
 """
 import os
 import warnings
