@@ -136,9 +136,11 @@ def wrap_selected(model: nn.Module, condition: Condition, offload_to_cpu: bool =
 
     A module whose first operation is in-place (``ReLU(inplace=True)``, or a
     ``Sequential`` starting with one) cannot be checkpointed: it would overwrite
-    the input the recompute needs. Such matches are skipped with a warning that
-    names them. Raises ``ValueError`` when nothing can be wrapped, naming the
-    module types present; the model is then unchanged.
+    the input the recompute needs. Nor can a stage of a ``CheckpointedTrunk`` in
+    ``model`` (``res4``): the trunk runs its blocks one by one, never the stage's
+    forward, so a wrapper on it would never run; its blocks stay candidates. Such
+    matches are skipped with a warning that names them. Raises ``ValueError`` when
+    nothing can be wrapped, naming the module types present; the model is then unchanged.
     """
     condition = as_condition(condition)
     if hasattr(condition, "reset"):
