@@ -35,8 +35,10 @@ def start_from_weights(model: nn.Module, cfg) -> str:
     flat = flat_tensors(read_weights(path))
     namings = trunk_namings(model.trunk, _names_model(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0]))
     prefix, naming = find_trunk(flat, namings, prefix, path, cfg.MODEL.TRUNK.NAME)
-    loaded = {name[len(prefix):]: t for name, t in flat.items() if name.startswith(prefix) and name[len(prefix):] in naming.names}
-    _refuse_other_models(flat, prefix, naming, path, cfg.MODEL.TRUNK.NAME)
+    under = {name[len(prefix):]: t for name, t in flat.items() if name.startswith(prefix)}
+    loaded = {name: t for name, t in under.items() if name in naming.names}
+    left = sorted(set(under) - naming.names)
+    _refuse_other_models(left, prefix, naming, path, cfg.MODEL.TRUNK.NAME)
     try:
         model.trunk.load_state_dict(loaded)
     except RuntimeError as e:  # a size mismatch: another width or kind of model
@@ -45,7 +47,6 @@ def start_from_weights(model: nn.Module, cfg) -> str:
                          "a checkpoint of another model") from None
     if getattr(model, "teacher", None) is not None:  # DINO's teacher starts as the student
         model.teacher.trunk.load_state_dict(model.trunk.state_dict())
-    left = sorted(name[len(prefix):] for name in flat if name.startswith(prefix) and name[len(prefix):] not in naming.names)
     said = f"{len(loaded)} tensors from {path}" + (f" (under {prefix!r})" if prefix else "")
     return said + (f"; left out, the model's beyond the trunk: {_some(left)}" if left else "")
 
@@ -154,11 +155,11 @@ def _where(places: List[Tuple[str, Naming]], under: Dict[str, Set[str]], namings
             f"{len(naming.required) - len(missing)}, under {prefix!r}, lacking {_some(missing)}: is it a checkpoint of {arch}?")
 
 
-def _refuse_other_models(flat: Mapping, prefix: str, naming: Naming, path: str, arch: str) -> None:
-    """Entries under the trunk's prefix for modules the model does not have (resnet34's ``layer1.2`` in a
-    resnet18 run) mean another model: refused. The model's own modules beyond the trunk (its classifier) are not."""
-    rests = [name[len(prefix):] for name in flat if name.startswith(prefix)]
-    other = sorted({_first_missing(rest, naming.modules) for rest in rests if rest not in naming.names} - {None})
+def _refuse_other_models(left: List[str], prefix: str, naming: Naming, path: str, arch: str) -> None:
+    """Entries under the trunk's prefix that are not the trunk's (``left``), for modules the model does not have
+    (resnet34's ``layer1.2`` in a resnet18 run), mean another model: refused. The model's own modules beyond
+    the trunk (its classifier) are not."""
+    other = sorted({_first_missing(rest, naming.modules) for rest in left} - {None})
     if other:
         raise ValueError(f"{KEY} {path} holds weights under {prefix!r} of modules {arch} does not have ({_some(other)}): "
                          "a checkpoint of another model; give MODEL.TRUNK.NAME the file's architecture")
