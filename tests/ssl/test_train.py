@@ -132,7 +132,8 @@ def test_a_schedulers_sigterm_stops_the_run_after_its_step_saved_and_no_process_
     saved, logged = torch.load(out / "checkpoint.pt", weights_only=True)["step"], json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert saved == logged >= 3, (saved, logged)
     assert f"{signal.Signals(signum).name}: stopping once this step is done and saved" in err
-    assert f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it" in err
+    assert (f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it, or --resume TRAIN.STEPS {saved} "
+            "to write its trunk's weights (trunk.pt) as they are, without training on") in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     from trunksplit.ssl.stopping import interrupted_note  # a run stopped before its first checkpoint
 
@@ -179,7 +180,8 @@ def test_ctrl_c_to_torchrun_stops_both_ranks_after_the_same_step_saved(tmp_path)
     said, _ = run.communicate(timeout=120)
     saved, logged = torch.load(out / "checkpoint.pt", weights_only=True)["step"], json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert saved == logged >= 3, (saved, logged, said)
-    assert said.count(f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it") == 1, said
+    assert said.count(f"interrupted: {out / 'checkpoint.pt'} holds step {saved}; add --resume to continue from it, or --resume TRAIN.STEPS {saved} "
+                       "to write its trunk's weights (trunk.pt) as they are, without training on") == 1, said
     assert "[rank" not in said and "Connection closed" not in said, said  # torchrun's own SignalException is torchrun's
 
 
@@ -1012,6 +1014,36 @@ def test_resume_with_other_checkpointing_plans_again_and_a_finished_run_says_so(
     assert last["step"] == 2 and (model.trunk.plan.strategy, len(model.trunk.plan.segments)) == ("vissl", 2)
     with pytest.warns(UserWarning, match="is at step 2 and TRAIN.STEPS is 2: nothing is left to train"):
         train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL, *other]), resume=True)
+
+
+def test_a_stopped_runs_trunk_is_written_by_resuming_it_at_its_own_step_without_a_word_of_changed_settings(tmp_path, monkeypatch):
+    """What the interrupted note tells a user who wants a stopped run's trunk: ``--resume TRAIN.STEPS <its step>``
+    trains nothing and writes trunk.pt, the checkpoint's trunk under torchvision's names. The shorter TRAIN.STEPS
+    stretches no schedule, so it is not warned of as a change (it was: "its weights will not be those of an
+    uninterrupted run", said of a run that trains no step)."""
+    out, update, updates = tmp_path / "run", loop._optimizer_step, []
+
+    def update_then_signal(*args):  # Ctrl-C in the second step
+        updates.append(update(*args))
+        if len(updates) == 2:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(loop, "_optimizer_step", update_then_signal)
+    with pytest.raises(Stopped):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "5", *SMALL]))
+    monkeypatch.undo()
+    assert not (out / "trunk.pt").exists()  # a stopped run writes its checkpoint, not its trunk
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, "TRAIN.STEPS", "2"]), resume=True)
+    said = [str(w.message) for w in caught if "--resume" in str(w.message)]
+    assert said == [f"--resume: {out / 'checkpoint.pt'} is at step 2 and TRAIN.STEPS is 2: nothing is left to train (raise TRAIN.STEPS "
+                    "to go on); its trunk's weights as they are go to trunk.pt"], said
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
+    plain = torchvision.models.resnet18()
+    plain.fc = torch.nn.Identity()
+    plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict: every entry, torchvision's names
+    assert all(torch.equal(v, saved[f"trunk.{k}"]) for k, v in CheckpointedTrunk(plain).state_dict().items())
 
 
 def test_resume_with_another_batch_or_length_says_what_changed_and_names_the_plan_it_trains_with(tmp_path):

@@ -209,7 +209,7 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
         saved = {}
     now = yaml.safe_load(cfg.dump())  # the config as the checkpoint stores it, to compare key by key
     _check_same_run(saved, now, ckpt_path)
-    if rank == 0:  # one process says it: the config is every rank's
+    if rank == 0 and state["step"] < cfg.TRAIN.STEPS:  # one process says it; with nothing left to train, new values train nothing
         _say_other_training(saved, now, ckpt_path)
     try:
         load(cfg, state, model, optimizer)
@@ -223,7 +223,7 @@ def resume_from(cfg, model, optimizer, scaler, rank: int, world: int, load) -> R
     start = state["step"]
     if start >= cfg.TRAIN.STEPS and rank == 0:
         warnings.warn(f"--resume: {ckpt_path} is at step {start} and TRAIN.STEPS is {cfg.TRAIN.STEPS}: nothing is left to train "
-                      "(raise TRAIN.STEPS to go on)", UserWarning)
+                      "(raise TRAIN.STEPS to go on); its trunk's weights as they are go to trunk.pt", UserWarning)
     return Resumed(start, _metrics_before(os.path.join(cfg.OUTPUT_DIR, METRICS), start), dict(state.get("skipped_images") or {}))
 
 

@@ -187,4 +187,5 @@ def interrupted_note(output_dir: str, checkpoint_every: int) -> str:
         step = int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
     except Exception:  # none written yet, or not readable: nothing to resume from
         return f"interrupted before the first checkpoint (TRAIN.CHECKPOINT_EVERY {checkpoint_every}): {output_dir} holds nothing to resume, and the same command starts afresh"
-    return f"interrupted: {path} holds step {step}; add --resume to continue from it"
+    return (f"interrupted: {path} holds step {step}; add --resume to continue from it, or --resume TRAIN.STEPS {step} "
+            "to write its trunk's weights (trunk.pt) as they are, without training on")
