@@ -7,6 +7,7 @@ checkpointed) holds, while segment j runs its backward:
   the requested features the caller still holds;
 - the tensors S_j saves for backward, recomputed (or, for S_m, kept from the
   forward), freed unit by unit as backward walks back;
+- the loss's gradients of features backward has not reached, the caller's features (:func:`unit_terms.feature_terms`);
 - the gradient flowing into the current unit and the unit's own backward
   excess: gradient buffers of activations and transient weight gradients. A
   model of saved tensors alone misses these and predicts far too low a peak.
@@ -63,9 +64,8 @@ from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import UPDATE_TEMPORARIES
 from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
-from .unit_terms import backward_terms, gradients_after, input_relief, packs
+from .unit_terms import backward_terms, feature_terms, gradients_after, input_relief, packs
 from .templates import Region, RegionTemplates, _as_run
-
 
 
 def _check_words(gradients: str, objective: str) -> None:
@@ -110,7 +110,9 @@ class PeakModel:
         self._seconds_prefix, self._light_prefix = _prefix(c.forward_seconds or (0.0,) * self.n), _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
-        self._grads_after = gradients_after(c) if gradients == "allocated" else [0] * self.n
+        # beside each unit's backward: the parameters' gradients allocated after it, the loss's gradients of features before it
+        waiting, self._held_in_last = feature_terms(c.output, self.features)
+        self._grads_after = [g + w for g, w in zip(gradients_after(c) if gradients == "allocated" else [0] * self.n, waiting)]
         self.compiled, self.reentrant = compiled, reentrant
         # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``); beside a recompute ending at
         # unit i, its output's gradient and what non-reentrant backward made of it first (UnitCosts.rerun_gradient)
@@ -170,7 +172,7 @@ class PeakModel:
         took = c.output[source] if c.saves_input[i] and source >= a and not counted else 0  # held by this unit alone
         kept, counted = kept + took, counted or took > 0
         kept += c.saved[i] + (0 if last else g[i])
-        grads_after = self._grads_after[i] if grads_after is None else grads_after
+        grads_after = (self._grads_after[i] + (self._held_in_last[i] if last else 0)) if grads_after is None else grads_after
         sharded = fsdp_in_backward(self, a, i, last)
         # the segment's input is held through this unit's backward if this unit or one before it holds it,
         # and once its saves are let go, if one before it does (see unit_terms.input_relief); where the unit

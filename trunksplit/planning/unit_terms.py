@@ -3,7 +3,7 @@ measured figures: the gradients held after it, the updates of an optimizer stepp
 when a segment's input goes."""
 import itertools
 import operator
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Sequence, Tuple
 
 from .profile import UnitCosts
 
@@ -13,6 +13,18 @@ def gradients_after(c: UnitCosts) -> List[int]:
     units after it, as their backward made them (a slice keeps its whole storage: ``fresh_gradient_surplus``)."""
     grads = c.param_bytes if c.gathered or not c.fresh_gradient_surplus else tuple(map(operator.add, c.param_bytes, c.fresh_gradient_surplus))
     return list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0]
+
+
+def feature_terms(output: Sequence[int], features: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """What a step's requested features (unit indices; ``output``: each unit's output bytes) add beside each
+    unit's backward: the loss's gradient of each feature before the unit, made as backward starts and waiting
+    until backward reaches its feature; and, inside the last segment, each feature after the unit (other than
+    the last unit's), which the caller holds where backward would have let it go. Other segments hold no
+    feature inside: cuts come after features. Sharp edge: a loss that makes more than the gradient (a ``pow``'s
+    temporaries on a large feature) is the caller's and not counted."""
+    n = len(output)
+    return ([sum(output[f] for f in features if f < i) for i in range(n)],
+            [sum(output[f] for f in features if i < f < n - 1) for i in range(n)])
 
 
 class BackwardTerms(NamedTuple):
