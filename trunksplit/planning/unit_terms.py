@@ -18,12 +18,13 @@ def gradients_after(c: UnitCosts) -> List[int]:
 def feature_terms(output: Sequence[int], features: Sequence[int]) -> Tuple[List[int], List[int]]:
     """What a step's requested features (unit indices; ``output``: each unit's output bytes) add beside each
     unit's backward: the loss's gradient of each feature before the unit, made as backward starts and waiting
-    until backward reaches its feature; and, inside the last segment, each feature after the unit (other than
+    until backward reaches its feature (beside the unit right after a feature it is no extra: that unit's input
+    gradient accumulates into it); and, inside the last segment, each feature after the unit (other than
     the last unit's), which the caller holds where backward would have let it go. Other segments hold no
     feature inside: cuts come after features. Sharp edge: a loss that makes more than the gradient (a ``pow``'s
     temporaries on a large feature) is the caller's and not counted."""
     n = len(output)
-    return ([sum(output[f] for f in features if f < i) for i in range(n)],
+    return ([sum(output[f] for f in features if f < i - 1) for i in range(n)],
             [sum(output[f] for f in features if i < f < n - 1) for i in range(n)])
 
 
