@@ -110,9 +110,9 @@ class PeakModel:
         self._seconds_prefix, self._light_prefix = _prefix(c.forward_seconds or (0.0,) * self.n), _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
-        # beside each unit's backward: the parameters' gradients allocated after it, the loss's gradients of features before it
-        waiting, self._held_in_last = feature_terms(c.output, self.features)
-        self._grads_after = [g + w for g, w in zip(gradients_after(c) if gradients == "allocated" else [0] * self.n, waiting)]
+        waiting, held_in_last = feature_terms(c.output, self.features)  # the loss's gradients of features, the caller's features
+        self._grads_after = [g + w for g, w in zip(gradients_after(c) if gradients == "allocated" else [0] * self.n, waiting)]  # beside a unit's backward
+        self._grads_in_last = [g + h for g, h in zip(self._grads_after, held_in_last)]  # and in the last segment
         self.compiled, self.reentrant = compiled, reentrant
         # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``); beside a recompute ending at
         # unit i, its output's gradient and what non-reentrant backward made of it first (UnitCosts.rerun_gradient)
@@ -172,7 +172,7 @@ class PeakModel:
         took = c.output[source] if c.saves_input[i] and source >= a and not counted else 0  # held by this unit alone
         kept, counted = kept + took, counted or took > 0
         kept += c.saved[i] + (0 if last else g[i])
-        grads_after = (self._grads_after[i] + (self._held_in_last[i] if last else 0)) if grads_after is None else grads_after
+        grads_after = (self._grads_in_last if last else self._grads_after)[i] if grads_after is None else grads_after
         sharded = fsdp_in_backward(self, a, i, last)
         # the segment's input is held through this unit's backward if this unit or one before it holds it,
         # and once its saves are let go, if one before it does (see unit_terms.input_relief); where the unit

@@ -181,7 +181,7 @@ def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Sca
         counted = np.ones_like(counted)
     kept = kept + (c.saved[i] + (0 if last else g[i]))
     saver = bool(c.saves_input[i] and source < a) if last else model._packs[i]
-    held, grads = state.input_held[rows], model._grads_after[i] + (model._held_in_last[i] if last else 0)
+    held, grads = state.input_held[rows], (model._grads_in_last if last else model._grads_after)[i]
     parts = state.backward[rows], state.unheld[rows]
     state.ending_backward[rows], state.ending_unheld[rows] = _routed(*_routed(*parts, held, np.maximum(reduced, kept - took + (model._released_last[i] + grads))),
                                                                      held | saver, kept + (model._running_last[i] + grads + in_backward))
