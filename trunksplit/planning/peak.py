@@ -64,7 +64,7 @@ from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import UPDATE_TEMPORARIES
 from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
-from .unit_terms import backward_terms, feature_terms, gradients_after, input_relief, packs
+from .unit_terms import backward_terms, copies, feature_terms, gradients_after, input_relief, packs
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -110,7 +110,9 @@ class PeakModel:
         self._seconds_prefix, self._light_prefix = _prefix(c.forward_seconds or (0.0,) * self.n), _prefix(c.light_flops or (0,) * self.n)
         self._gathered = c.gathered or (0,) * self.n  # FSDP2: whole weights a rank all-gathers per unit
         self._gathered_prefix = _prefix(self._gathered)
-        waiting, held_in_last = feature_terms(c.output, self.features)  # the loss's gradients of features, the caller's features
+        self._own_from, self._copied_inside = copies(c, self.features)  # segments run on a copy of their input
+        self._caller_keeps = [i in self.features and i < self.n - 1 for i in range(self.n)]  # a feature held past its backward
+        waiting, held_in_last = feature_terms(c.output, self.features, self._copied_inside)  # the loss's gradients of features, the caller's features
         self._grads_after = [g + w for g, w in zip(gradients_after(c) if gradients == "allocated" else [0] * self.n, waiting)]  # beside a unit's backward
         self._grads_in_last = [g + h for g, h in zip(self._grads_after, held_in_last)]  # and in the last segment
         self.compiled, self.reentrant = compiled, reentrant
@@ -143,8 +145,8 @@ class PeakModel:
     def boundary(self, a: int, previous: Optional[int] = None) -> int:
         """Bytes a segment starting at unit ``a`` keeps as its input: none for the chain's own input,
         nor where the segment before it (starting at ``previous``) allocated no storage its input
-        holds: both inputs are one storage (views, in-place units), counted once."""
-        if a == 0 or (previous is not None and self.costs.input_from[a] < previous):
+        holds: both inputs are one storage (views, in-place units), counted once; but a copy (``_own_from``) is its own."""
+        if a == 0 or (previous is not None and self.costs.input_from[a] < self._own_from[previous]):
             return 0
         return self.costs.output[a - 1]
 
@@ -155,23 +157,26 @@ class PeakModel:
         Kept bytes: what each unit allocates and keeps itself, plus the outputs of
         units in the segment that later units keep as their input, each storage once
         (``counted``: the current activation's storage is already in ``kept``)."""
-        c, g = self.costs, self._gathered
+        c, g, own = self.costs, self._gathered, self._own_from[a]  # storages from unit ``own`` on are the segment's own
         kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held, ending = state
-        source = c.input_from[i]
-        saver = (c.saves_input[i] and source < a) if last else self._packs[i]  # holds the segment's input (see unit_terms.input_relief)
+        source, counted = c.input_from[i], counted and not (last and i > a and self._copied_inside[i])  # a new storage (unit_terms.copies)
+        saver = (c.saves_input[i] and source < own) if last else self._packs[i]  # holds the segment's input (see unit_terms.input_relief)
         peak = max(c.forward_peak[i] + g[i], 2 * g[i])  # FSDP2: see sharded_peak.fsdp_in_backward
-        live = kept + (0 if counted or source < a else c.output[source])  # its input is alive, kept or not
+        live = kept + (0 if counted or source < own else c.output[source])  # its input is alive, kept or not
         here = live + peak
         forward = max(forward, here)
-        first = max(first, (c.output[source] if source >= a else 0) + max(self._first_peak[i] + g[i], 2 * g[i]))
+        first = max(first, (c.output[source] if source >= own else 0) + max(self._first_peak[i] + g[i], 2 * g[i]))
         if not last and self._packs[i]:  # the recompute runs every unit before this one whole, and this one to its last save
             ran, tail, rerun = max(ran, tail), here, max(ran, tail, live + max(self._rerun_peak[i] + g[i], 2 * g[i]))
         elif not last:  # runs in the recompute only if a later unit saves
             tail = max(tail, here)
         reduced = kept + fsdp_at_reduce(self, a, i, last)  # FSDP2: after its backward, before what it keeps is counted
-        took = c.output[source] if c.saves_input[i] and source >= a and not counted else 0  # held by this unit alone
+        took = c.output[source] if c.saves_input[i] and source >= own and not counted else 0  # held by this unit alone
         kept, counted = kept + took, counted or took > 0
         kept += c.saved[i] + (0 if last else g[i])
+        counted = c.keeps_output[i] if self._allocates[i] else counted
+        if last and self._caller_keeps[i] and not counted:  # held to the step's end, where no unit keeps it
+            kept, counted = kept + c.output[i], True
         grads_after = (self._grads_in_last if last else self._grads_after)[i] if grads_after is None else grads_after
         sharded = fsdp_in_backward(self, a, i, last)
         # the segment's input is held through this unit's backward if this unit or one before it holds it,
@@ -182,8 +187,6 @@ class PeakModel:
         ending = _routed(_routed(parts, input_held, max(reduced, after_saves + self._released_last[i])), held_now, running + self._running_last[i])
         backward, unheld = _routed(_routed(parts, input_held, max(reduced, after_saves + self._released[i])), held_now, running + self._backward_excess[i])
         input_held = held_now
-        if self._allocates[i]:
-            counted = c.keeps_output[i]
         if not last:
             # A checkpointed segment's recompute runs the unit once more, if it must: torch stops
             # a recompute once it has rebuilt the last tensor backward needs, so units after the
@@ -206,26 +209,22 @@ class PeakModel:
                 gathered=self._gathered_prefix[s] - self._gathered_prefix[r], largest=max(self._gathered[r:s]))  # FSDP2: see sharded_peak.fsdp_in_backward
         return step
 
-    def _fsdp_terms(self, a: int, i: int, last: bool) -> Tuple[int, int]:
-        """FSDP2's holdings at unit ``i``'s reduce-scatter and in its backward (see the functions); 0, 0 unsharded."""
-        return fsdp_at_reduce(self, a, i, last), fsdp_in_backward(self, a, i, last)
-
     def _step_region(self, state: "_Scan", a: int, region: Region, last: bool) -> "_Scan":
         """The scan extended by a region ``(r, s, policy)``, checkpointed inside the segment."""
-        step = self._region_step(region, last)
+        step, own = self._region_step(region, last), self._own_from[a]
         g = step.region
         kept, forward, backward, counted, cost, pending, ran, tail, rerun, first, unheld, input_held, ending = state
-        here = kept + (0 if counted or step.source < a else self.costs.output[step.source]) + g.forward + step.largest
+        here = kept + (0 if counted or step.source < own else self.costs.output[step.source]) + g.forward + step.largest
         forward = max(forward, here)
-        first = max(first, (self.costs.output[step.source] if step.source >= a else 0) + g.forward + step.largest)
+        first = max(first, (self.costs.output[step.source] if step.source >= own else 0) + g.forward + step.largest)
         if not last:  # a region saves (its input at least): the recompute runs it whole
             ran, tail, rerun = max(ran, tail), here, max(ran, tail, here)
-        if step.source >= a and not counted:  # the region keeps its input
+        if step.source >= own and not counted:  # the region keeps its input
             kept, counted = kept + self.costs.output[step.source], True
         # the region's backward recomputes it holding its weights: in a recomputed segment, held already;
         # it saves its input, the segment's too where that is its input (see unit_terms.input_relief)
         region_backward = kept + g.backward - (0 if last else step.gathered)
-        input_held = input_held or not last or step.source < a
+        input_held = input_held or not last or step.source < own
         backward, unheld = _routed((backward, unheld), input_held, region_backward)
         kept += g.held + (0 if last else step.gathered)
         counted = counted if g.output_counted is None else g.output_counted
@@ -286,7 +285,8 @@ class PeakModel:
         unit boundary b a segment [a, b) could end at (``last``: only b = n)."""
         starting = {r: (r, s, p) for r, s, p in regions if r >= a}
         relief = input_relief(self, a, last)
-        state, i, stop = (_EMPTY if last else self._checkpointed_start)._replace(input_held=not relief), a, stop or self.n
+        start = (_EMPTY if last else self._checkpointed_start)._replace(input_held=not relief, counted=self._own_from[a] == a)  # a copy is not in the prefix
+        state, i, stop = start, a, stop or self.n
         while i < stop:
             region = starting.get(i)
             if region is not None and region[1] <= stop:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors
 from ..recompute.policies import POLICIES
 from .memory import _TensorAccounting, storage_bytes, tensors_in
@@ -35,6 +36,9 @@ class UnitCosts:
       (-1: the chain's input). In-place units pass their input's storage on, so
       two units may keep the same storage; the peak model counts it once.
     - ``keeps_output``: whether the unit's own backward needs its output.
+    - ``starts_in_place``: whether the unit's first op is in place (:func:`trunksplit.layer_splittable_before`): a
+      segment starting there (a cut forced after a feature, ``bn1`` before ``ReLU(inplace=True)``) runs on a copy
+      of its input (``run_units``' ``copy_input``), a storage of its own. Empty: none.
     - ``forward_peak``: peak of the unit's forward, beyond its input; ``rerun_peak``: up to its last save (where
       a recompute stops); ``first_peak``: saving nothing (a checkpointed segment's first forward).
     - ``rerun_gradient``: the gradient bytes held while a checkpointed segment ending at the unit recomputes:
@@ -138,6 +142,7 @@ class UnitCosts:
     rerun_peak: Tuple[int, ...] = ()  # either empty: forward_peak
     rerun_gradient: Tuple[int, ...] = ()  # empty: output
     first_peak: Tuple[int, ...] = ()
+    starts_in_place: Tuple[bool, ...] = ()
     reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
     def __len__(self) -> int:
@@ -218,7 +223,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     del fields["input_gradient"]
     plain = {k: tuple(v) for k, v in fields.items()}
     costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]),
-                      checkpoint_seconds=own, **plain)
+                      starts_in_place=tuple(not layer_splittable_before(u) for _, u in units), checkpoint_seconds=own, **plain)
     if not spans:
         return costs
     return replace(costs, policies={p: _span_costs(costs, measured) for p, measured in under_policy.items()})

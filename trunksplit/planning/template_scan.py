@@ -12,6 +12,7 @@ from typing import List, NamedTuple, Sequence
 
 import numpy as np
 
+from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
 from .unit_terms import input_relief
 
 
@@ -96,7 +97,8 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     zeros = lambda: [np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64), np.zeros(rows)]  # noqa: E731
     ints = lambda: np.zeros(rows, dtype=np.int64)  # noqa: E731
     relief = input_relief(model, a, last)
-    state = _Scans(ints(), ints(), ints(), np.ones(rows, dtype=bool), zeros(), zeros(), ints(), ints(), ints(), ints(), ints(), np.full(rows, not relief), ints(), ints())
+    own = model._own_from[a]  # storages from this unit on are the segment's own (PeakModel._step)
+    state = _Scans(ints(), ints(), ints(), np.full(rows, own == a), zeros(), zeros(), ints(), ints(), ints(), ints(), ints(), np.full(rows, not relief), ints(), ints())
     if not last:  # a checkpointed segment pays its checkpoint's own cost once (PeakModel._checkpointed_start)
         state.cost[2][:] = model._checkpointed_start.cost.seconds
     position = np.full(rows, a, dtype=np.int64)
@@ -108,10 +110,10 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
         region = region_at[here, i]
         units, inside = here[region < 0], here[region >= 0]
         if units.size:
-            _step_units(model, a, i, last, units, state)
+            _step_units(model, a, own, i, last, units, state)
             position[units] = i + 1
         if inside.size:
-            _step_regions(a, last, inside, region[region >= 0], state, table, output)
+            _step_regions(own, last, inside, region[region >= 0], state, table, output)
             position[inside] = table.stop[region[region >= 0]]
         ends = here[position[here] == n] if last else here[position[here] < n]
         if ends.size:  # PeakModel._local
@@ -128,19 +130,19 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     return Yields(*(np.concatenate(column) for column in zip(*found)))
 
 
-def _step_regions(a: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _Scans, table: _Regions, output: np.ndarray) -> None:
+def _step_regions(own: int, last: bool, rows: np.ndarray, k: np.ndarray, state: _Scans, table: _Regions, output: np.ndarray) -> None:
     """:meth:`PeakModel._step_region` for the scans at ``rows``, each entering region ``k`` (in place)."""
     kept, counted = state.kept[rows], state.counted[rows]
     source = table.source[k]
-    here = kept + np.where(counted | (source < a), 0, output[np.maximum(source, 0)]) + table.forward[k]
+    here = kept + np.where(counted | (source < own), 0, output[np.maximum(source, 0)]) + table.forward[k]
     state.forward[rows] = np.maximum(state.forward[rows], here)
-    state.first[rows] = np.maximum(state.first[rows], np.where(source >= a, output[np.maximum(source, 0)], 0) + table.forward[k])
+    state.first[rows] = np.maximum(state.first[rows], np.where(source >= own, output[np.maximum(source, 0)], 0) + table.forward[k])
     if not last:  # a region saves (its input at least): the recompute runs it whole
         ran = np.maximum(state.ran[rows], state.tail[rows])
         state.ran[rows], state.tail[rows], state.rerun[rows] = ran, here, np.maximum(ran, here)
-    takes = (source >= a) & ~counted  # the region keeps its input
+    takes = (source >= own) & ~counted  # the region keeps its input
     kept = kept + np.where(takes, output[np.maximum(source, 0)], 0)
-    held = state.input_held[rows] | (not last) | (source < a)  # it saves its input: the segment's too where that is its input
+    held = state.input_held[rows] | (not last) | (source < own)  # it saves its input: the segment's too where that is its input
     state.backward[rows], state.unheld[rows] = _routed(state.backward[rows], state.unheld[rows], held, kept + table.backward[k])
     state.ending_backward[rows], state.ending_unheld[rows] = state.backward[rows], state.unheld[rows]
     state.input_held[rows] = held
@@ -158,29 +160,32 @@ def _routed(backward: np.ndarray, unheld: np.ndarray, held, term) -> tuple:
     return np.where(held, np.maximum(backward, term), backward), np.where(held, unheld, np.maximum(unheld, term))
 
 
-def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Scans) -> None:
+def _step_units(model, a: int, own: int, i: int, last: bool, rows: np.ndarray, state: _Scans) -> None:
     """:meth:`PeakModel._step` for the scans at ``rows``, all at unit ``i`` (in place)."""
     c, g = model.costs, model._gathered
-    kept, counted = state.kept[rows], state.counted[rows]
+    kept, counted = state.kept[rows], state.counted[rows] & (not (last and i > a and model._copied_inside[i]))
     peak = max(c.forward_peak[i] + g[i], 2 * g[i])
-    live = kept + np.where(counted | (c.input_from[i] < a), 0, c.output[c.input_from[i]])  # its input is alive, kept or not
+    live = kept + np.where(counted | (c.input_from[i] < own), 0, c.output[c.input_from[i]])  # its input is alive, kept or not
     here = live + peak
     state.forward[rows] = np.maximum(state.forward[rows], here)
-    state.first[rows] = np.maximum(state.first[rows], (c.output[c.input_from[i]] if c.input_from[i] >= a else 0) + max(model._first_peak[i] + g[i], 2 * g[i]))
+    state.first[rows] = np.maximum(state.first[rows], (c.output[c.input_from[i]] if c.input_from[i] >= own else 0) + max(model._first_peak[i] + g[i], 2 * g[i]))
     if not last and model._packs[i]:  # the recompute runs the units before whole, this one to its last save
         ran = np.maximum(state.ran[rows], state.tail[rows])
         state.ran[rows], state.tail[rows], state.rerun[rows] = ran, here, np.maximum(ran, live + max(model._rerun_peak[i] + g[i], 2 * g[i]))
     elif not last:
         state.tail[rows] = np.maximum(state.tail[rows], here)
-    reduce, in_backward = model._fsdp_terms(a, i, last)
+    reduce, in_backward = fsdp_at_reduce(model, a, i, last), fsdp_in_backward(model, a, i, last)
     reduced = kept + reduce
     source = c.input_from[i]
-    took = np.where(counted, 0, c.output[source]) if c.saves_input[i] and source >= a else 0  # held by this unit alone
-    if c.saves_input[i] and source >= a:
+    took = np.where(counted, 0, c.output[source]) if c.saves_input[i] and source >= own else 0  # held by this unit alone
+    if c.saves_input[i] and source >= own:
         kept = kept + took
         counted = np.ones_like(counted)
     kept = kept + (c.saved[i] + (0 if last else g[i]))
-    saver = bool(c.saves_input[i] and source < a) if last else model._packs[i]
+    counted = np.full(len(rows), bool(c.keeps_output[i])) if model._allocates[i] else counted
+    if last and model._caller_keeps[i]:  # held to the step's end, where no unit keeps it
+        kept, counted = kept + np.where(counted, 0, c.output[i]), np.ones_like(counted)
+    saver = bool(c.saves_input[i] and source < own) if last else model._packs[i]
     held, grads = state.input_held[rows], (model._grads_in_last if last else model._grads_after)[i]
     parts = state.backward[rows], state.unheld[rows]
     state.ending_backward[rows], state.ending_unheld[rows] = _routed(*_routed(*parts, held, np.maximum(reduced, kept - took + (model._released_last[i] + grads))),
@@ -189,7 +194,7 @@ def _step_units(model, a: int, i: int, last: bool, rows: np.ndarray, state: _Sca
                                                        held | saver, kept + (model._backward_excess[i] + grads + in_backward))
     state.input_held[rows] = held | saver
     state.kept[rows] = kept
-    state.counted[rows] = np.full(len(rows), bool(c.keeps_output[i])) if model._allocates[i] else counted
+    state.counted[rows] = counted
     if last:
         return
     unit = model._unit_costs[i]

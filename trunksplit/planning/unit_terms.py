@@ -15,16 +15,27 @@ def gradients_after(c: UnitCosts) -> List[int]:
     return list(itertools.accumulate(reversed(grads)))[::-1][1:] + [0]
 
 
-def feature_terms(output: Sequence[int], features: Sequence[int]) -> Tuple[List[int], List[int]]:
+def copies(c: UnitCosts, features: Sequence[int]) -> Tuple[List[int], List[bool]]:
+    """Where a step runs on a copy of a segment's input (``run_units``' ``copy_input``: a cut forced after a feature
+    before an in-place op, ``bn1`` before ``ReLU(inplace=True)``), a storage of its own beside the caller's feature:
+    for each segment start ``a``, the first unit whose storage the segment holds as its own (``a``, or where it copies,
+    the unit that made the input); and for each unit, whether a step copies its input there (cut after its feature)."""
+    own = [c.input_from[a] if 0 < a and c.starts_in_place and c.starts_in_place[a] and c.input_from[a] >= 0 else a for a in range(len(c))]
+    return own, [own[i] != i and i - 1 in features for i in range(len(c))]
+
+
+def feature_terms(output: Sequence[int], features: Sequence[int], copied: Sequence[bool]) -> Tuple[List[int], List[int]]:
     """What a step's requested features (unit indices; ``output``: each unit's output bytes) add beside each
     unit's backward: the loss's gradient of each feature before the unit, made as backward starts and waiting
     until backward reaches its feature (beside the unit right after a feature it is no extra: that unit's input
-    gradient accumulates into it); and, inside the last segment, each feature after the unit (other than
-    the last unit's), which the caller holds where backward would have let it go. Other segments hold no
-    feature inside: cuts come after features. Sharp edge: a loss that makes more than the gradient (a ``pow``'s
-    temporaries on a large feature) is the caller's and not counted."""
+    gradient accumulates into it, but for a unit ``copied``, run on a copy of its input); and, inside the last
+    segment, each feature after the unit (other than the last unit's), which the caller holds where backward
+    would have let it go. Other segments hold no feature inside: cuts come after features. Sharp edges: a loss
+    that makes more than the gradient (a ``pow``'s temporaries on a large feature) is the caller's and not counted;
+    so is the moment a unit after a feature makes its input gradient whole in one piece (a pooling, not a residual
+    block's sum), beside the waiting one (at most the feature's bytes: docs/planning.md)."""
     n = len(output)
-    return ([sum(output[f] for f in features if f < i - 1) for i in range(n)],
+    return ([sum(output[f] for f in features if f < i - 1 or (f == i - 1 and copied[i])) for i in range(n)],
             [sum(output[f] for f in features if i < f < n - 1) for i in range(n)])
 
 
