@@ -377,12 +377,13 @@ def _options_template_by_template(model, a):
     return options
 
 
-@pytest.mark.parametrize("how", ["flops", "time", "fsdp2", "reentrant"])
+@pytest.mark.parametrize("how", ["flops", "time", "fsdp2", "reentrant", "features"])
 def test_templates_scanned_together_give_what_each_gives_scanned_alone(chain_with_regions, how):
     """The planner scans every region template of a segment at once, as arrays; each segment's
     choices must be those of the templates scanned one by one: priced in FLOPs, in measured
-    seconds (random ones here: exact sums in the same order), for an FSDP2 rank, and with
-    reentrant segments' rerun outputs held."""
+    seconds (random ones here: exact sums in the same order), for an FSDP2 rank, with
+    reentrant segments' rerun outputs held, and with early features (one before an in-place
+    ReLU, whose segment runs on a copy)."""
     costs, spans = chain_with_regions
     rng = random.Random(0)
     if how == "time":
@@ -391,8 +392,10 @@ def test_templates_scanned_together_give_what_each_gives_scanned_alone(chain_wit
                         checkpoint_seconds=rng.random(), policies=timed)
     if how == "fsdp2":
         costs = replace(costs, gathered=costs.param_bytes)
-    model = PeakModel(costs=costs, feature_units=[len(costs) - 1], gradients="allocated", spans=spans, objective="time" if how == "time" else "flops",
+    features = [4, 6, len(costs) - 1] if how == "features" else [len(costs) - 1]  # bn1 (then act1, in place), fc2
+    model = PeakModel(costs=costs, feature_units=features, gradients="allocated", spans=spans, objective="time" if how == "time" else "flops",
                       reentrant=how == "reentrant")
+    assert (how == "features") == any(model._copied_inside)
     segments = choices = 0
     for a in range(model.n):
         expected = _options_template_by_template(model, a)
