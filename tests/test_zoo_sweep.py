@@ -32,3 +32,15 @@ def test_a_peaks_sweep_predicts_the_step_with_the_optimizer_stepped_in_backward(
     assert row["result"] == "planned", row
     assert row["measured_in_backward"] < row["plain_in_backward"]
     assert abs(row["predicted_vs_measured_in_backward"] - 1) <= 0.01, row
+
+
+def test_a_peaks_sweep_with_features_predicts_the_step_that_returns_them_and_refuses_a_model_without_them(tmp_path):
+    """``--features bn1 res5``: the trunks return both, the loss weighs each; ResNet-18's prediction is the measured
+    step to the loss's scalars (bn1's copy before the in-place ReLU counted); ViT has no ``bn1`` and is refused, saying so."""
+    out = tmp_path / "rows.jsonl"
+    assert _sweep().main(["--libraries", "torchvision", "--only", "resnet18", "vit_b_16", "--peaks", "--features", "bn1", "res5", "--out", str(out)]) == 0
+    rows = {r["model"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for gradients in ("kept", "allocated"):
+        row = rows["resnet18"]
+        assert row["measured_" + gradients] - 64 <= row["predicted_" + gradients] <= row["measured_" + gradients], row
+    assert rows["vit_b_16"]["result"] == "refused" and "unknown feature key(s) ['bn1', 'res5']" in rows["vit_b_16"]["error"], rows["vit_b_16"]

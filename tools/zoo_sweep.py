@@ -3,6 +3,7 @@
 
     python tools/zoo_sweep.py --libraries torchvision timm --size 64 --out output/zoo_sweep.jsonl
     python tools/zoo_sweep.py --libraries timm --peaks --size 224 --limit 20
+    python tools/zoo_sweep.py --libraries torchvision --peaks --features res3 flatten --out output/zoo_features.jsonl
     python tools/zoo_sweep.py --libraries timm --wrap 0.6 --size 224 --limit 20
     python tools/zoo_sweep.py --libraries torchvision --budget 0.5 --objective time --batch 8
 
@@ -148,11 +149,21 @@ def _tensors(value):
     return [t for v in value for t in _tensors(v)] if isinstance(value, (list, tuple)) else []
 
 
-def _step(module, x, seed):
+def _step(module, x, seed, weights=None):
+    """A training step's forward and backward; ``weights`` (one per output, made before the step): the loss
+    ``sum((o * w).sum())``, whose backward makes each output's gradient and nothing else of its size."""
     torch.manual_seed(seed)
     out = [o for o in _tensors(module(x)) if o.requires_grad]
-    sum(o.float().pow(2).mean() for o in out).backward()
+    sum((o * w).sum() if weights else o.float().pow(2).mean() for o, w in zip(out, weights or out)).backward()
     return [o.detach() for o in out]
+
+
+def _weights(module, x):
+    """One fixed random tensor per output of ``module`` at ``x`` (see _step)."""
+    with torch.no_grad():
+        out = _tensors(module.eval()(x))
+    module.train()
+    return [torch.randn(o.shape, generator=torch.Generator().manual_seed(k), dtype=o.dtype) for k, o in enumerate(out)]
 
 
 def _two_steps(module, x):
@@ -203,12 +214,13 @@ def _budget_trunk(model, x, budget, objective):
         return planned(e.smallest_bytes), round(e.smallest_bytes / e.unsplit_bytes, 3)
 
 
-def _peak(module, x, gradients="kept"):
-    _step(module, x, 0)  # gradients exist (or an optimizer's state, stepped in backward), as from the second step on
+def _peak(module, x, gradients="kept", weighted=False):
+    weights = _weights(module, x) if weighted else None
+    _step(module, x, 0, weights)  # gradients exist (or an optimizer's state, stepped in backward), as from the second step on
     for p in module.parameters():  # where the loop leaves them: zeroed, or None (torch's default; the update freed them)
         p.grad = p.grad if gradients == "kept" else None
     with PeakMemory() as mem:
-        _step(module, x, 0)
+        _step(module, x, 0, weights)
     return mem.peak_bytes
 
 
@@ -221,15 +233,16 @@ def _trunk(model, gradients, **kwargs):
     return trunk
 
 
-def peaks_row(model, x, modes=("kept",)):
+def peaks_row(model, x, modes=("kept",), features=None):
     """The balanced trunk's predicted and measured peak, and the plain step's, in each gradient mode
-    of ``modes``; ``predicted_vs_measured`` is the one furthest from 1."""
-    row = {"result": "planned"}
+    of ``modes``; ``predicted_vs_measured`` is the one furthest from 1. ``features``: the trunks return
+    these blocks, each weighed by the loss (see _step)."""
+    row, asked = {"result": "planned"}, {"out_feat_keys": features} if features else {}
     for gradients in modes:
-        plain = _peak(_trunk(model, gradients), x, gradients)
-        trunk = _trunk(model, gradients, num_splits=4, strategy="balanced")
+        plain = _peak(_trunk(model, gradients, **asked), x, gradients, bool(features))
+        trunk = _trunk(model, gradients, num_splits=4, strategy="balanced", **asked)
         plan = trunk.plan_for(x)
-        measured = _peak(trunk, x, gradients)
+        measured = _peak(trunk, x, gradients, bool(features))
         row.update({f"plain_{gradients}": plain, f"predicted_{gradients}": plan.predicted_peak_bytes, f"measured_{gradients}": measured,
                     f"predicted_vs_measured_{gradients}": plan.predicted_peak_bytes / measured})
     row["measured_vs_plain"] = row[f"measured_{modes[0]}"] / row[f"plain_{modes[0]}"]
@@ -285,7 +298,7 @@ def _time_limit(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
-def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradients=("kept",), budget=0.0, objective="auto"):
+def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradients=("kept",), budget=0.0, objective="auto", features=None):
     row = {"library": library, "model": name}
     start = time.perf_counter()
     try:
@@ -294,9 +307,11 @@ def sweep_one(library, name, build, size, batch, peaks, seconds, wrap=0.0, gradi
             torch.manual_seed(0)
             model, row["size"] = _built_and_sized(build, size)
             x = torch.randn(batch, 3, row["size"], row["size"], generator=torch.Generator().manual_seed(0))
-            row.update(wrap_row(model, x, wrap) if wrap else peaks_row(model, x, tuple(gradients)) if peaks else exact_row(model, x, budget, objective))
+            row.update(wrap_row(model, x, wrap) if wrap else peaks_row(model, x, tuple(gradients), features) if peaks else exact_row(model, x, budget, objective))
     except TypeError as e:
         row.update(result="refused" if "trace" in str(e) or "feature_blocks" in str(e) else "crash", error=str(e).splitlines()[0][:300])
+    except ValueError as e:
+        row.update(result="refused" if "unknown feature key" in str(e) else "crash", error=str(e).splitlines()[0][:300])
     except _Timeout as e:
         row.update(result="timeout", error=str(e))
     except Exception as e:  # noqa: BLE001 - the sweep reports every other failure as a crash
@@ -338,6 +353,8 @@ def build_parser():
     p.add_argument("--peaks", action="store_true", help="compare predicted and measured peaks instead of checking exactness")
     p.add_argument("--gradients", nargs="+", choices=["kept", "allocated", "in_backward"], default=["kept", "allocated"],
                    help="with --peaks: the gradient modes predicted and measured (the first gives measured / plain)")
+    p.add_argument("--features", nargs="+", default=None,
+                   help="with --peaks: the feature blocks the trunks return (res3 flatten), each weighed by the loss; a model without them is refused")
     p.add_argument("--wrap", type=float, default=0.0, help="check apply_activation_checkpointing at this memory budget instead")
     p.add_argument("--budget", type=float, default=0.0,
                    help="check the budget plan at this fraction instead of the balanced one (gradients kept; at the model's floor where that is above it)")
@@ -376,7 +393,7 @@ def main(argv=None) -> int:
             for library, name, build in models[: args.limit or None][k::n]:
                 if (library, name) in done:
                     continue
-                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap, args.gradients, args.budget, args.objective))
+                rows.append(sweep_one(library, name, build, args.size, args.batch, args.peaks, args.seconds, args.wrap, args.gradients, args.budget, args.objective, args.features))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()
                 print(json.dumps(rows[-1]), flush=True)
