@@ -1,7 +1,6 @@
 """The peak model: a training step's predicted peak and recompute for any plan of a chain.
 
-The peak model. A training step with checkpoint segments S_1..S_m (S_m not
-checkpointed) holds, while segment j runs its backward:
+A training step with checkpoint segments S_1..S_m (S_m not checkpointed) holds, while segment j runs its backward:
 
 - P_j: the input of every segment up to j (checkpoints keep their inputs), plus
   the requested features the caller still holds;
@@ -112,9 +111,10 @@ class PeakModel:
         self._gathered_prefix = _prefix(self._gathered)
         self._own_from, self._copied_inside = copies(c, self.features)  # segments run on a copy of their input
         self._caller_keeps = [i in self.features and i < self.n - 1 for i in range(self.n)]  # a feature held past its backward
-        waiting, held_in_last = feature_terms(c.output, self.features, self._copied_inside)  # the loss's gradients of features, the caller's features
+        waiting, held_in_last, just_after = feature_terms(c, self.features, self._copied_inside)  # the loss's gradients of features, the caller's features
         self._grads_after = [g + w for g, w in zip(gradients_after(c) if gradients == "allocated" else [0] * self.n, waiting)]  # beside a unit's backward
         self._grads_in_last = [g + h for g, h in zip(self._grads_after, held_in_last)]  # and in the last segment
+        self._grads_at_recompute = [g + j for g, j in zip(self._grads_after, just_after)]  # and beside a recompute ending at it
         self.compiled, self.reentrant = compiled, reentrant
         # a checkpointed segment ending before b holds this beside its backward (see ``reentrant``); beside a recompute ending at
         # unit i, its output's gradient and what non-reentrant backward made of it first (UnitCosts.rerun_gradient)
@@ -255,7 +255,7 @@ class PeakModel:
         backward walks back through it. As a segment's, its last unit's backward up to its first
         unpack runs before the recompute (see ``_local``); a ``compiled`` region is one graph,
         which recomputes before any of its backward."""
-        recompute = self._grads_after[s - 1] + self._rerun_gradient[s - 1] + state.rerun
+        recompute = self._grads_at_recompute[s - 1] + self._rerun_gradient[s - 1] + state.rerun
         if compiled:
             return max(recompute, state.backward)
         return max(recompute, state.ending[0], self.before_recompute(s - 1))
@@ -276,7 +276,7 @@ class PeakModel:
         held = self._features_held[b]
         if b == self.n:
             return held + max(state.forward, state.backward, state.unheld - relief)
-        recompute = self._grads_after[b - 1] + self._rerun_gradient[b - 1] + state.rerun
+        recompute = self._grads_at_recompute[b - 1] + self._rerun_gradient[b - 1] + state.rerun
         backward, unheld = state.ending
         return held + max(recompute, state.first, backward + self._rerun_output_held[b], unheld - relief, self.before_recompute(b - 1))
 

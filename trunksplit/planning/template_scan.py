@@ -90,7 +90,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     n, rows = model.n, len(region_at)
     output = np.asarray(model.costs.output, dtype=np.int64)
     held_after = np.asarray(model._features_held, dtype=np.int64)
-    grads_after = np.asarray(model._grads_after, dtype=np.int64)
+    grads_after = np.asarray(model._grads_at_recompute, dtype=np.int64)  # beside a recompute (PeakModel._local)
     rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
     rerun_gradient = np.asarray(model._rerun_gradient, dtype=np.int64)
     before_recompute = np.asarray([model.before_recompute(i) for i in range(n)], dtype=np.int64)

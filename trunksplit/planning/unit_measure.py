@@ -177,6 +177,28 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
                 fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None, **phases)
 
 
+def beside_waiting(m: nn.Module, h: torch.Tensor) -> int:
+    """How much higher ``m``'s backward peaks where the loss's gradient of its input (a requested feature) waits
+    beside it (``UnitCosts.beside_waiting``): made before ``m``'s backward, which accumulates its input's gradient
+    into it. Between none (a residual block's branches meet in it at the block's peak) and the input's bytes (a
+    pooling's, or a peak inside the unit: the waiting gradient is all extra there). Two backward passes under the
+    tracker, without and with it; the input a non-leaf, as in a chain (its gradient's pieces meet in autograd's buffer)."""
+    peaks = []
+    for waiting in (False, True):
+        inp, tracker = unit_input(h, True), _TensorAccounting()
+        weight = torch.ones_like(inp) if waiting else None  # made before: its gradient's bytes are the step's
+        with tracker:  # what the forward keeps counts: backward frees it as it goes, as in the step
+            roots = [unit_loss(m(inp))] + ([(inp * weight).sum()] if waiting else [])  # made last, the waiting term's backward runs first
+        seeds = [torch.ones_like(r) for r in roots]
+        after_forward = tracker.current_bytes()
+        tracker.peak = after_forward
+        with tracker:
+            torch.autograd.backward(roots, seeds)
+        peaks.append(tracker.peak - after_forward)
+        del inp, weight, roots, seeds
+    return max(0, peaks[1] - peaks[0])
+
+
 def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[GradientLayout]) -> int:
     """The allocator's peak of ``m``'s backward beyond what its forward left, with its parameters
     holding no gradient yet (``UnitCosts.backward_fresh``): one more forward and backward."""

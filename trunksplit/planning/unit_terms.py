@@ -24,19 +24,21 @@ def copies(c: UnitCosts, features: Sequence[int]) -> Tuple[List[int], List[bool]
     return own, [own[i] != i and i - 1 in features for i in range(len(c))]
 
 
-def feature_terms(output: Sequence[int], features: Sequence[int], copied: Sequence[bool]) -> Tuple[List[int], List[int]]:
-    """What a step's requested features (unit indices; ``output``: each unit's output bytes) add beside each
-    unit's backward: the loss's gradient of each feature before the unit, made as backward starts and waiting
-    until backward reaches its feature (beside the unit right after a feature it is no extra: that unit's input
-    gradient accumulates into it, but for a unit ``copied``, run on a copy of its input); and, inside the last
-    segment, each feature after the unit (other than the last unit's), which the caller holds where backward
-    would have let it go. Other segments hold no feature inside: cuts come after features. Sharp edges: a loss
-    that makes more than the gradient (a ``pow``'s temporaries on a large feature) is the caller's and not counted;
-    so is the moment a unit after a feature makes its input gradient whole in one piece (a pooling, not a residual
-    block's sum), beside the waiting one (at most the feature's bytes: docs/planning.md)."""
-    n = len(output)
-    return ([sum(output[f] for f in features if f < i - 1 or (f == i - 1 and copied[i])) for i in range(n)],
-            [sum(output[f] for f in features if i < f < n - 1) for i in range(n)])
+def feature_terms(c: UnitCosts, features: Sequence[int], copied: Sequence[bool]) -> Tuple[List[int], List[int], List[int]]:
+    """What a step's requested features (unit indices) add beside each unit's backward: the loss's gradient of
+    each feature before the unit, made as backward starts and waiting until backward reaches its feature (beside
+    the unit right after a feature, what it adds to that unit's peak, measured: ``c.beside_waiting``, none where
+    not; all of it where the unit is ``copied``, run on a copy of its input); inside the last segment, each
+    feature after the unit (other than the last unit's), which the caller holds where backward would have let it
+    go; and beside the recompute of a checkpoint ending at the unit right after a feature, the rest of that
+    feature's waiting gradient, which nothing has accumulated into yet. Other segments hold no feature inside:
+    cuts come after features. Sharp edge: a loss that makes more than the gradient (a ``pow``'s temporaries on
+    a large feature) is the caller's and not counted."""
+    n, output = len(c), c.output
+    beside = [0 if i == 0 or i - 1 not in features else output[i - 1] if copied[i] else c.beside_waiting[i] if c.beside_waiting else 0 for i in range(n)]
+    return ([sum(output[f] for f in features if f < i - 1) + beside[i] for i in range(n)],
+            [sum(output[f] for f in features if i < f < n - 1) for i in range(n)],
+            [output[i - 1] - beside[i] if i > 0 and i - 1 in features else 0 for i in range(n)])
 
 
 class BackwardTerms(NamedTuple):
