@@ -38,7 +38,7 @@ class UnitCosts:
     - ``keeps_output``: whether the unit's own backward needs its output.
     - ``beside_waiting``: for each unit whose input is a requested feature (``profile_units``' ``waiting``), how much
       higher its backward peaks beside the loss's gradient of that feature, waiting from the start of backward
-      (:func:`trunksplit.planning.unit_measure.beside_waiting`); 0 for the others. Empty: not measured (none counted).
+      (:func:`trunksplit.planning.unit_measure.beside_waiting`); 0 for the others. Empty (costs made by hand): none.
     - ``starts_in_place``: whether the unit's first op is in place (:func:`trunksplit.layer_splittable_before`): a
       segment starting there (a cut forced after a feature, ``bn1`` before ``ReLU(inplace=True)``) runs on a copy
       of its input (``run_units``' ``copy_input``), a storage of its own. Empty: none.
@@ -227,8 +227,6 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
                 progress(units[i][0])
         measure_again_where_gradients_arrive_otherwise([u for _, u in units], inputs, fields, allocator, device, carries)
     del fields["input_gradient"]
-    if not waiting:
-        del fields["beside_waiting"]
     plain = {k: tuple(v) for k, v in fields.items()}
     costs = UnitCosts(names=tuple(n for n, _ in units), param_bytes=unit_param_bytes([u for _, u in units]), largest_param=largest_param_bytes([u for _, u in units]),
                       starts_in_place=tuple(not layer_splittable_before(u) for _, u in units), checkpoint_seconds=own, **plain)
