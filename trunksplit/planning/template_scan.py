@@ -90,7 +90,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
     n, rows = model.n, len(region_at)
     output = np.asarray(model.costs.output, dtype=np.int64)
     held_after = np.asarray(model._features_held, dtype=np.int64)
-    grads_after = np.asarray(model._grads_at_recompute, dtype=np.int64)  # beside a recompute (PeakModel._local)
+    at_recompute = np.asarray(model._grads_at_recompute, dtype=np.int64)  # gradients beside a recompute (PeakModel._local)
     rerun_output_held = np.asarray(model._rerun_output_held, dtype=np.int64)
     rerun_gradient = np.asarray(model._rerun_gradient, dtype=np.int64)
     before_recompute = np.asarray([model.before_recompute(i) for i in range(n)], dtype=np.int64)
@@ -119,7 +119,7 @@ def scan_templates(model, a: int, region_at: np.ndarray, table: _Regions, last: 
         if ends.size:  # PeakModel._local
             b = position[ends]
             forward, backward = state.forward[ends], state.backward[ends]
-            recompute = grads_after[b - 1] + rerun_gradient[b - 1] + state.rerun[ends]
+            recompute = at_recompute[b - 1] + rerun_gradient[b - 1] + state.rerun[ends]
             checkpointed = np.maximum(np.maximum(recompute, state.first[ends]), np.maximum(state.ending_backward[ends] + rerun_output_held[b], before_recompute[b - 1]))
             checkpointed = np.maximum(checkpointed, state.ending_unheld[ends] - relief)
             local = held_after[b] + np.where(b == n, np.maximum(np.maximum(forward, backward), state.unheld[ends] - relief), checkpointed)
