@@ -16,7 +16,7 @@ from .memory import _TensorAccounting, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
 from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
 from .unit_copies import first_input_with_gradient, private_copy
-from .unit_measure import beside_waiting, measure_again_where_gradients_arrive_otherwise, measure_under, measure_unit
+from .unit_measure import feature_figures, measure_again_where_gradients_arrive_otherwise, measure_under, measure_unit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +36,11 @@ class UnitCosts:
       (-1: the chain's input). In-place units pass their input's storage on, so
       two units may keep the same storage; the peak model counts it once.
     - ``keeps_output``: whether the unit's own backward needs its output.
-    - ``beside_waiting``: for each unit whose input is a requested feature (``profile_units``' ``waiting``), how much
-      higher its backward peaks beside the loss's gradient of that feature, waiting from the start of backward
-      (:func:`trunksplit.planning.unit_measure.beside_waiting`); 0 for the others. Empty (costs made by hand): none.
+    - ``beside_waiting``: for each unit whose input is a requested feature (``profile_units``' ``features``), how much
+      higher its backward peaks beside the loss's gradient of that feature, waiting from the start of backward;
+      ``beside_held_output``: for each unit but the last whose output is one, how much higher where the caller holds
+      that output (:func:`trunksplit.planning.unit_measure.feature_figures`); 0 for the others. Empty (costs made by
+      hand): none.
     - ``starts_in_place``: whether the unit's first op is in place (:func:`trunksplit.layer_splittable_before`): a
       segment starting there (a cut forced after a feature, ``bn1`` before ``ReLU(inplace=True)``) runs on a copy
       of its input (``run_units``' ``copy_input``), a storage of its own. Empty: none.
@@ -147,6 +149,7 @@ class UnitCosts:
     first_peak: Tuple[int, ...] = ()
     starts_in_place: Tuple[bool, ...] = ()
     beside_waiting: Tuple[int, ...] = ()
+    beside_held_output: Tuple[int, ...] = ()
     reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
     def __len__(self) -> int:
@@ -162,7 +165,7 @@ _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "fo
 
 
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,
-                  allocator: bool = False, progress: Optional[Callable[[str], None]] = None, use_reentrant: bool = False, waiting: Sequence[int] = ()) -> UnitCosts:
+                  allocator: bool = False, progress: Optional[Callable[[str], None]] = None, use_reentrant: bool = False, features: Sequence[int] = ()) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.
 
     Each unit runs on a private copy (the model's parameters, gradients,
@@ -186,10 +189,11 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     scratch counts (cuDNN's workspaces; oneDNN's reordered weights, im2col buffers: docs/distributed.md),
     and what backward frees of the forward's saved tensors counts against it. The figures a step
     measured by the allocator needs (CUDA; FSDP2 on CPU); about twice the profiling. ``progress(name)`` is called as each unit is done
-    (a command line's progress bar: profiling a big trunk takes tens of seconds). ``waiting``: the units whose
-    input is a requested feature, measured beside its waiting gradient too (``UnitCosts.beside_waiting``).
+    (a command line's progress bar: profiling a big trunk takes tens of seconds). ``features``: the units whose
+    outputs are requested features, measured with the caller's hold on them, the units after them beside their
+    waiting gradients (``UnitCosts.beside_waiting``, ``beside_held_output``).
     """
-    fields = {k: [] for k in _MEASURED + ("input_gradient", "beside_waiting") + (("forward_seconds", "rerun_seconds") if timed else ())}
+    fields = {k: [] for k in _MEASURED + ("input_gradient", "beside_waiting", "beside_held_output") + (("forward_seconds", "rerun_seconds") if timed else ())}
     inputs = []  # the first unit's input, then each unit's as a meta tensor: see measure_again_where_gradients_arrive_otherwise
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
@@ -207,9 +211,9 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if i in span_stop:
                 span = (i, h, [], i >= carries)
             next_h, forward = _forward_figures(m, h)
-            for key, value in {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward}.items():
+            for key, value in {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward, 
+                               **feature_figures(m, h, i >= carries, i - 1 in features and i >= carries, i in features and i + 1 < len(units))}.items():
                 fields[key].append(value)
-            fields["beside_waiting"].append(beside_waiting(m, h) if i in waiting and i >= carries and isinstance(h, torch.Tensor) else 0)
             if timed:
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i >= carries))
                 fields["rerun_seconds"].append(rerun_seconds(m, h, i >= carries, use_reentrant, own, fields["forward_seconds"][-1]))

@@ -146,11 +146,6 @@ class PlanRequest:
         return tuple(stop for _, stop in self.feature_stops if stop < len(self.units))
 
     @property
-    def after_features(self) -> Tuple[int, ...]:
-        """The units whose input is a requested feature (the unit after each but the last)."""
-        return tuple(f + 1 for f in self.feature_units if f + 1 < len(self.units))
-
-    @property
     def feature_units(self) -> Tuple[int, ...]:
         """The unit whose output each requested feature is."""
         return tuple(stop - 1 for _, stop in self.feature_stops)

@@ -39,7 +39,7 @@ class ScaledChain:
         units = list(request.units)
         allocator = measured_by_allocator(world_size, device)
         self.meter = meter_name(device, allocator)  # what its plans' peaks count
-        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress, waiting=request.after_features)
+        self.unsharded = [profile_units(units, torch.zeros(b, *input_shape, device=device), allocator=allocator, progress=progress, features=request.feature_units)
                           for b in PROFILE_BATCHES]
         self.full_grad_bytes = sum(self.unsharded[0].param_bytes)
         self.small = self._costs_for(world_size)
@@ -143,7 +143,7 @@ def scaled_costs(small: Sequence[UnitCosts], batch: int) -> UnitCosts:
         return tuple(max(0, at(a, b)) for a, b in zip(v0, v1))
 
     counts = ("output", "saved", "forward_peak", "rerun_peak", "rerun_gradient", "first_peak", "backward_excess", "backward_fresh", "fresh_while_input_held", "fresh_from_unpack", "released_fresh", "excess_while_input_held", "excess_from_unpack", "released_excess",
-              "flops", "recompute_bytes", "light_flops", "beside_waiting")
+              "flops", "recompute_bytes", "light_flops", "beside_waiting", "beside_held_output")
     # a moment's bytes beyond what the forward left may be negative (freed by then): not clamped
     moments = tuple(tuple((at(m0[0], m1[0]), *m1[1:]) for m0, m1 in zip(u0, u1)) for u0, u1 in zip(c0.update_moments, c1.update_moments))
     return replace(c1, update_moments=moments, **{k: line(getattr(c0, k), getattr(c1, k)) for k in counts})

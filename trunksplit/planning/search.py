@@ -219,7 +219,7 @@ def peak_model(request: PlanRequest, x, regions: bool = False, world_size: Optio
     objective = priced_in(request.objective, device)
     timed = objective == "time"
     allocator = measured_by_allocator(world_size, device, compiled=request.compiled)
-    costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress, use_reentrant=request.use_reentrant, waiting=request.after_features)
+    costs = profile_units(units, x, spans, timed, allocator=allocator, progress=progress, use_reentrant=request.use_reentrant, features=request.feature_units)
     model = PeakModel(costs=costs, feature_units=request.feature_units, gradients=request.gradients, spans=spans, objective=objective, compiled=request.compiled,
                       update_temporaries=request.update_temporaries, reentrant=request.use_reentrant)
     return per_rank(model, list(request.modules), world_size)

@@ -177,26 +177,40 @@ def measure_unit(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, policy: 
                 fresh_gradient_surplus=surplus, input_gradient=given[0] if given else None, **phases)
 
 
-def beside_waiting(m: nn.Module, h: torch.Tensor) -> int:
-    """How much higher ``m``'s backward peaks where the loss's gradient of its input (a requested feature) waits
-    beside it (``UnitCosts.beside_waiting``): made before ``m``'s backward, which accumulates its input's gradient
-    into it. Between none (a residual block's branches meet in it at the block's peak) and the input's bytes (a
-    pooling's, or a peak inside the unit: the waiting gradient is all extra there). Two backward passes under the
-    tracker, without and with it; the input a non-leaf, as in a chain (its gradient's pieces meet in autograd's buffer)."""
-    peaks = []
-    for waiting in (False, True):
-        inp, tracker = unit_input(h, True), _TensorAccounting()
-        weight = torch.ones_like(inp) if waiting else None  # made before: its gradient's bytes are the step's
-        with tracker:  # what the forward keeps counts: backward frees it as it goes, as in the step
-            roots = [unit_loss(m(inp))] + ([(inp * weight).sum()] if waiting else [])  # made last, the waiting term's backward runs first
-        seeds = [torch.ones_like(r) for r in roots]
-        after_forward = tracker.current_bytes()
-        tracker.peak = after_forward
-        with tracker:
-            torch.autograd.backward(roots, seeds)
-        peaks.append(tracker.peak - after_forward)
-        del inp, weight, roots, seeds
-    return max(0, peaks[1] - peaks[0])
+def feature_figures(m: nn.Module, h, input_needs_grad: bool, after_feature: bool, held: bool) -> Dict[str, int]:
+    """What a requested feature adds to ``m``'s backward peak, measured (``UnitCosts.beside_waiting`` and
+    ``beside_held_output``): where ``m``'s input is a feature (``after_feature``), the loss's gradient of it,
+    made before ``m``'s backward, which accumulates its input's gradient into it: between none (a residual
+    block's branches meet in it at the block's peak) and the input's bytes (a pooling's, or a peak inside the
+    unit: all extra there); where ``m``'s output is one (``held``), the caller's hold on it, which ``m``'s own
+    backward would have let go (a block ending in ReLU saves its output: alone, it is freed before the block's
+    convolutions run backward). 0 where not asked or not measurable (no tensor input, no gradient)."""
+    if not isinstance(h, torch.Tensor):
+        return {"beside_waiting": 0, "beside_held_output": 0}
+    alone = _backward_peak(m, h, input_needs_grad) if after_feature or held else 0
+    return {"beside_waiting": max(0, _backward_peak(m, h, True, waiting=True) - alone) if after_feature else 0,
+            "beside_held_output": max(0, _backward_peak(m, h, input_needs_grad, holding=True) - alone) if held else 0}
+
+
+def _backward_peak(m: nn.Module, h: torch.Tensor, input_needs_grad: bool, waiting: bool = False, holding: bool = False) -> int:
+    """The peak of one backward of ``m`` beyond what its forward left, under the tracker; the input a non-leaf
+    as in a chain (its gradient's pieces meet in autograd's buffer). ``waiting``: beside the loss's gradient of
+    its input, made first; ``holding``: its output held through it, as a caller holds a feature."""
+    inp, tracker = unit_input(h, input_needs_grad or waiting), _TensorAccounting()
+    weight = torch.ones_like(inp) if waiting else None  # made before: its gradient's bytes are the step's
+    with tracker:  # what the forward keeps counts: backward frees it as it goes, as in the step
+        out = m(inp)
+        roots = [r for r in [unit_loss(out)] + ([(inp * weight).sum()] if waiting else []) if r is not None]  # made last, the waiting term's backward runs first
+    if not holding:
+        del out
+    if not roots:
+        return 0
+    seeds = [torch.ones_like(r) for r in roots]
+    after_forward = tracker.current_bytes()
+    tracker.peak = after_forward
+    with tracker:
+        torch.autograd.backward(roots, seeds)
+    return tracker.peak - after_forward
 
 
 def _fresh_backward_peak(m: nn.Module, h, input_needs_grad: bool, policy: str, layout: Optional[GradientLayout]) -> int:
