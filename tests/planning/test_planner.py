@@ -243,6 +243,21 @@ def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_pa
     assert eager[:2] == (0, 15) and compiled[:2] == (0, 0)
 
 
+
+def test_a_compiled_regions_backward_holds_the_loss_gradient_waiting_for_an_earlier_feature():
+    """A feature (50 bytes, unit f) before the three units of the test above, run as one region after the cut the
+    feature forces: the loss's gradient of f waits beside the region's backward from b on (at a, right after
+    f, it is what a's backward accumulates into: nothing extra). Eagerly, gradients kept: c's 40 beside it, 90;
+    compiled, b's backward holds c's 40 and its own 20 beside it, 110; each above the segment's input (f, 50).
+    The compiled region's scan left the waiting gradient out: 120, below the eager 140."""
+    zeros, params = (0,) * 4, (0, 10, 20, 40)
+    costs = UnitCosts(names=("f", "a", "b", "c"), output=(50, 0, 0, 0), saved=zeros, saves_input=(False,) * 4, input_from=(-1, 0, 1, 2),
+                      keeps_output=(False,) * 4, forward_peak=zeros, backward_excess=params, flops=(1,) * 4, param_bytes=params)
+    costs = replace(costs, policies={"save_expensive": replace(costs, eligible=(True,) * 4)})
+    spans, region = [(1, 2), (2, 3), (3, 4)], [(1, 4, "save_expensive")]
+    last = {c: PeakModel(costs=costs, feature_units=[0, 3], gradients="kept", spans=spans, compiled=c).segment_peaks([0, 1], region)[1] for c in (False, True)}
+    assert last == {False: 50 + 90, True: 50 + 110}
+
 def _all_plans(n, splittable, forced):
     allowed = [i for i in range(1, n) if splittable[i] or i in forced]
     for r in range(len(allowed) + 1):

@@ -241,10 +241,10 @@ class PeakModel:
     def _alone(self, r: int, s: int, compiled: bool = False) -> "_Scan":
         """Units [r, s) scanned as a checkpoint of their own: what its backward runs again
         (``cost``, see :meth:`_step`) and what it holds. ``compiled``: one graph, whose backward
-        holds the gradients of the units it has passed (see ``compiled``)."""
+        holds the gradients of the units it has passed (see ``compiled``), beside the loss's waiting ones."""
         state = _EMPTY
         for i in range(r, s):
-            within = self._param_prefix[s] - self._param_prefix[i + 1] if compiled and self.gradients != "allocated" else None
+            within = self._param_prefix[s] - self._param_prefix[i + 1] + self._grads_after[i] if compiled and self.gradients != "allocated" else None
             state = self._step(state, r, i, last=False, grads_after=within)
         return state
 
