@@ -211,7 +211,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if i in span_stop:
                 span = (i, h, [], i >= carries)
             next_h, forward = _forward_figures(m, h)
-            for key, value in {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward, 
+            for key, value in {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward,
                                **feature_figures(m, h, i >= carries, i - 1 in features and i >= carries, i in features and i + 1 < len(units))}.items():
                 fields[key].append(value)
             if timed:
