@@ -243,7 +243,6 @@ def test_a_compiled_region_holds_the_gradients_of_every_unit_its_backward_has_pa
     assert eager[:2] == (0, 15) and compiled[:2] == (0, 0)
 
 
-
 def test_a_compiled_regions_backward_holds_the_loss_gradient_waiting_for_an_earlier_feature():
     """A feature (50 bytes, unit f) before the three units of the test above, run as one region after the cut the
     feature forces: the loss's gradient of f waits beside the region's backward from b on (at a, right after
@@ -257,6 +256,7 @@ def test_a_compiled_regions_backward_holds_the_loss_gradient_waiting_for_an_earl
     spans, region = [(1, 2), (2, 3), (3, 4)], [(1, 4, "save_expensive")]
     last = {c: PeakModel(costs=costs, feature_units=[0, 3], gradients="kept", spans=spans, compiled=c).segment_peaks([0, 1], region)[1] for c in (False, True)}
     assert last == {False: 50 + 90, True: 50 + 110}
+
 
 def _all_plans(n, splittable, forced):
     allowed = [i for i in range(1, n) if splittable[i] or i in forced]
@@ -1277,9 +1277,10 @@ def test_the_loss_gradient_waiting_beside_the_block_after_a_feature_is_measured_
 def test_a_block_returning_a_feature_holds_it_through_its_own_backward(keys, shape, gradients):
     """A residual block ends in ReLU, which saves its output: alone, the block's backward lets that output go
     before its convolutions run backward; as a feature the caller holds it to the step's end. The unsplit plan
-    (one segment with features inside) left that out and was predicted under its measured step by the feature's
-    bytes (ResNet-18, res2's 128 KB at 2x3x64x64 as res2.1's backward peaks with every gradient allocated; res5's
-    144 KB at 8x3x96x96); the profile now measures what the hold adds (``beside_held_output``)."""
+    (one segment with features inside) left that out and was predicted under its measured step (ResNet-18:
+    res2..res5 at 2x3x64x64, 16 KB, res2.1's backward, where the step peaks with every gradient allocated,
+    predicted res2's 128 KB low; res5 and flatten at 8x3x96x96, res5's 144 KB); the profile now measures what
+    the hold adds (``beside_held_output``)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     trunk = CheckpointedTrunk(build("resnet18"), keys, gradients=gradients, memory_budget=1.0)
     plan = trunk.plan_for(x)
