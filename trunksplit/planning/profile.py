@@ -38,9 +38,9 @@ class UnitCosts:
     - ``keeps_output``: whether the unit's own backward needs its output.
     - ``beside_waiting``: for each unit whose input is a requested feature (``profile_units``' ``features``), how much
       higher its backward peaks beside the loss's gradient of that feature, waiting from the start of backward;
-      ``beside_held_output``: for each unit but the last whose output is one, how much higher where the caller holds
-      that output (:func:`trunksplit.planning.unit_measure.feature_figures`); 0 for the others. Empty (costs made by
-      hand): none.
+      ``beside_held_output``: for each unit but the last whose output is one and which saves it, how much higher where
+      the caller holds that output (:func:`trunksplit.planning.unit_measure.feature_figures`); 0 for the others. Empty
+      (costs made by hand): none.
     - ``starts_in_place``: whether the unit's first op is in place (:func:`trunksplit.layer_splittable_before`): a
       segment starting there (a cut forced after a feature, ``bn1`` before ``ReLU(inplace=True)``) runs on a copy
       of its input (``run_units``' ``copy_input``), a storage of its own. Empty: none.
@@ -190,8 +190,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     and what backward frees of the forward's saved tensors counts against it. The figures a step
     measured by the allocator needs (CUDA; FSDP2 on CPU); about twice the profiling. ``progress(name)`` is called as each unit is done
     (a command line's progress bar: profiling a big trunk takes tens of seconds). ``features``: the units whose
-    outputs are requested features, measured with the caller's hold on them, the units after them beside their
-    waiting gradients (``UnitCosts.beside_waiting``, ``beside_held_output``).
+    outputs are requested features, measured with the caller's hold on them where they save them, the units after
+    them beside their waiting gradients (``UnitCosts.beside_waiting``, ``beside_held_output``).
     """
     fields = {k: [] for k in _MEASURED + ("input_gradient", "beside_waiting", "beside_held_output") + (("forward_seconds", "rerun_seconds") if timed else ())}
     inputs = []  # the first unit's input, then each unit's as a meta tensor: see measure_again_where_gradients_arrive_otherwise
@@ -211,8 +211,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if i in span_stop:
                 span = (i, h, [], i >= carries)
             next_h, forward = _forward_figures(m, h)
-            for key, value in {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward,
-                               **feature_figures(m, h, i >= carries, i - 1 in features and i >= carries, i in features and i + 1 < len(units))}.items():
+            measured = {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward}
+            for key, value in {**measured, **feature_figures(m, h, i >= carries, i - 1 in features and i >= carries, i in features and i + 1 < len(units) and measured["keeps_output"])}.items():
                 fields[key].append(value)
             if timed:
                 fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i >= carries))

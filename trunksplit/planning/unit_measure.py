@@ -182,13 +182,14 @@ def feature_figures(m: nn.Module, h, input_needs_grad: bool, after_feature: bool
     ``beside_held_output``): where ``m``'s input is a feature (``after_feature``), the loss's gradient of it,
     made before ``m``'s backward, which accumulates its input's gradient into it: between none (a residual
     block's branches meet in it at the block's peak) and the input's bytes (a pooling's, or a peak inside the
-    unit: all extra there); where ``m``'s output is one (``held``), the caller's hold on it, which ``m``'s own
-    backward would have let go (a block ending in ReLU saves its output: alone, it is freed before the block's
-    convolutions run backward). 0 where not asked or not measurable (no tensor input, no gradient)."""
+    unit: all extra there; its input needs a gradient); where ``m``'s output is one that it saves (``held``), the
+    caller's hold on it, which ``m``'s own backward would have let go (a block ending in ReLU saves its output:
+    alone, it is freed before the block's convolutions run backward). 0 where not asked or not measurable (no
+    tensor input, no gradient)."""
     if not isinstance(h, torch.Tensor):
         return {"beside_waiting": 0, "beside_held_output": 0}
     alone = _backward_peak(m, h, input_needs_grad) if after_feature or held else 0
-    return {"beside_waiting": max(0, _backward_peak(m, h, True, waiting=True) - alone) if after_feature else 0,
+    return {"beside_waiting": max(0, _backward_peak(m, h, input_needs_grad, waiting=True) - alone) if after_feature else 0,
             "beside_held_output": max(0, _backward_peak(m, h, input_needs_grad, holding=True) - alone) if held else 0}
 
 

@@ -30,14 +30,15 @@ def feature_terms(c: UnitCosts, features: Sequence[int], copied: Sequence[bool])
     the unit right after a feature, what it adds to that unit's peak, measured: ``c.beside_waiting``, none where
     not; all of it where the unit is ``copied``, run on a copy of its input); inside the last segment, each
     feature after the unit (other than the last unit's), which the caller holds where backward would have let it
-    go, and the unit's own, where its backward would have let it go (measured: ``c.beside_held_output``); and beside the recompute of a checkpoint ending at the unit right after a feature, the rest of that
-    feature's waiting gradient, which nothing has accumulated into yet. Other segments hold no feature inside:
+    go, and the unit's own, which its backward would have let go where it saves it (measured:
+    ``c.beside_held_output``); and beside the recompute of a checkpoint ending at the unit right after a feature,
+    the rest of that feature's waiting gradient, which nothing has accumulated into yet. Other segments hold no feature inside:
     cuts come after features. Sharp edge: a loss that makes more than the gradient (a ``pow``'s temporaries on
     a large feature) is the caller's and not counted."""
     n, output = len(c), c.output
     beside = [0 if i == 0 or i - 1 not in features else output[i - 1] if copied[i] else c.beside_waiting[i] if c.beside_waiting else 0 for i in range(n)]
-    # a unit whose saves count its output lets it go in its backward where alone (c.beside_held_output), not here
-    own = [c.beside_held_output[i] if c.beside_held_output and i in features and c.keeps_output[i] else 0 for i in range(n)]
+    # measured only where the unit saves its output (the others' the scan counts: PeakModel._caller_keeps)
+    own = c.beside_held_output or (0,) * n
     return ([sum(output[f] for f in features if f < i - 1) + beside[i] for i in range(n)],
             [sum(output[f] for f in features if i < f < n - 1) + own[i] for i in range(n)],
             [output[i - 1] - beside[i] if i > 0 and i - 1 in features else 0 for i in range(n)])
