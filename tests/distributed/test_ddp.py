@@ -243,14 +243,14 @@ def _conv_blocks():
                        conv2=nn.Conv2d(8, 8, 3, padding=1, bias=False), bn2=nn.BatchNorm2d(8))
 
 
-def _compiled_under_ddp(rank, world_size, out):
-    """trunk.compile() (inductor) under plain DDP, two forwards per step, against the eager DDP trunk."""
+def _compiled_under_ddp(rank, world_size, out, backend):
+    """trunk.compile() under plain DDP, two forwards per step, against the eager DDP trunk."""
     views = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
     grads = {}
     for compiled in (False, True):
         trunk = CheckpointedTrunk(_conv_blocks(), num_splits=2, strategy="balanced")
         if compiled:
-            trunk.compile()
+            trunk.compile(backend=backend)
         ddp = DDP(trunk)
         for _ in range(2):  # two steps: the second runs compiled code already made
             ddp.zero_grad()
@@ -261,9 +261,12 @@ def _compiled_under_ddp(rank, world_size, out):
         torch.save(grads, f"{out}/compiled.pt")
 
 
-def test_a_compiled_trunk_trains_under_ddp_as_the_eager_one(tmp_path):
+# inductor: its code generation (20-30 s in two processes with a cold cache) and its channels-last
+# weights in DDP's buckets; aot_eager (dynamo and AOT autograd, as tests/test_compile.py) in the fast suite
+@pytest.mark.parametrize("backend", [pytest.param("inductor", marks=pytest.mark.slow), "aot_eager"])
+def test_a_compiled_trunk_trains_under_ddp_as_the_eager_one(tmp_path, backend):
     torch._dynamo.reset()
-    run_processes(_compiled_under_ddp, 2, (str(tmp_path),), timeout=400)
+    run_processes(_compiled_under_ddp, 2, (str(tmp_path), backend), timeout=400)
     grads = torch.load(tmp_path / "compiled.pt")
     for n, ref in grads[False].items():
         assert torch.linalg.vector_norm(grads[True][n] - ref) <= 1e-4 * torch.linalg.vector_norm(ref) + 1e-7, n

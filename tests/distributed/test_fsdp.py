@@ -252,17 +252,17 @@ def _conv_blocks():
                        conv2=nn.Conv2d(8, 8, 3, padding=1, bias=False), bn2=nn.BatchNorm2d(8))
 
 
-def _compiled_and_sharded(rank, world_size, out):
+def _compiled_and_sharded(rank, world_size, out, backend):
     """trunk.compile() and shard_trunk, in either order, train as the eager sharded trunk."""
     x = _micro_batch("traced", rank)[:, :, :8, :8]
     grads = {}
     for order in ("eager", "compile_first", "shard_first"):
         trunk = CheckpointedTrunk(_conv_blocks(), num_splits=2, strategy="balanced")
         if order == "compile_first":
-            trunk.compile()
+            trunk.compile(backend=backend)
         shard_trunk(trunk)
         if order == "shard_first":
-            trunk.compile()
+            trunk.compile(backend=backend)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             loss_of(trunk(x)).backward()
@@ -272,9 +272,12 @@ def _compiled_and_sharded(rank, world_size, out):
         torch.save(grads, os.path.join(out, "compiled.pt"))
 
 
-def test_a_compiled_trunk_shards_and_a_sharded_trunk_compiles_and_both_train_as_the_eager_one(tmp_path):
+# inductor: its code generation (about 15 s with a cold cache) and the contiguous weights FSDP2 shards
+# (inductor alone would store them channels-last); aot_eager in the fast suite
+@pytest.mark.parametrize("backend", [pytest.param("inductor", marks=pytest.mark.slow), "aot_eager"])
+def test_a_compiled_trunk_shards_and_a_sharded_trunk_compiles_and_both_train_as_the_eager_one(tmp_path, backend):
     torch._dynamo.reset()
-    run_processes(_compiled_and_sharded, WORLD, (str(tmp_path),), timeout=400)
+    run_processes(_compiled_and_sharded, WORLD, (str(tmp_path), backend), timeout=400)
     grads = torch.load(tmp_path / "compiled.pt")
     for order in ("compile_first", "shard_first"):
         assert grads[order + " layout"]  # FSDP2 shards contiguous weights: no channels-last copy on a sharded trunk
