@@ -63,7 +63,7 @@ from .costs import NOTHING, Cost, RegionCosts, add_costs, rebuilt
 from .profile import UnitCosts
 from .request import UPDATE_TEMPORARIES
 from .sharded_peak import fsdp_at_reduce, fsdp_in_backward
-from .unit_terms import backward_terms, copies, feature_terms, gradients_after, input_relief, packs
+from .unit_terms import backward_terms, copies, feature_terms, gradients_after, held_features, input_relief, packs
 from .templates import Region, RegionTemplates, _as_run
 
 
@@ -96,7 +96,7 @@ class PeakModel:
         self.objective, self.n, self.gradients = objective, len(costs), gradients
         self.features = sorted(set(feature_units))  # unit indices whose outputs the caller holds
         # while a segment ending before unit b runs its backward: the features it and later segments returned
-        self._features_held = [sum(costs.output[f] for f in self.features if f >= b - 1) for b in range(self.n + 1)]
+        self._features_held = [sum(costs.output[f] for f in held_features(c, self.features) if f >= b - 1) for b in range(self.n + 1)]
         self.spans = sorted(set(spans))
         if self.spans and costs.policies is None:
             raise ValueError("region spans need costs measured under each policy (profile_units(..., spans=...))")

@@ -35,6 +35,8 @@ class UnitCosts:
     - ``input_from``: the unit that allocated the storage of this unit's input
       (-1: the chain's input). In-place units pass their input's storage on, so
       two units may keep the same storage; the peak model counts it once.
+      ``output_from``: the same for each unit's output (a view, a ViT's class token, passes its input's storage on:
+      the caller holding it and the feature before holds one storage). Empty (costs made by hand): each unit's own.
     - ``keeps_output``: whether the unit's own backward needs its output.
     - ``beside_waiting``: for each unit whose input is a requested feature (``profile_units``' ``features``), how much
       higher its backward peaks beside the loss's gradient of that feature, waiting from the start of backward;
@@ -150,6 +152,7 @@ class UnitCosts:
     starts_in_place: Tuple[bool, ...] = ()
     beside_waiting: Tuple[int, ...] = ()
     beside_held_output: Tuple[int, ...] = ()
+    output_from: Tuple[int, ...] = ()
     reduce_scatter_copies: int = 0  # FSDP2: whole copies of a reduce-scatter's input its backend makes (gloo: 1)
 
     def __len__(self) -> int:
@@ -193,7 +196,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     outputs are requested features, measured with the caller's hold on them where they save them, the units after
     them beside their waiting gradients (``UnitCosts.beside_waiting``, ``beside_held_output``).
     """
-    fields = {k: [] for k in _MEASURED + ("input_gradient", "beside_waiting", "beside_held_output") + (("forward_seconds", "rerun_seconds") if timed else ())}
+    fields = {k: [] for k in _MEASURED + ("input_gradient", "beside_waiting", "beside_held_output", "output_from") + (("forward_seconds", "rerun_seconds") if timed else ())}
     inputs = []  # the first unit's input, then each unit's as a meta tensor: see measure_again_where_gradients_arrive_otherwise
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
@@ -227,6 +230,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if not isinstance(next_h, torch.Tensor) or not isinstance(h, torch.Tensor) or next_h.untyped_storage().data_ptr() != h.untyped_storage().data_ptr():
                 source = i  # a new activation; an in-place unit passes its input's storage on
             h = next_h
+            fields["output_from"].append(source)
             if progress is not None:
                 progress(units[i][0])
         measure_again_where_gradients_arrive_otherwise([u for _, u in units], inputs, fields, allocator, device, carries)

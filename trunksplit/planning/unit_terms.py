@@ -24,6 +24,17 @@ def copies(c: UnitCosts, features: Sequence[int]) -> Tuple[List[int], List[bool]
     return own, [own[i] != i and i - 1 in features for i in range(len(c))]
 
 
+def held_features(c: UnitCosts, features: Sequence[int]) -> List[int]:
+    """The requested features whose storages the caller's hold keeps, each storage once: the first feature made in it.
+    A feature that is a view of an earlier one (a ViT's class token, ``flatten``, of ``norm``'s output; ``flatten``
+    of ``avgpool``'s) holds no storage of its own: counted as well, DINOv2's evaluation features (``norm`` and
+    ``flatten``) were predicted one ``norm`` output over."""
+    first = {}
+    for f in sorted(features):
+        first.setdefault(c.output_from[f] if c.output_from else f, f)
+    return sorted(first.values())
+
+
 def feature_terms(c: UnitCosts, features: Sequence[int], copied: Sequence[bool]) -> Tuple[List[int], List[int], List[int]]:
     """What a step's requested features (unit indices) add beside each unit's backward: the loss's gradient of
     each feature before the unit, made as backward starts and waiting until backward reaches its feature (beside
@@ -39,8 +50,9 @@ def feature_terms(c: UnitCosts, features: Sequence[int], copied: Sequence[bool])
     beside = [0 if i == 0 or i - 1 not in features else output[i - 1] if copied[i] else c.beside_waiting[i] if c.beside_waiting else 0 for i in range(n)]
     # measured only where the unit saves its output (the others' the scan counts: PeakModel._caller_keeps)
     own = c.beside_held_output or (0,) * n
+    held = held_features(c, features)
     return ([sum(output[f] for f in features if f < i - 1) + beside[i] for i in range(n)],
-            [sum(output[f] for f in features if i < f < n - 1) + own[i] for i in range(n)],
+            [sum(output[f] for f in held if i < f < n - 1) + own[i] for i in range(n)],
             [output[i - 1] - beside[i] if i > 0 and i - 1 in features else 0 for i in range(n)])
 
 
