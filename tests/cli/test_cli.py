@@ -413,7 +413,8 @@ def _printed_plans(out):
             plans.append([])
         elif plans and line.startswith("| ") and not line.startswith("| segment"):
             cells = [c.strip() for c in line.split("|")[1:-1]]
-            plans[-1].append((*cells[1].split(" .. "), cells[3] == "yes"))
+            first, _, last = cells[1].partition(" .. ")  # one unit: named once
+            plans[-1].append((first, last or first, cells[3] == "yes"))
     return plans
 
 

@@ -136,6 +136,14 @@ def test_plan_prints_a_table_of_segments():
     assert body[-1].split("|")[2].strip().endswith(".. flatten")
 
 
+def test_a_one_unit_segment_is_named_once():
+    """A segment of one block reads ``res2.1``, not ``res2.1 .. res2.1`` (the quick start's plan had one)."""
+    plan = CheckpointedTrunk(torchvision.models.resnet18(), ["flatten"], num_splits=13).plan  # vissl's finest: a block each
+    layers = [line.split("|")[2].strip() for line in str(plan).splitlines()[3:] if line.startswith("|")]
+    # by hand: every unit alone but the in-place ReLU, which stays with bn1 (vissl never splits before it)
+    assert layers == ["conv1", "bn1 .. conv1_relu", "maxpool", "res2.0", "res2.1", "res3.0", "res3.1", "res4.0", "res4.1", "res5.0", "res5.1", "avgpool", "flatten"]
+
+
 def test_where_vissl_would_assert_a_clear_error_is_raised():
     # vissl: "assert max(lengths) > 0, 'Something wrong, we shouldn't have an empty list'"
     blocks = OrderedDict(res2=nn.Sequential(), res3=nn.Sequential())

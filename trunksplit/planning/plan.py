@@ -46,8 +46,10 @@ class SplitPlan:
     begins: Tuple[str, ...] = ()  # where each unit begins (chains.begin_names), where a unit is named where it ends; () names
 
     def span(self, start: int, stop: int) -> str:
-        """Units ``[start, stop)`` for a reader, ``"layer1.1 .. layer2"``: from where the first begins to the last's name."""
-        return f"{(self.begins or self.units)[start]} .. {self.units[stop - 1]}" if stop > start else "-"
+        """Units ``[start, stop)`` for a reader, ``"layer1.1 .. layer2"``: from where the first begins to the last's name
+        (``"res2.1"``: one unit that begins where it is named)."""
+        first, last = ((self.begins or self.units)[start], self.units[stop - 1]) if stop > start else ("-", "-")
+        return first if first == last else f"{first} .. {last}"
 
     @property
     def names(self) -> List[str]:
