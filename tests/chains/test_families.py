@@ -134,3 +134,34 @@ def test_vit_at_another_resolution_resizes_its_position_embedding_as_dino_does()
     assert torch.allclose(got, want, atol=1e-6)
     with pytest.raises(ValueError, match="8x8 patches; a 36x40 image"):
         CheckpointedTrunk(model, ["flatten"])(torch.randn(1, 3, 36, 40))
+
+
+def test_a_vits_class_token_holds_one_token_per_image_not_the_token_map():
+    """The model's own ``x[:, 0]`` is a view: a loop holding the pooled feature through backward (a head's
+    input) holds the whole token map with it. The trunk's ``flatten`` is a copy of the token: the same values
+    and gradients, and its step (unsplit, as the model's) peaks one token map less one token per image below
+    the model's own, by hand."""
+    batch, tokens, dim = 4, 17, 64  # 32px, 8px patches: 16 patches and the class token
+    torch.manual_seed(0)
+    model = vision_transformer.VisionTransformer(32, 8, 2, 2, dim, 128)
+    model.heads = torch.nn.Identity()
+    twin = copy.deepcopy(model)
+    trunk = CheckpointedTrunk(twin, ["flatten"], memory_budget=1.0)  # runs the twin's own modules
+    x, w = torch.randn(batch, 3, 32, 32), torch.randn(batch, dim)
+    trunk.plan_for(x)
+    assert not any(s.checkpointed for s in trunk.plan.segments)
+    peaks, features = [], []
+    for m, forward in ((model, lambda: model(x)), (trunk, lambda: trunk(x)[0])):
+        for step in range(2):  # the second step's peak: the first made the gradients
+            for p in m.parameters():
+                p.grad = None
+            with PeakMemory() as mem:
+                feature = forward()  # held through backward, as a loop's variable holds it
+                (feature * w).sum().backward()
+        peaks.append(mem.peak_bytes)
+        features.append(feature.detach())
+    assert torch.equal(features[0], features[1])
+    twins = dict(twin.named_parameters())
+    assert all(torch.equal(p.grad, twins[n].grad) for n, p in model.named_parameters())
+    assert peaks[0] - peaks[1] == (batch * tokens * dim - batch * dim) * 4, peaks
+    assert features[1].untyped_storage().nbytes() == batch * dim * 4

@@ -80,10 +80,12 @@ class VitEmbedding(nn.Module):
 
 
 class ClassToken(nn.Module):
-    """``x[:, 0]``: the class token, ViT's pooled feature."""
+    """``x[:, 0]``, copied: the class token, ViT's pooled feature. The model's own ``x[:, 0]`` is a view,
+    which keeps the whole token map alive wherever the feature is held (a head's input, through backward);
+    the copy holds one token per image, and the map goes after the forward, as nothing saves it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[:, 0]
+        return x[:, 0].clone(memory_format=torch.contiguous_format)
 
 
 def spatial_stride(module: nn.Module) -> int:
