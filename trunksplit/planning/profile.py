@@ -35,8 +35,8 @@ class UnitCosts:
     - ``input_from``: the unit that allocated the storage of this unit's input
       (-1: the chain's input). In-place units pass their input's storage on, so
       two units may keep the same storage; the peak model counts it once.
-      ``output_from``: the same for each unit's output (a view, a ViT's class token, passes its input's storage on:
-      the caller holding it and the feature before holds one storage). Empty (costs made by hand): each unit's own.
+      ``output_from``: the same for each unit's output (a view, a ResNet's ``flatten``, passes its input's storage
+      on: the caller holding it and the feature before holds one storage). Empty (costs made by hand): each unit's own.
     - ``keeps_output``: whether the unit's own backward needs its output.
     - ``beside_waiting``: for each unit whose input is a requested feature (``profile_units``' ``features``), how much
       higher its backward peaks beside the loss's gradient of that feature, waiting from the start of backward;
