@@ -152,7 +152,7 @@ def test_a_vits_class_token_holds_one_token_per_image_not_the_token_map():
     assert not any(s.checkpointed for s in trunk.plan.segments)
     peaks, features = [], []
     for m, forward in ((model, lambda: model(x)), (trunk, lambda: trunk(x)[0])):
-        for step in range(2):  # the second step's peak: the first made the gradients
+        for _ in range(2):  # the second step's peak: the first made the gradients
             for p in m.parameters():
                 p.grad = None
             with PeakMemory() as mem:
