@@ -12,7 +12,9 @@ Each unit is named after the cut that ends it: the qualified name of the
 outermost module whose last call it contains (``layer3`` after ResNet's third
 stage, ``layer3.2`` after a block inside it, ``stages.2`` in a timm ConvNeXt);
 where no module completes there, the name of fx's last node. The last unit is
-``output``: it ends with the model's own output, whatever its structure.
+``output``: it ends with the model's own output, whatever its structure. A unit that
+ends by selecting a small part of a tensor (a ViT's class token, ``x[:, 0]``) returns
+it copied, so that holding the feature does not hold the whole token map.
 
 Sharp edges (what tracing cannot see): control flow on tensor values cannot be
 traced (a clear error quotes fx's); Python-level branches are frozen as they were
@@ -237,7 +239,7 @@ def _non_tensors(nodes: List[fx.Node]) -> Set[fx.Node]:
 
 def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried: Optional[fx.Node]) -> fx.GraphModule:
     """A GraphModule running ``span`` on the value of ``source``; it returns ``carried`` (or the model's output)."""
-    g = fx.Graph()
+    g = fx.Graph()  # the tracer a pickled unit's code is loaded with
     env = {source: g.placeholder("x")}
 
     def arg(a: fx.Node) -> fx.Node:
@@ -249,11 +251,11 @@ def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried
 
     for n in span:
         if n.op == "output":
-            g.output(fx.map_arg(n.args[0], arg))
+            g.output(_owning(g, n.args[0], env) if isinstance(n.args[0], fx.Node) else fx.map_arg(n.args[0], arg))
         else:
             env[n] = g.node_copy(n, arg)
     if carried is not None:
-        g.output(env[carried])
+        g.output(_owning(g, carried, env))
     unit = ChainUnit(model, g, class_name="ChainUnit")  # holds the model's own modules and parameters
     _constants_not_buffers(unit)
     # read by layer_splittable_before: a segment must not start with a unit that overwrites its input
@@ -261,6 +263,38 @@ def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried
     unit.inplace = aliases is None
     unit.passes_input_on = aliases is not None and carried in aliases
     return unit
+
+
+_SELECTIONS = {("call_function", operator.getitem), ("call_function", torch.select), ("call_function", torch.narrow),
+               ("call_method", "__getitem__"), ("call_method", "select"), ("call_method", "narrow")}
+
+
+def _owning(g: fx.Graph, returned: fx.Node, env: Dict[fx.Node, fx.Node]) -> fx.Node:
+    """The node a unit returns for ``returned``: through :func:`small_view_copied` where it selects from a tensor
+    (a ViT's class token, ``x[:, 0]``), as is."""
+    if (returned.op, returned.target) in _SELECTIONS and returned.args and isinstance(returned.args[0], fx.Node) and returned.args[0] in env:
+        return g.call_function(small_view_copied, (env[returned], env[returned.args[0]]))
+    return env[returned]
+
+
+def small_view_copied(selected: torch.Tensor, source) -> torch.Tensor:
+    """``selected``, copied where it is at most half the tensor ``source`` it was selected from. A unit that
+    returns a view keeps its source's whole storage alive wherever its output is held: a traced ViT's class
+    token (timm's ``x[:, 0]``) held as a head's input through backward kept the token map (197 tokens of ViT-B
+    at 224px for one). The copy frees the source after the forward where nothing saves it, and costs no more
+    than it frees; a larger selection (the patch tokens, ``x[:, 1:]``) stays a view. Values and gradients
+    are the view's."""
+    if isinstance(source, torch.Tensor) and 2 * selected.numel() <= source.numel():
+        return selected.clone(memory_format=torch.contiguous_format)
+    return selected
+
+
+class _UnitTracer(fx.Tracer):
+    """The tracer fx runs again over a unit's code when it loads a pickled unit: it keeps
+    :func:`small_view_copied` a call (fx's default would trace through it, and see no tensor)."""
+
+    def __init__(self):
+        super().__init__(autowrap_functions=(small_view_copied,))
 
 
 def _constants_not_buffers(unit: fx.GraphModule) -> None:

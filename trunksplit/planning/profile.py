@@ -27,8 +27,8 @@ class UnitCosts:
     where profiled with ``allocator=True`` (see :func:`profile_units`) the transient peaks
     (``forward_peak``, ``backward_excess``, ``backward_fresh``) are the allocator's:
 
-    - ``output``: the storage the unit's output holds in the chain: a view (a ViT's class token,
-      ``x[:, 0]``) holds its whole base, and so does a checkpoint or a caller keeping it.
+    - ``output``: the storage the unit's output holds in the chain: a view (a ResNet's ``flatten``,
+      a registered unit's ``x[:, 0]``) holds its whole base, and so does a checkpoint or a caller keeping it.
     - ``saved``: what the unit's own forward creates and keeps for backward
       (its output too, when backward needs it, as ReLU's does).
     - ``saves_input``: whether the unit keeps its input for backward.

@@ -26,9 +26,9 @@ def copies(c: UnitCosts, features: Sequence[int]) -> Tuple[List[int], List[bool]
 
 def held_features(c: UnitCosts, features: Sequence[int]) -> List[int]:
     """The requested features whose storages the caller's hold keeps, each storage once: the first feature made in it.
-    A feature that is a view of an earlier one (a traced ViT's class token, ``x[:, 0]``, of the token map; a ResNet's
-    ``flatten`` of ``avgpool``'s output) holds no storage of its own: counted as well, torchvision's ViT-B/16 returning
-    ``norm`` and ``flatten`` (its class token then a view) was predicted one token map over."""
+    A feature that is a view of an earlier one (a ResNet's ``flatten`` of ``avgpool``'s output; a ViT's class token,
+    ``x[:, 0]``, of the token map, where a registered unit takes it so) holds no storage of its own: counted as well,
+    torchvision's ViT-B/16 returning ``norm`` and ``flatten`` (its class token then a view) was predicted one token map over."""
     first = {}
     for f in sorted(features):
         first.setdefault(c.output_from[f] if c.output_from else f, f)
