@@ -239,7 +239,7 @@ def _non_tensors(nodes: List[fx.Node]) -> Set[fx.Node]:
 
 def _unit_module(model: nn.Module, span: List[fx.Node], source: fx.Node, carried: Optional[fx.Node]) -> fx.GraphModule:
     """A GraphModule running ``span`` on the value of ``source``; it returns ``carried`` (or the model's output)."""
-    g = fx.Graph()  # the tracer a pickled unit's code is loaded with
+    g = fx.Graph(tracer_cls=_UnitTracer)  # the tracer a pickled unit's code is loaded with
     env = {source: g.placeholder("x")}
 
     def arg(a: fx.Node) -> fx.Node:
