@@ -73,6 +73,29 @@ def second_step_peak(trunk, x):
     return mem.peak_bytes
 
 
+def held_feature_peaks(model, twin, trunk, x, w):
+    """``model`` against the unsplit ``trunk`` of ``twin`` (a copy of it), each stepped with its feature held
+    through backward (as a loop's variable holds a head's input), the loss ``(feature * w).sum()``, gradients
+    set to None before each step. Checks that both give the same feature and gradients; returns the second
+    steps' peaks (the model's, the trunk's) and the trunk's feature."""
+    trunk.plan_for(x)
+    assert not any(s.checkpointed for s in trunk.plan.segments)
+    peaks, features = [], []
+    for m, forward in ((model, lambda: model(x)), (trunk, lambda: trunk(x)[0])):
+        for _ in range(2):  # the second step's peak: the first made the gradients
+            for p in m.parameters():
+                p.grad = None
+            with PeakMemory() as mem:
+                feature = forward()
+                (feature * w).sum().backward()
+        peaks.append(mem.peak_bytes)
+        features.append(feature)
+    assert torch.equal(features[0], features[1])
+    twins = dict(twin.named_parameters())
+    assert all(torch.equal(p.grad, twins[n].grad) for n, p in model.named_parameters())
+    return peaks, features[1]
+
+
 def grads_by_name(model):
     return {n: p.grad for n, p in model.named_parameters()}
 

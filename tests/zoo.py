@@ -103,11 +103,14 @@ class TinyViT(nn.Module):
             for _ in range(depth)
         )
 
-    def forward(self, x):
+    def tokens(self, x):
         x = self.patch(x).flatten(2).transpose(1, 2)
         x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
         for layer in self.layers:
             h = layer["norm"](x)
             x = x + layer["attn"](h, h, h, need_weights=False)[0]
             x = x + layer["mlp"](x)
-        return x[:, 0]
+        return x
+
+    def forward(self, x):
+        return self.tokens(x)[:, 0]

@@ -10,7 +10,7 @@ from torchvision.models import vision_transformer
 from trunksplit import CheckpointedTrunk, PeakMemory, feature_blocks
 from trunksplit.chains.blocks import expand_units
 
-from reference import loss_of
+from reference import held_feature_peaks, loss_of
 from zoo import SMALL, input_for, small, without_head
 
 HIERARCHICAL = [n for n in SMALL if n != "vit"]
@@ -148,20 +148,6 @@ def test_a_vits_class_token_holds_one_token_per_image_not_the_token_map():
     twin = copy.deepcopy(model)
     trunk = CheckpointedTrunk(twin, ["flatten"], memory_budget=1.0)  # runs the twin's own modules
     x, w = torch.randn(batch, 3, 32, 32), torch.randn(batch, dim)
-    trunk.plan_for(x)
-    assert not any(s.checkpointed for s in trunk.plan.segments)
-    peaks, features = [], []
-    for m, forward in ((model, lambda: model(x)), (trunk, lambda: trunk(x)[0])):
-        for _ in range(2):  # the second step's peak: the first made the gradients
-            for p in m.parameters():
-                p.grad = None
-            with PeakMemory() as mem:
-                feature = forward()  # held through backward, as a loop's variable holds it
-                (feature * w).sum().backward()
-        peaks.append(mem.peak_bytes)
-        features.append(feature.detach())
-    assert torch.equal(features[0], features[1])
-    twins = dict(twin.named_parameters())
-    assert all(torch.equal(p.grad, twins[n].grad) for n, p in model.named_parameters())
+    peaks, feature = held_feature_peaks(model, twin, trunk, x, w)
     assert peaks[0] - peaks[1] == (batch * tokens * dim - batch * dim) * 4, peaks
-    assert features[1].untyped_storage().nbytes() == batch * dim * 4
+    assert feature.untyped_storage().nbytes() == batch * dim * 4

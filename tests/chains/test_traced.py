@@ -13,7 +13,7 @@ from torch import nn
 from trunksplit import CheckpointedTrunk, PeakMemory, feature_blocks
 from trunksplit.planning.plan import SplitPlan
 
-from reference import loss_of
+from reference import held_feature_peaks, loss_of
 from zoo import ResidualNet, TinyViT
 
 
@@ -237,13 +237,7 @@ class _Tokens(TinyViT):
         self.pick = pick
 
     def forward(self, x):
-        x = self.patch(x).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
-        for layer in self.layers:
-            h = layer["norm"](x)
-            x = x + layer["attn"](h, h, h, need_weights=False)[0]
-            x = x + layer["mlp"](x)
-        return x[self.pick]
+        return self.tokens(x)[self.pick]
 
 
 @pytest.mark.parametrize("pick, copied", [((slice(None), 0), True), ((slice(None), slice(1, None)), False)], ids=["class_token", "patch_tokens"])
@@ -262,34 +256,20 @@ def test_a_traced_class_token_holds_one_token_per_image_and_the_patch_tokens_sta
     trunk = CheckpointedTrunk(twin, memory_budget=1.0)  # runs the twin's own modules
     x = torch.randn(batch, 3, 32, 32)
     w = torch.randn_like(model(x))
-    trunk.plan_for(x)
-    assert not any(s.checkpointed for s in trunk.plan.segments)
-    peaks, features = [], []
-    for m, forward in ((model, lambda: model(x)), (trunk, lambda: trunk(x)[0])):
-        for _ in range(2):  # the second step's peak: the first made the gradients
-            for p in m.parameters():
-                p.grad = None
-            with PeakMemory() as mem:
-                feature = forward()  # held through backward, as a loop's variable holds it
-                (feature * w).sum().backward()
-        peaks.append(mem.peak_bytes)
-        features.append(feature)
-    assert torch.equal(features[0], features[1])
-    twins = dict(twin.named_parameters())
-    assert all(torch.equal(p.grad, twins[n].grad) for n, p in model.named_parameters())
+    peaks, feature = held_feature_peaks(model, twin, trunk, x, w)
     map_bytes = batch * tokens * dim * 4
     if copied:
         assert peaks[0] - peaks[1] == map_bytes - batch * dim * 4, peaks
-        assert features[1].untyped_storage().nbytes() == batch * dim * 4
+        assert feature.untyped_storage().nbytes() == batch * dim * 4
     else:
         assert peaks[0] == peaks[1], peaks
-        assert features[1].untyped_storage().nbytes() == map_bytes
+        assert feature.untyped_storage().nbytes() == map_bytes
     saved = io.BytesIO()
     torch.save(trunk, saved)
     saved.seek(0)
     for other in (copy.deepcopy(trunk), torch.load(saved, weights_only=False)):  # a copy; a trunk saved whole (fx traces its code again)
-        feature = other(x)[0]
-        assert torch.equal(feature, features[1]) and feature.untyped_storage().nbytes() == features[1].untyped_storage().nbytes()
+        again = other(x)[0]
+        assert torch.equal(again, feature) and again.untyped_storage().nbytes() == feature.untyped_storage().nbytes()
 
 
 class Branchy(nn.Module):
