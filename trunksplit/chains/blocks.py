@@ -12,6 +12,7 @@ import warnings
 from collections import OrderedDict
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 
@@ -72,6 +73,19 @@ def layer_splittable_before(module: nn.Module) -> bool:
     while isinstance(module, nn.Sequential) and len(module) > 0:
         module = module[0]
     return getattr(module, "inplace", False) is not True
+
+
+def small_view_copied(selected: torch.Tensor, source) -> torch.Tensor:
+    """``selected``, copied where it is at most half the tensor ``source`` it was selected from. A unit that
+    returns a view keeps its source's whole storage alive wherever its output is held: a ViT's class token
+    (``x[:, 0]``, as torchvision's and timm's models take it) held as a head's input through backward kept the
+    token map (197 tokens of ViT-B at 224px for one). The copy frees the source after the forward where nothing
+    saves it, and costs no more than it frees; a larger selection (the patch tokens, ``x[:, 1:]``) stays a view.
+    Values and gradients are the view's. Registered units call it (ViT's ``flatten``); a traced unit that ends
+    with a selection is routed through it (:mod:`trunksplit.chains.traced`)."""
+    if isinstance(source, torch.Tensor) and 2 * selected.numel() <= source.numel():
+        return selected.clone(memory_format=torch.contiguous_format)
+    return selected
 
 
 def expand_units(blocks: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]:

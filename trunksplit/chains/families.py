@@ -29,7 +29,7 @@ from torch import nn
 from torchvision.models import convnext, densenet, efficientnet, maxvit, mnasnet, mobilenetv2, mobilenetv3
 from torchvision.models import shufflenetv2, swin_transformer, vgg, vision_transformer
 
-from .blocks import FeatureBlocks
+from .blocks import FeatureBlocks, small_view_copied
 
 
 class GlobalAvgPool(nn.Module):
@@ -85,7 +85,7 @@ class ClassToken(nn.Module):
     the copy holds one token per image, and the map goes after the forward, as nothing saves it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[:, 0].clone(memory_format=torch.contiguous_format)
+        return small_view_copied(x[:, 0], x)
 
 
 def spatial_stride(module: nn.Module) -> int:

@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from .blocks import FeatureBlocks, child_name, layer_splittable_before
+from .blocks import FeatureBlocks, child_name, layer_splittable_before, small_view_copied
 
 class ChainUnit(fx.GraphModule):
     """One unit of a traced chain: the model's ops between two cuts. ``inplace``: its first op
@@ -275,18 +275,6 @@ def _owning(g: fx.Graph, returned: fx.Node, env: Dict[fx.Node, fx.Node]) -> fx.N
     if (returned.op, returned.target) in _SELECTIONS and returned.args and isinstance(returned.args[0], fx.Node) and returned.args[0] in env:
         return g.call_function(small_view_copied, (env[returned], env[returned.args[0]]))
     return env[returned]
-
-
-def small_view_copied(selected: torch.Tensor, source) -> torch.Tensor:
-    """``selected``, copied where it is at most half the tensor ``source`` it was selected from. A unit that
-    returns a view keeps its source's whole storage alive wherever its output is held: a traced ViT's class
-    token (timm's ``x[:, 0]``) held as a head's input through backward kept the token map (197 tokens of ViT-B
-    at 224px for one). The copy frees the source after the forward where nothing saves it, and costs no more
-    than it frees; a larger selection (the patch tokens, ``x[:, 1:]``) stays a view. Values and gradients
-    are the view's."""
-    if isinstance(source, torch.Tensor) and 2 * selected.numel() <= source.numel():
-        return selected.clone(memory_format=torch.contiguous_format)
-    return selected
 
 
 class _UnitTracer(fx.Tracer):
