@@ -7,7 +7,7 @@ Layers, each importing only those below it:
     fit.py        the largest batch that fits a memory size
     in_backward.py the optimizer stepped in backward: each gradient freed at its update
     lars.py       the LARS optimizer (vissl's LARC)
-    distributed/  several processes: vissl's manual DDP helpers, FSDP2 sharding, rank agreement
+    distributed/  several processes: vissl's manual DDP helpers, FSDP2 sharding, global BatchNorm, rank agreement
     trunk.py      CheckpointedTrunk: runs a plan
     planning/     where to cut: the plan request, budgets, vissl's bucketing, profiling, the peak model, the search
     recompute/    how a run of modules is recomputed: checkpointing, wrapper, regions, stages, compiled units
@@ -37,7 +37,7 @@ PUBLIC = {
     "checkpoint_wrapper": "recompute.wrapper", "is_checkpoint_wrapped": "recompute.wrapper", "unwrap_checkpoint": "recompute.wrapper",
     "feature_blocks": "chains", "layer_splittable_before": "chains", "register_trunk": "chains",
     "manual_gradient_all_reduce": "distributed", "manual_gradient_reduction": "distributed", "manual_sync_params": "distributed",
-    "shard_trunk": "distributed",
+    "shard_trunk": "distributed", "SyncBatchNorm": "distributed", "convert_sync_batchnorm": "distributed",
 }
 
 __version__ = "0.1.0"
@@ -70,7 +70,7 @@ _sys.modules[__name__].__class__ = _Package
 
 if _TYPE_CHECKING:  # what editors and type checkers read
     from .chains import feature_blocks, layer_splittable_before, register_trunk  # noqa: F401
-    from .distributed import manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk  # noqa: F401
+    from .distributed import SyncBatchNorm, convert_sync_batchnorm, manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params, shard_trunk  # noqa: F401
     from .fit import Fit, ScalingRow, fit, scaling  # noqa: F401
     from .in_backward import InBackwardOptimizer, optimizer_in_backward  # noqa: F401
     from .lars import LARS  # noqa: F401

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 
 from .chains import feature_blocks
-from .in_backward import optimizer_in_backward, update_temporaries, updates_of_this_rank_alone
+from .in_backward import optimizer_in_backward, update_temporaries
 from .lars import LARS
 from .planning.budget import format_bytes, parse_memory_size
-from .planning.memory import PeakMemory, host_bytes_available
+from .planning.memory import PeakMemory, host_bytes_available, measuring_alone
 from .planning.scaled import ScaledChain
 from .planning.sharding import RankMemory, gib, rank_memory
 from .planning.plan import SplitPlan
@@ -313,8 +313,8 @@ def _measured_step(trunk: CheckpointedTrunk, x: torch.Tensor, optimizer: Optiona
     try:
         for p in params:
             p.grad = torch.zeros_like(p) if trunk.gradients == "kept" else None
-        # updates_of_this_rank_alone: the weights are put back after, and in a DDP process nothing reduces this step
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), warnings.catch_warnings(), updates_of_this_rank_alone():
+        # measuring_alone: the weights are put back after, and in a DDP process nothing reduces this step nor communicates
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), warnings.catch_warnings(), measuring_alone():
             warnings.simplefilter("ignore")
             trunk.train()
             for _ in range(2 if stepping else 1):

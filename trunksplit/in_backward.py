@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .planning.memory import PeakMemory
+from .planning.memory import PeakMemory, is_measuring_alone, measuring_alone
 from .planning.request import IN_BACKWARD_ATTR, UPDATE_TEMPORARIES, InBackwardMark, in_backward_mark
 from .trunk import CheckpointedTrunk
 
@@ -119,7 +119,7 @@ def _warn_unless_per_parameter(optimizer_class, optimizer_kwargs: dict) -> None:
             for i, (a, b) in enumerate(zip(standard, stepped)):
                 a.grad, b.grad = torch.full_like(a, scale * (i + 1)), torch.full_like(b, scale * (i + 1))
             together.step()
-            with updates_of_this_rank_alone():  # a probe on scratch tensors: nothing to reduce
+            with measuring_alone():  # a probe on scratch tensors: nothing to reduce
                 for b in stepped:
                     alone.update(b)
     except Exception:  # noqa: BLE001 - an optimizer that cannot be probed on CPU matrices: the real step will say
@@ -128,21 +128,6 @@ def _warn_unless_per_parameter(optimizer_class, optimizer_kwargs: dict) -> None:
         warnings.warn(f"{getattr(optimizer_class, '__name__', optimizer_class)} does not step each parameter on its own (state kept per "
                       "group, or a norm over all parameters): stepped in backward, one parameter at a time, it is not its standard step "
                       "(two probe steps differed); step it after backward", UserWarning, stacklevel=3)
-
-
-_ALONE = [0]  # how many updates_of_this_rank_alone() contexts are open: a process-wide count, as CUDA's backward runs hooks on its own threads
-
-
-@contextlib.contextmanager
-def updates_of_this_rank_alone():
-    """Updates in backward in this context are this rank's own on purpose (a measured step of a
-    private copy of the model, say): among several ranks they are otherwise refused before any
-    reduction (see :func:`_refuse_unreduced`)."""
-    _ALONE[0] += 1
-    try:
-        yield
-    finally:
-        _ALONE[0] -= 1
 
 
 @contextlib.contextmanager
@@ -171,7 +156,7 @@ def _refuse_unreduced(p: torch.Tensor) -> None:
     """Among several ranks, a plain (unsharded) parameter's update from its own rank's gradient runs
     before any reduction: a model wrapped in DDP after ``optimizer_in_backward`` (its replicas drift
     apart). FSDP2's parameters are DTensors, updated after their reduce-scatter."""
-    if _ALONE[0]:
+    if is_measuring_alone():  # a measured step of a private copy of the model, say: this rank's own on purpose
         return
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not isinstance(p, DTensor):
         raise RuntimeError("optimizer_in_backward: this parameter would be updated from this rank's own gradient, before any reduction "

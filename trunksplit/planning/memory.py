@@ -6,6 +6,7 @@ profiler uses the same tracker to measure each unit. :class:`ProfiledPeak` reads
 torch.profiler's allocation events instead, for what the tracker cannot see (compiled code,
 FSDP2's gathered weights).
 """
+import contextlib
 import gc
 import os
 import weakref
@@ -99,6 +100,27 @@ def tensors_in(tree):
 def storage_bytes(tree) -> int:
     """Bytes of the storages the tensors in ``tree`` hold, each storage once (a view holds its whole base)."""
     return sum({StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in tensors_in(tree)}.values())
+
+
+# a process-wide count, not a thread's: CUDA's backward runs its hooks and a checkpoint's recompute on threads of its own
+_ALONE = [0]
+
+
+def is_measuring_alone() -> bool:
+    """True while this rank runs a step or a unit alone on purpose, to measure it (planning, ``fit``,
+    a step's baseline, a probe): other ranks do not run the same, so a layer that communicates
+    (:class:`trunksplit.SyncBatchNorm`) does not, and an update in backward is this rank's own."""
+    return _ALONE[0] > 0
+
+
+@contextlib.contextmanager
+def measuring_alone():
+    """Mark what runs inside as this rank's alone (:func:`is_measuring_alone`)."""
+    _ALONE[0] += 1
+    try:
+        yield
+    finally:
+        _ALONE[0] -= 1
 
 
 class PeakMemory:

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors
 from ..recompute.policies import POLICIES
-from .memory import _TensorAccounting, storage_bytes, tensors_in
+from .memory import _TensorAccounting, measuring_alone, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
 from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
 from .unit_copies import first_input_with_gradient, private_copy
@@ -167,6 +167,7 @@ _MEASURED = ("output", "saved", "saves_input", "input_from", "keeps_output", "fo
              "backward_fresh", "fresh_while_input_held", "fresh_from_unpack", "released_fresh", "excess_while_input_held", "excess_from_unpack", "released_excess", "fresh_gradient_surplus", "flops", "recompute_bytes", "light_flops", "update_moments")
 
 
+@measuring_alone()  # each rank profiles on its own (a timed unit runs until its time settles): no layer may communicate
 def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans: Sequence[Tuple[int, int]] = (), timed: bool = False,
                   allocator: bool = False, progress: Optional[Callable[[str], None]] = None, use_reentrant: bool = False, features: Sequence[int] = ()) -> UnitCosts:
     """Measure every unit of a chain at the input it gets from ``x``.

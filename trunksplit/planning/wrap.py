@@ -45,7 +45,7 @@ from ..recompute.policies import RECOMPUTE
 from ..recompute.select import Condition, as_condition, wrap_selected
 from ..recompute.wrapper import checkpoint_wrapped_names, checkpoint_wrapper, unwrap_checkpoint
 from .budget import BudgetTooLowError, MemoryBudget, format_bytes
-from .memory import PeakMemory, tensors_in
+from .memory import PeakMemory, measuring_alone, tensors_in
 from .request import GRADIENT_MODES, UPDATE_TEMPORARIES, in_backward_mark
 from .wrap_blocks import Block, Choice, kept_as_it_was, measure_blocks
 
@@ -296,7 +296,7 @@ class _Step:
 
     def peak(self) -> int:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        with kept_as_it_was(self.model), _updated_in_backward(params if self.gradients == "in_backward" else [], self.temporaries):
+        with kept_as_it_was(self.model), _updated_in_backward(params if self.gradients == "in_backward" else [], self.temporaries), measuring_alone():
             for p in params:
                 p.grad = torch.zeros_like(p) if self.gradients == "kept" else None
             self._step()  # the first step allocates what later steps reuse (lazy state); measure the second

@@ -38,6 +38,10 @@ _C.MODEL.ACTIVATION_CHECKPOINTING.SELECT = CN(new_allowed=True)
 _C.MODEL.WEIGHTS_INIT = CN()
 _C.MODEL.WEIGHTS_INIT.PARAMS_FILE = ""  # "": random weights
 _C.MODEL.WEIGHTS_INIT.REMOVE_PREFIX = ""  # where the file holds the trunk under several prefixes (DINO's student and teacher): the one
+# vissl's key: every BatchNorm of the trunk and the head normalises over all ranks' images (SimCLR's global BN),
+# trunksplit.SyncBatchNorm, on CPU (gloo) and GPU alike, exact under checkpointing; one process: plain BatchNorm
+_C.MODEL.SYNC_BN_CONFIG = CN()
+_C.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.HIDDEN_DIM = 512
 _C.MODEL.HEAD.OUTPUT_DIM = 128

@@ -14,9 +14,9 @@ from typing import Callable, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from ..in_backward import holding_updates, update_temporaries, updates_of_this_rank_alone
+from ..in_backward import holding_updates, update_temporaries
 from ..planning.budget import BudgetTooLowError, format_bytes
-from ..planning.memory import PeakMemory
+from ..planning.memory import PeakMemory, measuring_alone
 from ..planning.plan import SplitPlan
 from ..planning.timing import synchronize
 from ..recompute.wrapper import checkpoint_wrapped_names
@@ -338,7 +338,7 @@ def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: O
         try:
             m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
             steps = stepping(m) if stepping is not None else None
-            with PeakMemory(crops[0].device) as mem, updates_of_this_rank_alone():
+            with PeakMemory(crops[0].device) as mem, measuring_alone():
                 runs = list(same_size_runs(crops)) if grouped else [(0, len(crops))]
                 for k, (start, stop) in enumerate(runs):
                     with holding_updates(m) if k < len(runs) - 1 else contextlib.nullcontext():  # as the grouped step does (the trunk plans for it)

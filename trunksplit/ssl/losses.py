@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..planning.memory import measuring_alone
 
 _ALONE: List[int] = []  # world sizes of the open alone_as_one_of() contexts: process-wide, as CUDA runs backward on its own threads
 
@@ -17,10 +18,12 @@ def alone_as_one_of(world: int):
     alone. A gather returns its own tensor ``world`` times (the real step's shapes and bytes), a
     reduction leaves its tensor as it is: the values are not the real step's, its memory is. For
     measuring one rank's step in one process (``TRAIN.BATCH_SIZE_PER_RANK 0``), where ranks whose
-    measurements differed would otherwise run different collectives, and hang."""
+    measurements differed would otherwise run different collectives, and hang (the model's layers too:
+    :func:`trunksplit.planning.memory.measuring_alone`)."""
     _ALONE.append(world)
     try:
-        yield
+        with measuring_alone():
+            yield
     finally:
         _ALONE.pop()
 

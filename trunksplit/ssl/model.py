@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.sync_batchnorm import convert_sync_batchnorm
 from ..in_backward import holding_updates
 from ..planning.budget import BudgetTooLowError, MemoryBudget
 from ..recompute.select import condition_from_config, wrap_selected
@@ -21,6 +22,8 @@ from .optim import gradient_mode
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
     model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
+    if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:  # before the trunk is built from the model's modules
+        model = convert_sync_batchnorm(model)
     keys = [feature_key(cfg.MODEL.TRUNK.NAME, key) for key in cfg.MODEL.TRUNK.OUT_FEAT_KEYS]
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
@@ -181,7 +184,8 @@ def build_model(cfg) -> SSLModel:
     if cfg.METHOD.NAME == "dino":
         return SSLModel(trunk, DINOHead(dim, h.HIDDEN_DIM, h.OUTPUT_DIM, cfg.METHOD.NUM_PROTOTYPES))
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
-    return SSLModel(trunk, projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM), prototypes)
+    head = projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM)
+    return SSLModel(trunk, convert_sync_batchnorm(head) if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN else head, prototypes)
 
 
 def feature_width(trunk: CheckpointedTrunk, cfg) -> int:

@@ -1,0 +1,134 @@
+"""Global BatchNorm (trunksplit.SyncBatchNorm) in two real gloo processes: the whole batch's
+statistics, checkpointed or not, and no collective while a rank plans alone."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trunksplit import CheckpointedTrunk, SyncBatchNorm, convert_sync_batchnorm
+from trunksplit.ssl.config import load_config
+from trunksplit.ssl.model import build_model
+
+from distributed_harness import run_processes, threads_of_workers
+from plans import _with_plan
+from reference import build, loss_of, plain_features
+
+KEYS = ["flatten"]  # alone, the trunk is one unsplit segment by default: the plain step
+# cuts and regions of every policy, in a checkpointed segment and in the last one (as test_ddp's)
+PLAN = ([0, 6, 10], [(4, 5, "recompute_stages"), (5, 6, "save_expensive"), (6, 8, "recompute"), (10, 11, "recompute_stages"),
+                     (11, 12, "save_heavy"), (12, 13, "save_expensive")])
+
+
+def _images(rank):
+    return torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _trained(model, x, rank, plan=None):
+    """One DDP step's gradients and the buffers after it, by the trunk's names; without a plan, the
+    trunk one unsplit segment: nothing checkpointed."""
+    trunk = CheckpointedTrunk(model, KEYS)
+    ran = trunk.plan if plan is None else _with_plan(trunk, x, *plan)
+    ddp = DDP(trunk)  # held through backward: its reducer averages the gradients
+    loss_of(ddp(x), seed=7 + rank).backward()
+    return {n: p.grad for n, p in trunk.named_parameters()}, {n: b.clone() for n, b in trunk.named_buffers()}, ran
+
+
+def _global_norm_steps(rank, world_size, out):
+    model = convert_sync_batchnorm(build("resnet18"))
+    x = _images(rank)
+    plain = _trained(copy.deepcopy(model), x, rank)
+    torch.save({"plain": plain, "planned": _trained(model, x, rank, PLAN)}, f"{out}/rank{rank}.pt")
+
+
+def _whole_batch_reference():
+    """One process, torch's BatchNorm2d over both ranks' images; DDP averages the ranks' gradients,
+    so the loss is the mean of the ranks' losses."""
+    model = build("resnet18")
+    x = torch.cat([_images(0), _images(1)])
+    features = plain_features(model, x, KEYS)
+    (sum(loss_of([f[2 * r:2 * r + 2] for f in features], seed=7 + r) for r in range(2)) / 2).backward()
+    trunk = CheckpointedTrunk(model, KEYS)  # the trunk's names for the plain model's tensors
+    return {n: p.grad for n, p in trunk.named_parameters()}, dict(trunk.named_buffers())
+
+
+def _close(got, want):
+    return (got.float() - want.float()).abs().max() <= 2e-5 * want.float().abs().max() + 1e-6
+
+
+def test_two_ranks_normalise_over_the_whole_batch_as_one_process_and_checkpointing_changes_no_bit(tmp_path):
+    run_processes(_global_norm_steps, 2, (str(tmp_path),))
+    with threads_of_workers(2):
+        grads, buffers = _whole_batch_reference()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        (plain_grads, plain_buffers, unsplit), (planned_grads, planned_buffers, plan) = got["plain"], got["planned"]
+        assert not any(s.checkpointed for s in unsplit.segments)
+        assert plan.regions and sum(s.checkpointed for s in plan.segments) == 2
+        assert set(plain_grads) == set(grads) and set(plain_buffers) == set(buffers)
+        for n in grads:  # the whole batch's statistics and their gradients, up to the order of float sums
+            assert _close(plain_grads[n], grads[n]), n
+            assert torch.equal(planned_grads[n], plain_grads[n]), n
+        for n in buffers:  # running statistics moved once, from the whole batch (unbiased by its count)
+            assert _close(plain_buffers[n], buffers[n]), n
+            assert torch.equal(planned_buffers[n], plain_buffers[n]), n
+        assert int(plain_buffers["bn1.num_batches_tracked"]) == 1
+
+
+def _plan_alone(rank, world_size, out):
+    """Rank 0 plans (profiles every unit, timed) while rank 1 waits for it: a layer that communicated
+    while measured would meet nobody, and the run would hang."""
+    model = convert_sync_batchnorm(build("resnet18"))
+    x = _images(rank)
+    if rank == 0:
+        trunk = CheckpointedTrunk(model, KEYS, num_splits=3, strategy="balanced", objective="time")
+        torch.save(trunk.plan_for(x), f"{out}/plan.pt")
+    dist.barrier()
+    before = model.bn1.running_mean.clone()
+    ddp = DDP(CheckpointedTrunk(model, KEYS))
+    loss_of(ddp(x)).backward()  # then the ranks train together
+    torch.save(model.bn1.running_mean - before, f"{out}/moved{rank}.pt")
+
+
+def test_a_rank_planning_alone_communicates_nothing_and_the_ranks_then_train_together(tmp_path):
+    run_processes(_plan_alone, 2, (str(tmp_path),), timeout=120)
+    assert len(torch.load(tmp_path / "plan.pt", weights_only=False).segments) == 3
+    moved = [torch.load(tmp_path / f"moved{rank}.pt") for rank in range(2)]
+    assert moved[0].abs().sum() > 0 and torch.equal(moved[0], moved[1])  # the same global statistics on both ranks
+
+
+def test_convert_keeps_the_parameters_and_buffers_and_one_process_is_batchnorm_bit_for_bit():
+    torch.manual_seed(0)
+    model = build("resnet18")
+    plain, converted = copy.deepcopy(model), convert_sync_batchnorm(model)
+    assert converted is model and isinstance(model.layer1[0].bn2, SyncBatchNorm)
+    assert not any(type(m) is nn.BatchNorm2d for m in model.modules())
+    assert model.bn1.weight is converted.bn1.weight  # the same tensors, not copies: an optimizer built before steps them
+    x = torch.randn(2, 3, 64, 64)
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()  # no process group: nn.BatchNorm2d's forward
+    for (n, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
+        assert torch.equal(a.grad, b.grad), n
+    for (n, a), (_, b) in zip(plain.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), n
+
+
+def test_an_input_without_channels_is_refused_saying_what_it_takes():
+    norm = SyncBatchNorm(3)
+    before = {n: b.clone() for n, b in norm.named_buffers()}
+    with pytest.raises(ValueError, match=r"at least 2 dimensions \(N, C, \.\.\.\), got 1D"):
+        norm(torch.randn(3))
+    assert all(torch.equal(b, before[n]) for n, b in norm.named_buffers())
+
+
+def test_the_launchers_vissl_key_makes_every_batchnorm_of_trunk_and_head_global():
+    quick = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
+    small = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64"]
+    for convert in (False, True):
+        model = build_model(load_config(quick, small + ["MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN", str(convert)]))
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        assert len([m for m in model.head.modules() if m in norms]) == 1 and len(norms) == 21  # resnet18's 20, the head's 1
+        assert all(isinstance(m, SyncBatchNorm) == convert for m in norms)

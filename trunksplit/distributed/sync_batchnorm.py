@@ -1,0 +1,140 @@
+"""BatchNorm over every rank's batch (SimCLR's global BN, vissl's ``CONVERT_BN_TO_SYNC_BN``), exact
+under checkpointing, on any backend.
+
+torch's ``nn.SyncBatchNorm`` refuses a CPU tensor when more than one rank runs (its kernels are
+CUDA's), so gloo runs, and this project's tests, could not use it. This one is built from public
+ops: each rank's per-channel mean, variance and count, gathered in one ``all_reduce`` and combined
+(Chan's parallel formula: stable where a channel's mean is large against its spread), then
+torch's own fused ``batch_norm`` with those statistics. It saves what BatchNorm saves (the input,
+the statistics), so a plan's memory holds for it; backward sums two per-channel totals over the
+ranks, as torch's does.
+
+Under checkpointing the recompute runs the layer again, and so its ``all_reduce``: every rank
+recomputes the same segments in the same order, so the collectives pair, and the statistics come
+out bit for bit as in the first forward (the same inputs, the same reduction). The running
+statistics move once a step (:mod:`trunksplit.recompute.checkpoint`'s guard sees this layer as a
+BatchNorm). While trunksplit measures a unit or a step on one rank alone (planning, ``fit``),
+nothing is communicated: the layer normalises with its rank's statistics, through the same ops.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from ..planning.memory import is_measuring_alone
+
+
+class SyncBatchNorm(nn.BatchNorm2d):
+    """``nn.SyncBatchNorm``'s behaviour (statistics over the ``process_group``'s whole batch, the
+    running statistics from them, unbiased by the global count) on CPU and GPU alike; any input of
+    at least two dimensions, channels second. In eval mode, without a process group, or with one
+    rank, it is ``nn.BatchNorm2d``'s forward. Build one with :func:`convert_sync_batchnorm`.
+
+    Exact: the gradients of the global loss (every rank's, summed), so DistributedDataParallel's
+    average is one process's gradient over the whole batch, up to the order of float sums (about
+    1e-6 relative); bit for bit the same whether the layer is checkpointed or not. Every rank must
+    call it the same number of times with the same channel count (a collective)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects an input of at least 2 dimensions (N, C, ...), got {input.dim()}D")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        group = self.process_group or (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+        if not self.training or group is None or dist.get_world_size(group) == 1:
+            return super().forward(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:  # as _BatchNorm.forward counts
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+        return _GlobalNorm.apply(input, self.weight, self.bias, *running, self.eps, factor, None if is_measuring_alone() else group)
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+    """``module`` with every BatchNorm (1d, 2d, 3d, torch's ``SyncBatchNorm``) replaced by a
+    :class:`SyncBatchNorm` that holds the same parameters and buffers (not copies), so an optimizer
+    built before still steps them; a BatchNorm passed itself comes back converted. Convert before
+    building the trunk and before wrapping in DDP, as with ``nn.SyncBatchNorm.convert_sync_batchnorm``::
+
+        model = trunksplit.convert_sync_batchnorm(torchvision.models.resnet50())
+        trunk = DistributedDataParallel(trunksplit.CheckpointedTrunk(model, ["flatten"], memory_budget=0.5))
+    """
+    if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)) and not isinstance(module, SyncBatchNorm):
+        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group)
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            setattr(converted, name, getattr(module, name))
+        converted.train(module.training)
+        return converted
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, process_group)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+class _GlobalNorm(torch.autograd.Function):
+    """BatchNorm with statistics over ``group`` (None: this rank's alone, as measured), its input
+    gradient through the global totals. Saves the input and the statistics, as BatchNorm does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+        count = torch.full_like(mean[:1], x.numel() // x.shape[1])
+        if group is not None:  # every rank's (mean, var, count) in one row of its own, summed: an all-gather that gloo runs too
+            rows = torch.zeros(dist.get_world_size(group), 2 * mean.numel() + 1, dtype=mean.dtype, device=mean.device)
+            rows[dist.get_rank(group)] = torch.cat([mean, var, count])
+            dist.all_reduce(rows, group=group)
+            means, variances, counts = rows[:, :mean.numel()], rows[:, mean.numel():-1], rows[:, -1:]
+            count = counts.sum(0)
+            mean = (counts * means).sum(0) / count
+            var = (counts * (variances + (means - mean) ** 2)).sum(0) / count
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+                unbiased = var * (count / (count - 1).clamp(min=1))
+                running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+        ctx.save_for_backward(x, weight, mean, var, count)
+        ctx.eps, ctx.group = eps, group
+        return F.batch_norm(x, mean, var, weight, bias, training=False, eps=eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, var, count = ctx.saved_tensors
+        # torch's fused BatchNorm backward as in eval mode, with the global statistics: the input gradient
+        # without the statistics' terms, and this rank's per-channel sums of dy and dy * x_hat (the
+        # affine gradients). aten's op: torch has no public function for it.
+        affine = weight is not None
+        dx, dxhat_sum, dy_sum = torch.ops.aten.native_batch_norm_backward(
+            dy, x, weight, mean, var, None, None, False, ctx.eps, [True, affine, affine])
+        if not affine:
+            dxhat_sum, dy_sum = _sums(dy, x, mean, var, ctx.eps)
+        totals = torch.cat([dy_sum, dxhat_sum]).float()
+        if ctx.group is not None:
+            dist.all_reduce(totals, group=ctx.group)
+        invstd = torch.rsqrt(var + ctx.eps)
+        scale = (weight.float() * invstd if affine else invstd) / count
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        slope = (scale * invstd * totals[mean.numel():]).view(shape)  # dx -= scale * (sum_dy + x_hat * sum_dy_xhat)
+        dx = dx.sub_((scale * totals[:mean.numel()] - slope.flatten() * mean).view(shape).to(dx.dtype))
+        dx = dx.addcmul_(x, slope.to(dx.dtype), value=-1)
+        grads = (dxhat_sum, dy_sum) if affine else (None, None)
+        return dx, *grads, None, None, None, None, None
+
+
+def _sums(dy, x, mean, var, eps):
+    """Per channel: the sum of ``dy * x_hat`` and of ``dy`` (for a layer without affine parameters,
+    whose fused backward does not return them)."""
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    x_hat = (x.float() - mean.view(shape)) * torch.rsqrt(var + eps).view(shape)
+    return (dy.float() * x_hat).sum(dims), dy.float().sum(dims)
