@@ -132,3 +132,41 @@ def test_the_launchers_vissl_key_makes_every_batchnorm_of_trunk_and_head_global(
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         assert len([m for m in model.head.modules() if m in norms]) == 1 and len(norms) == 21  # resnet18's 20, the head's 1
         assert all(isinstance(m, SyncBatchNorm) == convert for m in norms)
+
+
+def _small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3))
+
+
+def _small_images(rank):
+    return torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(rank))
+
+
+def _autocast_step(rank, world_size, out):
+    model = convert_sync_batchnorm(_small())
+    ddp = DDP(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ddp(_small_images(rank))
+    y.float().square().sum().backward()
+    torch.save((y.detach(), {n: p.grad for n, p in model.named_parameters()}), f"{out}/rank{rank}.pt")
+
+
+def test_under_bfloat16_autocast_the_gradients_are_batchnorms_to_its_rounding(tmp_path):
+    """The input gradient's statistics terms nearly cancel the rest: summed in bfloat16 they would leave
+    the convolution before the norm a bias gradient 30x torch's rounding (it is 0: the norm removes the mean)."""
+    run_processes(_autocast_step, 2, (str(tmp_path),))
+    model = _small()
+    with threads_of_workers(2), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(torch.cat([_small_images(0), _small_images(1)]))
+    (want.float().square().sum() / 2).backward()
+    got, grads = torch.load(tmp_path / "rank0.pt")
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.allclose(got.float(), want[:2].float(), rtol=2 ** -7, atol=2 ** -7)
+    for n in ("0.weight", "1.weight", "1.bias"):
+        assert _close_to_bfloat16(grads[n], model.get_submodule(n[0]).get_parameter(n[2:]).grad), n
+    rounding = model[0].bias.grad.abs().max()  # torch's own, from zero
+    assert grads["0.bias"].abs().max() <= max(4 * rounding, 1e-3 * grads["0.weight"].abs().max())
+
+
+def _close_to_bfloat16(got, want):
+    return (got - want).abs().max() <= 2 ** -6 * want.abs().max()

@@ -7,7 +7,10 @@ ops: each rank's per-channel mean, variance and count, gathered in one ``all_red
 (Chan's parallel formula: stable where a channel's mean is large against its spread), then
 torch's own fused ``batch_norm`` with those statistics. It saves what BatchNorm saves (the input,
 the statistics), so a plan's memory holds for it; backward sums two per-channel totals over the
-ranks, as torch's does.
+ranks, as torch's does. Under autocast (a bfloat16 or float16 input) its backward works in float32, as
+torch's kernels sum: the statistics' terms nearly cancel the rest, and in bfloat16 the convolution before
+the norm would get a bias gradient 30x torch's rounding; it costs float32 copies of the layer's input and
+gradient for the moment (the plan, profiled through the same ops, counts them).
 
 Under checkpointing the recompute runs the layer again, and so its ``all_reduce``: every rank
 recomputes the same segments in the same order, so the collectives pair, and the statistics come
@@ -114,8 +117,9 @@ class _GlobalNorm(torch.autograd.Function):
         # without the statistics' terms, and this rank's per-channel sums of dy and dy * x_hat (the
         # affine gradients). aten's op: torch has no public function for it.
         affine = weight is not None
+        half = x.dtype in (torch.float16, torch.bfloat16)  # the statistics' terms nearly cancel the rest: in float32, as torch's kernels sum
         dx, dxhat_sum, dy_sum = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, mean, var, None, None, False, ctx.eps, [True, affine, affine])
+            dy.float() if half else dy, x.float() if half else x, weight, mean, var, None, None, False, ctx.eps, [True, affine, affine])
         if not affine:
             dxhat_sum, dy_sum = _sums(dy, x, mean, var, ctx.eps)
         totals = torch.cat([dy_sum, dxhat_sum]).float()
@@ -126,7 +130,7 @@ class _GlobalNorm(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         slope = (scale * invstd * totals[mean.numel():]).view(shape)  # dx -= scale * (sum_dy + x_hat * sum_dy_xhat)
         dx = dx.sub_((scale * totals[:mean.numel()] - slope.flatten() * mean).view(shape).to(dx.dtype))
-        dx = dx.addcmul_(x, slope.to(dx.dtype), value=-1)
+        dx = dx.addcmul_(x, slope.to(dx.dtype), value=-1).to(x.dtype)
         grads = (dxhat_sum, dy_sum) if affine else (None, None)
         return dx, *grads, None, None, None, None, None
 
