@@ -17,6 +17,9 @@ from distributed_harness import run_processes, threads_of_workers
 from plans import _with_plan
 from reference import build, loss_of, plain_features
 
+QUICK = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0",
+         "TRAIN.BATCH_SIZE_PER_RANK", "4"]
 KEYS = ["flatten"]  # alone, the trunk is one unsplit segment by default: the plain step
 # cuts and regions of every policy, in a checkpointed segment and in the last one (as test_ddp's)
 PLAN = ([0, 6, 10], [(4, 5, "recompute_stages"), (5, 6, "save_expensive"), (6, 8, "recompute"), (10, 11, "recompute_stages"),
@@ -125,10 +128,8 @@ def test_an_input_without_channels_is_refused_saying_what_it_takes():
 
 
 def test_the_launchers_vissl_key_makes_every_batchnorm_of_trunk_and_head_global():
-    quick = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
-    small = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64"]
     for convert in (False, True):
-        model = build_model(load_config(quick, small + ["MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN", str(convert)]))
+        model = build_model(load_config(QUICK, SMALL + ["MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN", str(convert)]))
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         assert len([m for m in model.head.modules() if m in norms]) == 1 and len(norms) == 21  # resnet18's 20, the head's 1
         assert all(isinstance(m, SyncBatchNorm) == convert for m in norms)
@@ -170,3 +171,19 @@ def test_under_bfloat16_autocast_the_gradients_are_batchnorms_to_its_rounding(tm
 
 def _close_to_bfloat16(got, want):
     return (got - want).abs().max() <= 2 ** -6 * want.abs().max()
+
+
+def _launcher_runs(rank, world_size, out):
+    from trunksplit.ssl.loop import train  # the launcher's loop, in this gloo process group
+
+    for name, strategy, convert in (("ddp", "ddp", True), ("fsdp", "fsdp", True), ("per_rank", "ddp", False)):
+        train(load_config(QUICK, ["OUTPUT_DIR", f"{out}/{name}", *SMALL, "TRAIN.STEPS", "3", "DISTRIBUTED.STRATEGY", strategy,
+                                  "MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN", str(convert), "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "balanced"]))
+
+
+@pytest.mark.slow
+def test_the_launcher_trains_global_batchnorm_under_fsdp2_to_the_ddp_runs_weights(tmp_path):
+    run_processes(_launcher_runs, 2, (str(tmp_path),), timeout=600)
+    ddp, fsdp, per_rank = (torch.load(tmp_path / name / "trunk.pt", weights_only=True) for name in ("ddp", "fsdp", "per_rank"))
+    assert set(ddp) == set(fsdp) and all(torch.equal(ddp[k], fsdp[k]) for k in ddp)
+    assert not torch.allclose(ddp["conv1.weight"], per_rank["conv1.weight"], rtol=0.1)  # each rank's statistics: another run
