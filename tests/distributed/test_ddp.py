@@ -1,12 +1,14 @@
 """Two real gloo processes: both DDP paths average the per-rank gradients, as one process computes them."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trunksplit import CheckpointedTrunk, manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
+from trunksplit import CheckpointedTrunk, convert_sync_batchnorm, manual_gradient_all_reduce, manual_gradient_reduction, manual_sync_params
 
 from distributed_harness import run_processes, threads_of_workers
 from reference import build, loss_of, plain_features
@@ -236,19 +238,22 @@ def test_families_train_under_both_ddp_paths_like_one_process(name, manual, tmp_
 
 
 def _conv_blocks():
-    from collections import OrderedDict
 
     torch.manual_seed(0)  # no conv bias: before BatchNorm its gradient is zero but for rounding
     return OrderedDict(conv1=nn.Conv2d(3, 8, 3, padding=1, bias=False), bn1=nn.BatchNorm2d(8), relu1=nn.ReLU(),
                        conv2=nn.Conv2d(8, 8, 3, padding=1, bias=False), bn2=nn.BatchNorm2d(8))
 
 
-def _compiled_under_ddp(rank, world_size, out, backend):
-    """trunk.compile() under plain DDP, two forwards per step, against the eager DDP trunk."""
+def _compiled_under_ddp(rank, world_size, out, backend, global_norm=False):
+    """trunk.compile() under plain DDP, two forwards per step, against the eager DDP trunk; ``global_norm``:
+    its BatchNorms trunksplit.SyncBatchNorm (a collective in each forward, recompute and backward)."""
     views = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
     grads = {}
     for compiled in (False, True):
-        trunk = CheckpointedTrunk(_conv_blocks(), num_splits=2, strategy="balanced")
+        blocks = _conv_blocks()
+        if global_norm:
+            blocks = OrderedDict((name, convert_sync_batchnorm(m)) for name, m in blocks.items())
+        trunk = CheckpointedTrunk(blocks, num_splits=2, strategy="balanced")
         if compiled:
             trunk.compile(backend=backend)
         ddp = DDP(trunk)
@@ -263,10 +268,11 @@ def _compiled_under_ddp(rank, world_size, out, backend):
 
 # inductor: its code generation (20-30 s in two processes with a cold cache) and its channels-last
 # weights in DDP's buckets; aot_eager (dynamo and AOT autograd, as tests/test_compile.py) in the fast suite
-@pytest.mark.parametrize("backend", [pytest.param("inductor", marks=pytest.mark.slow), "aot_eager"])
-def test_a_compiled_trunk_trains_under_ddp_as_the_eager_one(tmp_path, backend):
+@pytest.mark.parametrize("backend, global_norm", [pytest.param("inductor", False, marks=pytest.mark.slow), ("aot_eager", False),
+                                                  pytest.param("aot_eager", True, marks=pytest.mark.slow)], ids=["inductor", "aot_eager", "aot_eager-global_norm"])
+def test_a_compiled_trunk_trains_under_ddp_as_the_eager_one(tmp_path, backend, global_norm):
     torch._dynamo.reset()
-    run_processes(_compiled_under_ddp, 2, (str(tmp_path), backend), timeout=400)
+    run_processes(_compiled_under_ddp, 2, (str(tmp_path), backend, global_norm), timeout=400)
     grads = torch.load(tmp_path / "compiled.pt")
     for n, ref in grads[False].items():
         assert torch.linalg.vector_norm(grads[True][n] - ref) <= 1e-4 * torch.linalg.vector_norm(ref) + 1e-7, n
