@@ -81,10 +81,11 @@ def test_two_ranks_normalise_over_the_whole_batch_as_one_process_and_checkpointi
         assert int(plain_buffers["bn1.num_batches_tracked"]) == 1
 
 
-def _plan_alone(rank, world_size, out):
+def _plan_alone(rank, world_size, out, group):
     """Rank 0 plans (profiles every unit, timed) while rank 1 waits for it: a layer that communicated
-    while measured would meet nobody, and the run would hang."""
-    model = convert_sync_batchnorm(build("resnet18"))
+    while measured would meet nobody, and the run would hang. ``group``: the layers normalise over a
+    group of their own (planning profiles private copies: a ProcessGroup cannot be copied)."""
+    model = convert_sync_batchnorm(build("resnet18"), dist.new_group([0, 1]) if group else None)
     x = _images(rank)
     if rank == 0:
         trunk = CheckpointedTrunk(model, KEYS, num_splits=3, strategy="balanced", objective="time")
@@ -96,8 +97,9 @@ def _plan_alone(rank, world_size, out):
     torch.save(model.bn1.running_mean - before, f"{out}/moved{rank}.pt")
 
 
-def test_a_rank_planning_alone_communicates_nothing_and_the_ranks_then_train_together(tmp_path):
-    run_processes(_plan_alone, 2, (str(tmp_path),), timeout=120)
+@pytest.mark.parametrize("group", [False, True], ids=["world", "own_group"])
+def test_a_rank_planning_alone_communicates_nothing_and_the_ranks_then_train_together(tmp_path, group):
+    run_processes(_plan_alone, 2, (str(tmp_path), group), timeout=120)
     assert len(torch.load(tmp_path / "plan.pt", weights_only=False).segments) == 3
     moved = [torch.load(tmp_path / f"moved{rank}.pt") for rank in range(2)]
     assert moved[0].abs().sum() > 0 and torch.equal(moved[0], moved[1])  # the same global statistics on both ranks

@@ -19,7 +19,7 @@ statistics move once a step (:mod:`trunksplit.recompute.checkpoint`'s guard sees
 BatchNorm). While trunksplit measures a unit or a step on one rank alone (planning, ``fit``),
 nothing is communicated: the layer normalises with its rank's statistics, through the same ops.
 """
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,21 @@ class SyncBatchNorm(nn.BatchNorm2d):
                  track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None, device=None, dtype=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = process_group
+
+    # A ProcessGroup cannot be copied or pickled, and planning profiles private copies of the trunk's
+    # units (torch's own SyncBatchNorm with a group refuses deepcopy). The module holds a key to the group,
+    # which copies share: a copy normalises over the same ranks.
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        return _GROUPS.get(self._group_key)
+
+    @process_group.setter
+    def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        key = next((k for k, g in _GROUPS.items() if g is group), None)
+        if group is not None and key is None:
+            key = len(_GROUPS) + 1
+            _GROUPS[key] = group
+        self._group_key = key
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -82,6 +97,9 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.Proce
         if converted is not child:
             setattr(module, name, converted)
     return module
+
+
+_GROUPS: Dict[int, dist.ProcessGroup] = {}  # this process's groups that SyncBatchNorm layers normalise over, by key
 
 
 class _GlobalNorm(torch.autograd.Function):
