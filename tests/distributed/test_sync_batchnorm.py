@@ -135,6 +135,8 @@ def test_the_launchers_vissl_key_makes_every_batchnorm_of_trunk_and_head_global(
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         assert len([m for m in model.head.modules() if m in norms]) == 1 and len(norms) == 21  # resnet18's 20, the head's 1
         assert all(isinstance(m, SyncBatchNorm) == convert for m in norms)
+    with pytest.raises(ValueError, match=r"GROUP_SIZE -2: -1 \(one machine's ranks\), 0 \(every rank\) or a positive group size"):
+        build_model(load_config(QUICK, SMALL + ["MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN", "True", "MODEL.SYNC_BN_CONFIG.GROUP_SIZE", "-2"]))
 
 
 def _small():
@@ -189,3 +191,30 @@ def test_the_launcher_trains_global_batchnorm_under_fsdp2_to_the_ddp_runs_weight
     ddp, fsdp, per_rank = (torch.load(tmp_path / name / "trunk.pt", weights_only=True) for name in ("ddp", "fsdp", "per_rank"))
     assert set(ddp) == set(fsdp) and all(torch.equal(ddp[k], fsdp[k]) for k in ddp)
     assert not torch.allclose(ddp["conv1.weight"], per_rank["conv1.weight"], rtol=0.1)  # each rank's statistics: another run
+
+
+def _groups_of(rank, world_size, out):
+    results = {}
+    for size, machine in ((0, "2"), (-1, "2"), (-1, "1"), (1, "2"), (3, "2")):
+        os.environ["LOCAL_WORLD_SIZE"] = machine  # torchrun's: the ranks on this machine
+        try:
+            model = build_model(load_config(QUICK, SMALL + ["MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN", "True", "MODEL.SYNC_BN_CONFIG.GROUP_SIZE", str(size)]))
+        except ValueError as e:
+            results[size, machine] = str(e)
+            continue
+        norm = model.trunk.get_submodule("bn1")
+        assert all(m.process_group is norm.process_group for m in model.modules() if isinstance(m, SyncBatchNorm))  # the head's too
+        norm(torch.randn(2, 64, 4, 4, generator=torch.Generator().manual_seed(rank)))
+        spans = dist.get_world_size(norm.process_group) if norm.process_group is not None else world_size
+        results[size, machine] = (spans, norm.running_mean.clone())
+    torch.save(results, f"{out}/groups{rank}.pt")
+
+
+def test_group_size_spans_vissls_groups_of_ranks_and_a_size_that_cannot_divide_the_world_is_refused(tmp_path):
+    run_processes(_groups_of, 2, (str(tmp_path),))
+    ranks = [torch.load(tmp_path / f"groups{rank}.pt") for rank in range(2)]
+    for key, spans in {(0, "2"): 2, (-1, "2"): 2, (-1, "1"): 1, (1, "2"): 1}.items():  # 0: every rank; -1: one machine's
+        (a, mean_a), (b, mean_b) = ranks[0][key], ranks[1][key]
+        assert a == b == spans, key
+        assert torch.equal(mean_a, mean_b) == (spans == 2), key  # statistics over both ranks' images, or each its own
+    assert "groups of 3 ranks cannot divide the 2 ranks of this run" in ranks[0][3, "2"]

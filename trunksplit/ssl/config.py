@@ -42,6 +42,7 @@ _C.MODEL.WEIGHTS_INIT.REMOVE_PREFIX = ""  # where the file holds the trunk under
 # trunksplit.SyncBatchNorm, on CPU (gloo) and GPU alike, exact under checkpointing; one process: plain BatchNorm
 _C.MODEL.SYNC_BN_CONFIG = CN()
 _C.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN = False
+_C.MODEL.SYNC_BN_CONFIG.GROUP_SIZE = -1  # vissl's: the ranks a norm spans; -1 one machine's (torchrun's LOCAL_WORLD_SIZE), 0 all, N groups of N
 _C.MODEL.HEAD = CN()
 _C.MODEL.HEAD.HIDDEN_DIM = 512
 _C.MODEL.HEAD.OUTPUT_DIM = 128

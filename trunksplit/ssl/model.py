@@ -3,9 +3,11 @@ weight-normalised last layer), SwAV's prototypes."""
 import contextlib
 import copy
 import math
+import os
 from typing import List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,7 +25,7 @@ def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
     model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
     if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:  # before the trunk is built from the model's modules
-        model = convert_sync_batchnorm(model)
+        model = convert_sync_batchnorm(model, norm_group(cfg.MODEL.SYNC_BN_CONFIG.GROUP_SIZE))
     keys = [feature_key(cfg.MODEL.TRUNK.NAME, key) for key in cfg.MODEL.TRUNK.OUT_FEAT_KEYS]
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
@@ -184,8 +186,31 @@ def build_model(cfg) -> SSLModel:
     if cfg.METHOD.NAME == "dino":
         return SSLModel(trunk, DINOHead(dim, h.HIDDEN_DIM, h.OUTPUT_DIM, cfg.METHOD.NUM_PROTOTYPES))
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
-    head = projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM)
-    return SSLModel(trunk, convert_sync_batchnorm(head) if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN else head, prototypes)
+    head, sync = projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM), cfg.MODEL.SYNC_BN_CONFIG
+    return SSLModel(trunk, convert_sync_batchnorm(head, norm_group(sync.GROUP_SIZE)) if sync.CONVERT_BN_TO_SYNC_BN else head, prototypes)
+
+
+_NORM_GROUPS: dict = {}  # GROUP_SIZE's process group, made once a process: making one is a collective
+
+
+def norm_group(size: int) -> Optional[dist.ProcessGroup]:
+    """``MODEL.SYNC_BN_CONFIG.GROUP_SIZE``'s group (vissl's values): -1 the ranks of one machine
+    (torchrun's ``LOCAL_WORLD_SIZE``), 0 every rank, N consecutive ranks N at a time. None (every rank)
+    where it spans the world, or one process runs."""
+    if size < -1:
+        raise ValueError(f"MODEL.SYNC_BN_CONFIG.GROUP_SIZE {size}: -1 (one machine's ranks), 0 (every rank) or a positive group size")
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if size == -1 else size or world
+    if world % ranks:
+        raise ValueError(f"MODEL.SYNC_BN_CONFIG.GROUP_SIZE {size}: groups of {ranks} ranks cannot divide the {world} ranks of this run; "
+                         "give a divisor of the world size, or 0 for every rank")
+    if ranks == world:
+        return None
+    if ranks not in _NORM_GROUPS:
+        _NORM_GROUPS[ranks] = dist.new_subgroups(ranks)[0]
+    return _NORM_GROUPS[ranks]
 
 
 def feature_width(trunk: CheckpointedTrunk, cfg) -> int:
