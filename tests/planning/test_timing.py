@@ -13,7 +13,7 @@ from trunksplit.planning.profile import profile_units
 from trunksplit.planning.timing import added_seconds, faster_eagerly
 from trunksplit.recompute.compiled import run_plain
 
-PAUSE = 0.02  # far beyond the step of these tiny layers, and beyond a shared machine's jitter
+PAUSE = 0.04  # far beyond the step of these tiny layers, and beyond a shared machine's jitter (at 0.02 a loaded run once priced 2.6 pauses for 2)
 
 
 def pauses(seconds: float) -> int:
