@@ -66,7 +66,9 @@ class SyncBatchNorm(nn.BatchNorm2d):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        group = self.process_group or (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+        group = self.process_group
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
         if not self.training or group is None or dist.get_world_size(group) == 1:
             return super().forward(input)
         factor = 0.0 if self.momentum is None else self.momentum
@@ -136,10 +138,8 @@ class _GlobalNorm(torch.autograd.Function):
         # affine gradients). aten's op: torch has no public function for it.
         affine = weight is not None
         half = x.dtype in (torch.float16, torch.bfloat16)  # the statistics' terms nearly cancel the rest: in float32, as torch's kernels sum
-        dx, dxhat_sum, dy_sum = torch.ops.aten.native_batch_norm_backward(
-            dy.float() if half else dy, x.float() if half else x, weight, mean, var, None, None, False, ctx.eps, [True, affine, affine])
-        if not affine:
-            dxhat_sum, dy_sum = _sums(dy, x, mean, var, ctx.eps)
+        dx, dxhat_sum, dy_sum = torch.ops.aten.native_batch_norm_backward(  # the sums come without a weight too
+            dy.float() if half else dy, x.float() if half else x, weight, mean, var, None, None, False, ctx.eps, [True, True, True])
         totals = torch.cat([dy_sum, dxhat_sum]).float()
         if ctx.group is not None:
             dist.all_reduce(totals, group=ctx.group)
@@ -152,11 +152,3 @@ class _GlobalNorm(torch.autograd.Function):
         grads = (dxhat_sum, dy_sum) if affine else (None, None)
         return dx, *grads, None, None, None, None, None
 
-
-def _sums(dy, x, mean, var, eps):
-    """Per channel: the sum of ``dy * x_hat`` and of ``dy`` (for a layer without affine parameters,
-    whose fused backward does not return them)."""
-    dims = [0, *range(2, x.dim())]
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    x_hat = (x.float() - mean.view(shape)) * torch.rsqrt(var + eps).view(shape)
-    return (dy.float() * x_hat).sum(dims), dy.float().sum(dims)
