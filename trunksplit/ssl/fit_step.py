@@ -33,7 +33,7 @@ from torch import nn
 from ..fit import OptimizerSpec, check_host_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
 from ..in_backward import optimizer_in_backward
 from ..planning.budget import format_bytes
-from ..planning.memory import PeakMemory, measuring_alone
+from ..planning.memory import PeakMemory
 from ..planning.plan import SplitPlan, policy_counts
 from ..planning.scaled import ScaledChain
 from ..planning.sharding import gib, rank_memory, shard_bytes
@@ -345,8 +345,7 @@ def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, 
         optimizer_class, kwargs = optimizer
         stepping = optimizer_in_backward([p for p in model.parameters() if p.requires_grad], optimizer_class, **kwargs)
     try:
-        with measuring_alone():  # a private model, in one process: no rank reduces its gradients
-            return _peak_of(model, run_step, crops, mode == "kept", ranks)
+        return _peak_of(model, run_step, crops, mode == "kept", ranks)  # alone: no rank reduces its gradients
     finally:
         model.trunk = saved
         if stepping is not None:

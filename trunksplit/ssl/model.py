@@ -24,8 +24,7 @@ from .optim import gradient_mode
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
     model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
-    if cfg.MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN:  # before the trunk is built from the model's modules
-        model = convert_sync_batchnorm(model, norm_group(cfg.MODEL.SYNC_BN_CONFIG.GROUP_SIZE))
+    model = with_global_norms(cfg, model)  # before the trunk is built from the model's modules
     keys = [feature_key(cfg.MODEL.TRUNK.NAME, key) for key in cfg.MODEL.TRUNK.OUT_FEAT_KEYS]
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING
     if not ac.USE_ACTIVATION_CHECKPOINTING:
@@ -186,8 +185,13 @@ def build_model(cfg) -> SSLModel:
     if cfg.METHOD.NAME == "dino":
         return SSLModel(trunk, DINOHead(dim, h.HIDDEN_DIM, h.OUTPUT_DIM, cfg.METHOD.NUM_PROTOTYPES))
     prototypes = cfg.METHOD.NUM_PROTOTYPES if cfg.METHOD.NAME == "swav" else 0
-    head, sync = projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM), cfg.MODEL.SYNC_BN_CONFIG
-    return SSLModel(trunk, convert_sync_batchnorm(head, norm_group(sync.GROUP_SIZE)) if sync.CONVERT_BN_TO_SYNC_BN else head, prototypes)
+    return SSLModel(trunk, with_global_norms(cfg, projection_head(dim, h.HIDDEN_DIM, h.OUTPUT_DIM)), prototypes)
+
+
+def with_global_norms(cfg, module: nn.Module) -> nn.Module:
+    """``module`` with its BatchNorms over ``MODEL.SYNC_BN_CONFIG.GROUP_SIZE``'s ranks where the config asks for it."""
+    sync = cfg.MODEL.SYNC_BN_CONFIG
+    return convert_sync_batchnorm(module, norm_group(sync.GROUP_SIZE)) if sync.CONVERT_BN_TO_SYNC_BN else module
 
 
 _NORM_GROUPS: dict = {}  # GROUP_SIZE's process group, made once a process: making one is a collective
