@@ -481,3 +481,17 @@ def test_a_gradient_penalty_through_stochastic_depth_is_the_plain_models():
     assert trunk.plan.strategy == "balanced" and sum(s.checkpointed for s in trunk.plan.segments) >= 6, trunk.plan
     for (name, a), (_, b) in zip(plain.named_parameters(), model.named_parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
+
+
+def test_a_stored_plan_runs_on_a_trunk_that_plans_by_input_and_one_running_vissls_fixed_plan_refuses_it():
+    """``store_plan`` runs a plan made elsewhere in place of planning; a vissl trunk runs its fixed plan on
+    every input and never looked at the stored one (it was kept silently): refused, saying how to build one that runs it."""
+    x = torch.randn(2, 3, 64, 64)
+    plan = CheckpointedTrunk(build("resnet18"), num_splits=3, strategy="balanced").plan_for(x)
+    budgeted = CheckpointedTrunk(build("resnet18"), memory_budget=0.9)
+    budgeted.store_plan(budgeted.key_for(x), plan)
+    assert budgeted.plan_for(x) is plan and sum(s.checkpointed for s in plan.segments) == 2
+    vissl = CheckpointedTrunk(build("resnet18"), num_splits=3)
+    with pytest.raises(ValueError, match=r"runs vissl's fixed plan on every input, never a stored one: build it with strategy=\"balanced\" or a memory_budget"):
+        vissl.store_plan(vissl.key_for(x), plan)
+    assert vissl.plans == {} and vissl.plan_for(x).strategy == "vissl"

@@ -164,8 +164,10 @@ class CheckpointedTrunk(nn.Module):
         return dict(self._plans)
 
     def store_plan(self, key: Hashable, plan: SplitPlan) -> None:
-        """Run ``plan`` (made elsewhere: ``fit`` plans batches it never allocates) for inputs of ``key``
-        (:func:`plan_key`, or :meth:`key_for` of a sample) instead of planning; it must cut these units."""
+        """Run ``plan`` (made elsewhere: ``fit`` plans batches it never allocates) for inputs of ``key`` (:func:`plan_key`, or
+        :meth:`key_for` of a sample) instead of planning; it must cut these units, and the trunk plan by input (:attr:`cost_aware`)."""
+        if not self.cost_aware and self._compiled is None:  # it would never be run: vissl's plan runs on every input
+            raise ValueError("this trunk runs vissl's fixed plan on every input, never a stored one: build it with strategy=\"balanced\" or a memory_budget")
         if tuple(plan.units) != tuple(n for n, _ in self.units):
             raise ValueError(f"this plan cuts the units {list(plan.units)[:4]}..., not this trunk's {[n for n, _ in self.units][:4]}...")
         self._plans[key] = plan
@@ -213,13 +215,11 @@ class CheckpointedTrunk(nn.Module):
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
         # a meta tensor holds no memory (shape inference, a FLOP count): nothing to plan or to save
         checkpointing = self.training and torch.is_grad_enabled() and not any(t.is_meta for t in tensors_in(x))
-        units = [m for _, m in self.units]
-        plan = self.plan_for(x) if checkpointing else self._fixed_plan
+        units, plan = [m for _, m in self.units], (self.plan_for(x) if checkpointing else self._fixed_plan)
         if checkpointing and self._compiled is not None:
             self._compiled.select(self.key_for(x))
-        stops = {stop: name for name, stop in self._ends.items()}
+        stops, features = {stop: name for name, stop in self._ends.items()}, {}
         kept_budget = self.memory_budget is not None and self.gradients != "allocated" and self.training and torch.is_grad_enabled()
-        features = {}
         for seg in plan.segments:
             layers = units[seg.start : seg.stop]
             # nested checkpoints (training only: in eval nothing is checkpointed)
