@@ -33,18 +33,37 @@ def _images(rank):
 def _trained(model, x, rank, plan=None):
     """One DDP step's gradients and the buffers after it, by the trunk's names; without a plan, the
     trunk one unsplit segment: nothing checkpointed."""
-    trunk = CheckpointedTrunk(model, KEYS)
+    trunk = CheckpointedTrunk(model, KEYS, **({} if plan is None else dict(memory_budget=0.9)))  # cost-aware: it runs the plan stored
     ran = trunk.plan if plan is None else _with_plan(trunk, x, *plan)
+    assert plan is None or trunk.plan_for(x) is ran
     ddp = DDP(trunk)  # held through backward: its reducer averages the gradients
     loss_of(ddp(x), seed=7 + rank).backward()
     return {n: p.grad for n, p in trunk.named_parameters()}, {n: b.clone() for n, b in trunk.named_buffers()}, ran
 
 
+def _counting_collectives(step):
+    """``step()``'s result and how many ``all_reduce`` calls it made."""
+    calls, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+    try:
+        return step(), len(calls)
+    finally:
+        dist.all_reduce = all_reduce
+
+
 def _global_norm_steps(rank, world_size, out):
     model = convert_sync_batchnorm(build("resnet18"))
     x = _images(rank)
-    plain = _trained(copy.deepcopy(model), x, rank)
-    torch.save({"plain": plain, "planned": _trained(model, x, rank, PLAN)}, f"{out}/rank{rank}.pt")
+    plain, plain_calls = _counting_collectives(lambda: _trained(copy.deepcopy(model), x, rank))
+    # a checkpointed forward whose backward never runs (its statistics kept for a recompute that never comes), then the step
+    trunk, buffers = CheckpointedTrunk(model, KEYS, memory_budget=0.9), [b.clone() for b in model.buffers()]
+    _with_plan(trunk, x, *PLAN)
+    trunk(x)
+    with torch.no_grad():
+        for b, before in zip(model.buffers(), buffers):
+            b.copy_(before)
+    planned, planned_calls = _counting_collectives(lambda: _trained(model, x, rank, PLAN))
+    torch.save({"plain": plain, "planned": planned, "calls": (plain_calls, planned_calls)}, f"{out}/rank{rank}.pt")
 
 
 def _whole_batch_reference():
@@ -79,6 +98,8 @@ def test_two_ranks_normalise_over_the_whole_batch_as_one_process_and_checkpointi
             assert _close(plain_buffers[n], buffers[n]), n
             assert torch.equal(planned_buffers[n], plain_buffers[n]), n
         assert int(plain_buffers["bn1.num_batches_tracked"]) == 1
+        # one collective per norm forward and one backward, checkpointed or not: a recompute reuses the forward's statistics
+        assert got["calls"] == (2 * 20, 2 * 20)  # resnet18's 20 BatchNorms
 
 
 def _plan_alone(rank, world_size, out, group):

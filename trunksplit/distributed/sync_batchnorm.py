@@ -12,11 +12,12 @@ torch's kernels sum: the statistics' terms nearly cancel the rest, and in bfloat
 the norm would get a bias gradient 30x torch's rounding; it costs float32 copies of the layer's input and
 gradient for the moment (the plan, profiled through the same ops, counts them).
 
-Under checkpointing the recompute runs the layer again, and so its ``all_reduce``: every rank
-recomputes the same segments in the same order, so the collectives pair, and the statistics come
-out bit for bit as in the first forward (the same inputs, the same reduction). The running
-statistics move once a step (:mod:`trunksplit.recompute.checkpoint`'s guard sees this layer as a
-BatchNorm). While trunksplit measures a unit or a step on one rank alone (planning, ``fit``),
+Under checkpointing the recompute normalises with the statistics the first forward gathered, kept
+with the checkpoint (:func:`trunksplit.recompute.checkpoint.reused_in_recompute`: 2C + 1 floats a
+layer until the recompute), so it communicates nothing, and the outputs come out bit for bit as in
+the first forward: every rank takes part in the collective only in the forward and the backward,
+checkpointed or not. The running statistics move once a step (:mod:`trunksplit.recompute.checkpoint`'s
+guard sees this layer as a BatchNorm). While trunksplit measures a unit or a step on one rank alone (planning, ``fit``),
 nothing is communicated: the layer normalises with its rank's statistics, through the same ops.
 """
 from typing import Dict, Optional
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..planning.memory import is_measuring_alone
+from ..recompute.checkpoint import reused_in_recompute
 
 
 class SyncBatchNorm(nn.BatchNorm2d):
@@ -75,8 +77,17 @@ class SyncBatchNorm(nn.BatchNorm2d):
         if self.track_running_stats and self.num_batches_tracked is not None:  # as _BatchNorm.forward counts
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
-        return _GlobalNorm.apply(input, self.weight, self.bias, *running, self.eps, factor, None if is_measuring_alone() else group)
+        group = None if is_measuring_alone() else group
+        with torch.no_grad():  # the statistics' gradient is _GlobalNorm's backward
+            if group is None:
+                mean, var, count = _statistics(input, None)
+            else:  # a recompute normalises with the first forward's statistics: no collective again
+                mean, var, count = reused_in_recompute(self, lambda: _statistics(input, group))
+            if self.track_running_stats:
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+                unbiased = var * (count / (count - 1).clamp(min=1))
+                self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        return _GlobalNorm.apply(input, self.weight, self.bias, mean, var, count, self.eps, group)
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
@@ -104,28 +115,30 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.Proce
 _GROUPS: Dict[int, dist.ProcessGroup] = {}  # this process's groups that SyncBatchNorm layers normalise over, by key
 
 
+def _statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]):
+    """The per-channel mean and biased variance (float32) of ``x`` over ``group``'s ranks' batches,
+    and their count of values; this rank's alone where ``group`` is None (measured alone)."""
+    dims = [0, *range(2, x.dim())]
+    var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+    count = torch.full_like(mean[:1], x.numel() // x.shape[1])
+    if group is None:
+        return mean, var, count
+    # every rank's (mean, var, count) in one row of its own, summed: an all-gather that gloo runs too
+    rows = torch.zeros(dist.get_world_size(group), 2 * mean.numel() + 1, dtype=mean.dtype, device=mean.device)
+    rows[dist.get_rank(group)] = torch.cat([mean, var, count])
+    dist.all_reduce(rows, group=group)
+    means, variances, counts = rows[:, :mean.numel()], rows[:, mean.numel():-1], rows[:, -1:]
+    count = counts.sum(0)
+    mean = (counts * means).sum(0) / count
+    return mean, (counts * (variances + (means - mean) ** 2)).sum(0) / count, count
+
+
 class _GlobalNorm(torch.autograd.Function):
-    """BatchNorm with statistics over ``group`` (None: this rank's alone, as measured), its input
-    gradient through the global totals. Saves the input and the statistics, as BatchNorm does."""
+    """BatchNorm with the statistics given (``group``'s, or this rank's where None, as measured), its
+    input gradient through the totals over ``group``. Saves the input and the statistics, as BatchNorm does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, group):
-        dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
-        count = torch.full_like(mean[:1], x.numel() // x.shape[1])
-        if group is not None:  # every rank's (mean, var, count) in one row of its own, summed: an all-gather that gloo runs too
-            rows = torch.zeros(dist.get_world_size(group), 2 * mean.numel() + 1, dtype=mean.dtype, device=mean.device)
-            rows[dist.get_rank(group)] = torch.cat([mean, var, count])
-            dist.all_reduce(rows, group=group)
-            means, variances, counts = rows[:, :mean.numel()], rows[:, mean.numel():-1], rows[:, -1:]
-            count = counts.sum(0)
-            mean = (counts * means).sum(0) / count
-            var = (counts * (variances + (means - mean) ** 2)).sum(0) / count
-        if running_mean is not None:
-            with torch.no_grad():
-                running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-                unbiased = var * (count / (count - 1).clamp(min=1))
-                running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+    def forward(ctx, x, weight, bias, mean, var, count, eps, group):
         ctx.save_for_backward(x, weight, mean, var, count)
         ctx.eps, ctx.group = eps, group
         return F.batch_norm(x, mean, var, weight, bias, training=False, eps=eps)

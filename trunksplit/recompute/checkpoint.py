@@ -7,7 +7,8 @@ state), autocast (torch re-enters the forward's autocast state, CPU bf16
 included) and BatchNorm buffers (running stats and ``num_batches_tracked`` move
 once per training step, as without checkpointing). What is not: the recompute
 costs one more forward of the checkpointed part, and code that has side effects
-other than BatchNorm's sees them twice (ask :func:`is_recomputing`).
+other than BatchNorm's sees them twice (ask :func:`is_recomputing`, or run it once:
+:func:`reused_in_recompute`).
 
 The selective region policy ``"save_expensive"`` (see :func:`trunksplit.recompute.regions.run_region`) keeps
 the outputs of the ops that cost FLOPs (convolution, matmul, attention: exactly the
@@ -25,7 +26,7 @@ import contextlib
 import functools
 import math
 import threading
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -80,12 +81,15 @@ class _BufferGuard:
                 else:
                     self.slots += [(m, name) for name, _ in m.named_buffers(recurse=False)]
         self.before: List[Tuple[nn.Module, str, torch.Tensor]] = []
+        self.kept: Dict[int, list] = {}  # id(owner) -> what reused_in_recompute computed for it in the first forward, in call order
+        self.read: Dict[int, int] = {}  # id(owner) -> how many of those this recompute has taken
 
     @contextlib.contextmanager
     def first_forward(self):
         saved = [(m, name, getattr(m, name)) for m, name in self.slots]
         copies = [(b, b._version, b.detach().clone()) for _, _, b in saved]
-        yield
+        with _entered(self, again=False):
+            yield
         self.before = [(m, name, copy) for (m, name, b), (_, version, copy) in zip(saved, copies)
                        if getattr(m, name) is not b or b._version != version]
 
@@ -118,7 +122,8 @@ class _BufferGuard:
                     if key not in scratch:
                         scratch[key] = torch.empty((), dtype=count.dtype, device=count.device)
                     _shadow(m, "num_batches_tracked", scratch[key])
-            with recomputing(), self._rebound():
+            self.read = {}  # each recompute reads the first forward's values from the first on
+            with recomputing(), self._rebound(), _entered(self, again=True):
                 yield
         finally:
             for m, momentum, count in saved:
@@ -136,6 +141,43 @@ class _BufferGuard:
         finally:
             for m, name, value in now:
                 setattr(m, name, value)
+
+
+@contextlib.contextmanager
+def _entered(guard: _BufferGuard, again: bool):
+    """``guard``'s first forward (``again`` False) or recompute, on this thread's stack of running checkpoints."""
+    stack = _local.__dict__.setdefault("guards", [])
+    stack.append((guard, again))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def reused_in_recompute(owner: object, compute: Callable[[], Any]) -> Any:
+    """``compute()``, run in a checkpointed function's first forward and not again in its recompute,
+    which gets the first forward's value back: for what a layer must not, or need not, redo there
+    (a collective: :class:`trunksplit.SyncBatchNorm`'s statistics). Outside a checkpoint, ``compute()``.
+
+    Values are kept per ``owner`` (a module), in call order, by the checkpoint that ran them, and go
+    with it (its autograd graph): a forward whose backward never runs leaves nothing behind for the
+    next. A checkpoint nested in another (a region in a segment) takes the outer one's value in the
+    outer recompute and keeps it for its own. The sharp edge: the recompute must call it for each
+    owner in the first forward's order, as checkpointing requires of every op; where it calls it
+    more often, the extra calls compute."""
+    stack = getattr(_local, "guards", [])
+    for guard, again in stack:  # the outermost recompute that kept one for this call
+        taken = guard.read.get(id(owner), 0)
+        if again and taken < len(guard.kept.get(id(owner), ())):
+            guard.read[id(owner)] = taken + 1
+            value = guard.kept[id(owner)][taken]
+            break
+    else:
+        value = compute()
+    for guard, again in stack:
+        if not again:
+            guard.kept.setdefault(id(owner), []).append(value)
+    return value
 
 
 # nn.Module.__setattr__ checks parameters, submodules and buffers on every call: a recompute of
