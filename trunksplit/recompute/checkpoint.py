@@ -164,8 +164,8 @@ def reused_in_recompute(owner: object, compute: Callable[[], Any]) -> Any:
     next. A checkpoint nested in another (a region in a segment) takes the outer one's value in the
     outer recompute and keeps it for its own. The sharp edge: the recompute must call it for each
     owner in the first forward's order, as checkpointing requires of every op; where it calls it
-    more often, the extra calls compute."""
-    stack = getattr(_local, "guards", [])
+    more often, the extra calls compute. Traced by ``torch.compile``, it computes: one graph runs both passes."""
+    stack = [] if torch.compiler.is_compiling() else getattr(_local, "guards", [])
     for guard, again in stack:  # the outermost recompute that kept one for this call
         taken = guard.read.get(id(owner), 0)
         if again and taken < len(guard.kept.get(id(owner), ())):
