@@ -12,6 +12,7 @@ import torchvision
 from torch import nn
 
 from trunksplit import checkpoint_wrapper, is_checkpoint_wrapped, is_recomputing, unwrap_checkpoint
+from trunksplit.recompute.checkpoint import reused_in_recompute, run_checkpointed
 from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
 
 from reference import ForwardConvolutions
@@ -408,6 +409,43 @@ def test_a_buffer_written_in_forward_moves_once_and_the_recompute_reads_it_as_th
         wrapped(x).pow(2).sum().backward()
     assert torch.equal(plain.ema, wrapped.ema)
     assert torch.equal(plain.linear.weight.grad, wrapped.linear.weight.grad)
+
+
+class _Counted(nn.Module):
+    """Scales by a number its forward makes with a side effect (a collective's stand-in: the call count),
+    through ``reused_in_recompute``: a recompute that made it again would scale by the next count."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        def count():
+            self.calls += 1
+            return torch.tensor(float(self.calls))
+        return self.linear(x) * reused_in_recompute(self, count)
+
+
+@pytest.mark.parametrize("how", ["recompute", "save_expensive", "reentrant", "nested"])
+def test_what_a_forward_computes_once_its_recompute_reuses_and_a_forward_never_backpropagated_leaves_nothing(how):
+    """Each forward computes it once, checkpointed or not, in either mode, nested too; a forward whose
+    graph is dropped takes its value with it (kept in a queue, the next step's recompute would read it)."""
+    torch.manual_seed(0)
+    plain, x = _Counted(), torch.randn(5, 4)
+    counted = copy.deepcopy(plain)
+    if how == "reentrant":
+        def run(inp):
+            return run_checkpointed(counted, [counted], (inp,), use_reentrant=True)
+    else:
+        run = checkpoint_wrapper(counted, policy="recompute" if how == "nested" else how)
+        run = checkpoint_wrapper(nn.Sequential(run)) if how == "nested" else run
+    inputs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    for model, inp in zip((plain, run), inputs):
+        model(inp)  # dropped before any backward
+        model(inp).pow(2).sum().backward()
+    assert plain.calls == counted.calls == 2
+    assert torch.equal(plain.linear.weight.grad, counted.linear.weight.grad) and torch.equal(inputs[0].grad, inputs[1].grad)
+    assert reused_in_recompute(plain, lambda: 7) == 7  # outside a checkpoint: computed
 
 
 class Concatenating(nn.Module):
