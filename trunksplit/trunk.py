@@ -165,7 +165,7 @@ class CheckpointedTrunk(nn.Module):
 
     def store_plan(self, key: Hashable, plan: SplitPlan) -> None:
         """Run ``plan`` (made elsewhere: ``fit`` plans batches it never allocates) for inputs of ``key`` (:func:`plan_key`, or
-        :meth:`key_for` of a sample) instead of planning; it must cut these units, and the trunk plan by input (:attr:`cost_aware`)."""
+        :meth:`key_for` of a sample) instead of planning; it must cut these units, on a trunk that plans by input (:attr:`cost_aware`)."""
         if not self.cost_aware and self._compiled is None:  # it would never be run: vissl's plan runs on every input
             raise ValueError("this trunk runs vissl's fixed plan on every input, never a stored one: build it with strategy=\"balanced\" or a memory_budget")
         if tuple(plan.units) != tuple(n for n, _ in self.units):
