@@ -79,10 +79,8 @@ class SyncBatchNorm(nn.BatchNorm2d):
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         group = None if is_measuring_alone() else group
         with torch.no_grad():  # the statistics' gradient is _GlobalNorm's backward
-            if group is None:
-                mean, var, count = _statistics(input, None)
-            else:  # a recompute normalises with the first forward's statistics: no collective again
-                mean, var, count = reused_in_recompute(self, lambda: _statistics(input, group))
+            # a recompute normalises with the first forward's statistics: no collective again (alone: none to save)
+            mean, var, count = _statistics(input, None) if group is None else reused_in_recompute(self, lambda: _statistics(input, group))
             if self.track_running_stats:
                 self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
                 unbiased = var * (count / (count - 1).clamp(min=1))

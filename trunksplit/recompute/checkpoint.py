@@ -67,6 +67,8 @@ class _BufferGuard:
       small: statistics, counters, index tables); after it, the copies of those the forward did
       not write (same tensor, same ``_version``) are dropped. A written one is rebound, not copied
       into, for the recompute, so both in-place writes and reassignment (``self.ema = ...``) are seen.
+
+    It also holds what :func:`reused_in_recompute` computed in the first forward (``kept``), for the recompute.
     """
 
     def __init__(self, modules: Iterable[nn.Module]):
