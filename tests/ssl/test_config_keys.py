@@ -91,6 +91,9 @@ def test_a_vissl_key_on_the_command_line_is_refused_with_its_name_here():
     for key in ("OPTIMIZER.num_epochs", "config.OPTIMIZER.num_epochs"):
         with pytest.raises(ValueError, match=re.escape(f"unknown config key: {key}; that is vissl's key: here, TRAIN.STEPS (steps, not epochs)")):
             load_config(QUICK, [key, "3"])
+    with pytest.raises(ValueError, match=re.escape("unknown config key: MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE; that is vissl's key: here, nothing: "
+                                                   "MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN makes every BatchNorm trunksplit.SyncBatchNorm")):
+        load_config(QUICK, ["MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE", "apex"])  # vissl's pytorch or apex: one kind here
     with pytest.raises(ValueError, match=re.escape("config=pretrain/simclr/simclr_8node_resnet: vissl's config=FILE is --config-file FILE here")):
         load_config("", ["config=pretrain/simclr/simclr_8node_resnet"])  # vissl's command line
     with pytest.raises(ValueError, match=re.escape("KEY VALUE pairs with a space between, as in detectron2: config.OPTIMIZER.num_epochs 3; "

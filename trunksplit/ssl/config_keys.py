@@ -26,6 +26,8 @@ RENAMED = {
     "MODEL.WEIGHTS_INIT.APPEND_PREFIX": "nothing: the trunk's names, its model's (torchvision's, timm's) and vissl's _feature_blocks. ones all load",
     "MODEL.WEIGHTS_INIT.SKIP_LAYERS": "nothing: a file without num_batches_tracked loads, and the model's classifier is left out",
     "MODEL.AMP_PARAMS.USE_AMP": "TRAIN.AUTOCAST (bf16 or fp16: torch's autocast)",
+    "MODEL.SYNC_BN_CONFIG.SYNC_BN_TYPE": ("nothing: MODEL.SYNC_BN_CONFIG.CONVERT_BN_TO_SYNC_BN makes every BatchNorm trunksplit.SyncBatchNorm, "
+                                          "on any backend (gloo, nccl) and exact under checkpointing; apex's is not used"),
     "MODEL.HEAD.PARAMS": "MODEL.HEAD.HIDDEN_DIM and MODEL.HEAD.OUTPUT_DIM (METHOD.NAME builds the head)",
     "MODEL.FSDP_CONFIG.AUTO_SETUP_FSDP": "DISTRIBUTED.STRATEGY fsdp (FSDP2)",
     "MODEL.GRAD_CLIP.MAX_NORM": "OPTIM.CLIP_GRAD (each parameter's gradient clipped to it, as DINO does, not their joint norm)",
