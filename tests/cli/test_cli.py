@@ -148,6 +148,43 @@ def test_bench_writes_a_table_and_a_plot(tmp_path, capsys):
     assert table in capsys.readouterr().out
 
 
+def test_bench_in_backward_steps_every_row_with_the_optimizer_and_its_plain_row_is_the_plain_model_stepped_so(tmp_path):
+    """``bench --gradients in_backward`` (refused before: plan and fit took the mode, bench did not): every row's
+    trunk steps ``--optimizer`` in backward, so its plain row's peak is the plain model's second step with AdamW
+    stepped in backward (its state made by the first, each gradient freed at its update), measured here by hand;
+    each plan's prediction is of that mode."""
+    import torch
+    import torchvision
+    from trunksplit import PeakMemory, optimizer_in_backward
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "2", "--budgets", "--repeats", "1",
+                 "--no-selective", "--gradients", "in_backward", "--optimizer", "adamw", "--out", str(out)]) == 0
+    table = (out / "benchmark.md").read_text()
+    assert "peak beyond parameters and adamw's state (adamw stepped in backward)" in table
+    rows = {c[0]: c for c in ([v.strip() for v in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ") and "---" not in line)}
+    assert set(rows) == {"plan", "plain", "checkpoint_sequential k=2", "vissl k=2", "balanced k=2"}
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    model.fc = torch.nn.Identity()
+    optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    model(x).sum().backward()
+    with PeakMemory() as mem:
+        model(x).sum().backward()
+    assert abs(float(rows["plain"][1]) - mem.peak_bytes / 2**20) <= 0.05, (rows["plain"], mem.peak_bytes)
+    for name in ["plain", "vissl k=2", "balanced k=2"]:
+        assert abs(float(rows[name][4].rstrip("%"))) <= 1.0, rows[name]  # predicted vs measured
+
+
+def test_bench_in_backward_names_the_optimizers_it_steps_before_measuring(tmp_path):
+    from trunksplit.cli.bench import run_benchmark
+
+    with pytest.raises(ValueError, match="optimizer is one of sgd, lars, adamw, got 'lbfgs'"):
+        run_benchmark(["resnet18"], batch=2, resolution=32, gradients="in_backward", optimizer="lbfgs", out_dir=str(tmp_path / "bench"))
+    assert not (tmp_path / "bench").exists()
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

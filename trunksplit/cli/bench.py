@@ -5,9 +5,11 @@ trunk, torch's ``checkpoint_sequential`` with equal segments, vissl's plan,
 the balanced plan, memory-budget plans (with regions, and with cuts alone),
 the smallest feasible budget, and selective wrapping of residual blocks. Peaks are measured (``PeakMemory``) on a second step, in the gradient
 mode asked for: ``allocated`` (torch's default ``zero_grad()``: the step
-allocates the gradients) or ``kept`` (they exist before the step); step times
-are medians of interleaved repeats, reported as ratios to the plain trunk
-measured in the same run.
+allocates the gradients), ``kept`` (they exist before the step) or
+``in_backward`` (every row's optimizer steps in backward, each gradient freed at
+its update: :func:`trunksplit.optimizer_in_backward`); step times are medians of
+interleaved repeats, reported as ratios to the plain trunk measured in the same
+run (in ``in_backward`` mode the plain trunk steps in backward too).
 """
 import copy
 import os
@@ -25,6 +27,8 @@ from tqdm import tqdm
 
 from ..chains import feature_blocks
 from ..chains.traced import ChainUnit
+from ..fit import NAMED_OPTIMIZERS
+from ..in_backward import optimizer_in_backward
 from ..planning.memory import PeakMemory
 from ..planning.peak import PeakModel
 from ..planning.plan import policy_counts
@@ -53,13 +57,17 @@ class Row:
 
 
 def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str,
-                objectives: Sequence[str] = ("flops",)) -> List[Row]:
+                objectives: Sequence[str] = ("flops",), optimizer: str = "sgd") -> List[Row]:
     torch.manual_seed(0)
     base = build_backbone(arch, x.shape[-1]).to(x.device)
     last = list(feature_blocks(base))[-1:]  # flatten for torchvision's, output for a traced (timm) trunk, as `plan` asks
 
     def trunk(**kw):
-        return CheckpointedTrunk(copy.deepcopy(base), last, gradients=gradients, **kw)
+        made = CheckpointedTrunk(copy.deepcopy(base), last, gradients=gradients, **kw)
+        if gradients == "in_backward":  # each row its own optimizer, stepped in backward; the trunk then plans for its update
+            optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
+            optimizer_in_backward(made, optimizer_class, **kwargs)  # kept alive by the parameters it steps
+        return made
 
     plain = trunk(objective="time" if "time" in objectives else "flops")  # profiled with timings where a plan needs them
     start = time.perf_counter()
@@ -67,8 +75,9 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
     profile_seconds = time.perf_counter() - start
     total_flops = sum(model.costs.flops)
     # the same measurements, priced per objective, and without regions
-    priced = {o: PeakModel(costs=model.costs, feature_units=model.features, gradients=gradients, spans=model.spans, objective=o) for o in objectives}
-    cuts_only = PeakModel(costs=model.costs, feature_units=model.features, gradients=gradients, objective=objectives[0])
+    same = dict(costs=model.costs, feature_units=model.features, gradients=gradients, update_temporaries=model.update_temporaries)
+    priced = {o: PeakModel(**same, spans=model.spans, objective=o) for o in objectives}
+    cuts_only = PeakModel(**same, objective=objectives[0])
 
     def trunk_row(name, strategy, trunk):
         if trunk.cost_aware:  # planned from the measurement above, not measured again per row
@@ -213,21 +222,26 @@ def run_benchmark(
     progress: bool = True,
     gradients: str = "allocated",
     objectives: Sequence[str] = ("auto",),
+    optimizer: str = "sgd",
 ) -> str:
     """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``).
     ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side;
-    ``"auto"`` is the one a trunk on ``device`` plans with by default (time on a GPU, FLOPs on a CPU)."""
+    ``"auto"`` is the one a trunk on ``device`` plans with by default (time on a GPU, FLOPs on a CPU).
+    ``optimizer``: with ``gradients="in_backward"``, the optimizer each row steps in backward (a name of
+    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw)."""
+    if gradients == "in_backward" and optimizer not in NAMED_OPTIMIZERS:
+        raise ValueError(f"gradients=\"in_backward\" steps an optimizer in backward: optimizer is one of {', '.join(NAMED_OPTIMIZERS)}, got {optimizer!r}")
     dev = torch.device(device)
     objectives = list(dict.fromkeys(priced_in(o, dev) for o in objectives))
     x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
     tables, all_rows = [], []
     for arch in archs:
-        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients, objectives)
+        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients, objectives, optimizer)
         _measure(rows, x, repeats, progress, gradients)
         for r in rows:  # keep the figures, not a model copy per row: five big models would not fit
             r.run = r.module = None
         all_rows += rows
-        tables.append(_table(rows, arch, x, gradients, objectives))
+        tables.append(_table(rows, arch, x, gradients, objectives, optimizer))
         if out_dir:  # written as each model finishes, so a long run keeps what it measured
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "benchmark.md"), "w") as f:
@@ -236,7 +250,7 @@ def run_benchmark(
     return "\n\n".join(tables)
 
 
-def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str, objectives: Sequence[str]) -> str:
+def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str, objectives: Sequence[str], optimizer: str) -> str:
     from tabulate import tabulate
 
     plain = rows[0]
@@ -257,7 +271,8 @@ def _table(rows: List[Row], arch: str, x: torch.Tensor, gradients: str, objectiv
                 r.note,
             ]
         )
-    beyond = "parameters (gradients allocated by the step)" if gradients == "allocated" else "parameters and kept gradients"
+    beyond = {"allocated": "parameters (gradients allocated by the step)", "kept": "parameters and kept gradients",
+              "in_backward": f"parameters and {optimizer}'s state ({optimizer} stepped in backward)"}[gradients]
     head = f"### {arch}, input {tuple(x.shape)}, {x.device.type}, peak beyond {beyond}, budget plans priced in {' and '.join(objectives)}"
     headers = ["plan", "peak MiB", "peak / plain", "predicted MiB", "predicted vs measured", "recompute / forward", "step time / plain", "note"]
     return head + "\n\n" + tabulate(body, headers=headers, tablefmt="github")

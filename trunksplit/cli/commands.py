@@ -186,7 +186,7 @@ def run_bench(args) -> int:
         table = run_benchmark(
             args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
             repeats=args.repeats, device=device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
-            objectives=args.objective,
+            objectives=args.objective, optimizer=args.optimizer,
         )
     except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
         print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
