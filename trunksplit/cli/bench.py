@@ -59,16 +59,7 @@ class Row:
 def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str,
                 objectives: Sequence[str] = ("flops",), optimizer: str = "sgd") -> List[Row]:
     torch.manual_seed(0)
-    base = build_backbone(arch, x.shape[-1]).to(x.device)
-    last = list(feature_blocks(base))[-1:]  # flatten for torchvision's, output for a traced (timm) trunk, as `plan` asks
-
-    def trunk(**kw):
-        made = CheckpointedTrunk(copy.deepcopy(base), last, gradients=gradients, **kw)
-        if gradients == "in_backward":  # each row its own optimizer, stepped in backward; the trunk then plans for its update
-            optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
-            optimizer_in_backward(made, optimizer_class, **kwargs)  # kept alive by the parameters it steps
-        return made
-
+    trunk = _trunk_maker(build_backbone(arch, x.shape[-1]).to(x.device), gradients, optimizer)
     plain = trunk(objective="time" if "time" in objectives else "flops")  # profiled with timings where a plan needs them
     start = time.perf_counter()
     model = peak_model(plain.plan_request(), x, regions=True)  # what a budget plan measures, once per input shape
@@ -107,6 +98,21 @@ def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequ
             names = wrap_selected(wrapped, every_k(k, block))
             rows.append(Row(arch, f"wrap {label} ({len(names)})", "selective", _loss_fn(wrapped), wrapped))
     return rows
+
+
+def _trunk_maker(base: nn.Module, gradients: str, optimizer: str) -> Callable[..., CheckpointedTrunk]:
+    """What makes each row's trunk: a copy of ``base`` returning its last block (flatten for torchvision's,
+    output for a traced (timm) trunk, as ``plan`` asks), in the gradient mode; with ``"in_backward"`` each
+    its own ``optimizer`` stepped in backward, which the trunk then plans for."""
+    last = list(feature_blocks(base))[-1:]
+
+    def trunk(**kw) -> CheckpointedTrunk:
+        made = CheckpointedTrunk(copy.deepcopy(base), last, gradients=gradients, **kw)
+        if gradients == "in_backward":
+            optimizer_class, kwargs = NAMED_OPTIMIZERS[optimizer]
+            optimizer_in_backward(made, optimizer_class, **kwargs)  # kept alive by the parameters it steps
+        return made
+    return trunk
 
 
 def _budget_row(arch, budget, objective, labelled, trunk_row, trunk) -> Row:
