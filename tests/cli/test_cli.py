@@ -1,7 +1,6 @@
 """The trunksplit command: plan and bench."""
 import importlib.metadata
 import os
-import re
 import subprocess
 import sys
 import warnings
@@ -547,15 +546,3 @@ def test_plan_flags_a_config_sets_are_refused_with_the_key_to_set(args, message,
 def test_plan_of_a_config_that_cannot_be_planned_says_why(args, message, capsys):
     assert main(["plan", *args]) == 2
     assert message in capsys.readouterr().err
-
-
-def test_every_script_a_commands_help_names_is_in_the_clone(capsys):
-    """A flag that leaves a mode to a script (bench's in_backward: tools/in_backward_benchmark.py) names one
-    that exists, so the pointer does not rot when tools/ changes."""
-    named = set()
-    for command in ("plan", "bench", "fit", "bench-data", "knn", "report"):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args([command, "--help"])
-        named |= set(re.findall(r"tools/\w+\.py", capsys.readouterr().out))
-    assert "tools/in_backward_benchmark.py" in named
-    assert all(os.path.isfile(os.path.join(ROOT, path)) for path in named), named
