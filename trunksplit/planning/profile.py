@@ -14,6 +14,7 @@ from ..recompute.checkpoint import map_tensors
 from ..recompute.policies import POLICIES
 from .memory import _TensorAccounting, measuring_alone, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
+from .same_units import measured_once, measurement_key
 from .timing import checkpoint_seconds, forward_seconds, rerun_seconds, time_span
 from .unit_copies import first_input_with_gradient, private_copy
 from .unit_measure import feature_figures, measure_again_where_gradients_arrive_otherwise, measure_under, measure_unit
@@ -201,7 +202,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
     inputs = []  # the first unit's input, then each unit's as a meta tensor: see measure_again_where_gradients_arrive_otherwise
     span_stop = dict(spans)
     under_policy: Dict[str, Dict[Tuple[int, int], Optional[dict]]] = {p: {} for p in POLICIES}
-    span = None  # (start, its input, private copies of its units so far, whether its input carries a gradient) while inside a span
+    span, before = None, {}  # span: (start, its input, copies of its units so far, its input carries a gradient) inside one; before: see _unit_figures
     source = -1  # the unit that allocated the storage of the current activation
     carries = first_input_with_gradient([u for _, u in units], x)  # units before it get no gradient: frozen, on the images
     device = next(iter(tensors_in(x))).device
@@ -215,7 +216,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if i in span_stop:
                 span = (i, h, [], i >= carries)
             next_h, forward = _forward_figures(m, h)
-            measured = {**measure_unit(m, h, input_needs_grad=i >= carries, allocator=allocator), **forward}
+            measured = {**_unit_figures(before, m, h, i >= carries, allocator), **forward}
             for key, value in {**measured, **feature_figures(m, h, i >= carries, i - 1 in features and i >= carries, i in features and i + 1 < len(units) and measured["keeps_output"])}.items():
                 fields[key].append(value)
             if timed:
@@ -224,7 +225,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:
-                    _measure_span(span, under_policy, allocator, fields if timed else None)
+                    _measure_span(span, under_policy, allocator, fields if timed else None, before)
                     span = None
             # a unit measured on a compact copy of a view returns a compact view: what the chain's holds is its base
             fields["output"][i] = max(fields["output"][i], storage_bytes(next_h))
@@ -253,14 +254,22 @@ def _forward_figures(m: nn.Module, h) -> Tuple[object, dict]:
     return out, dict(flops=int(flops.get_total_flops()), recompute_bytes=tracker.cheap_bytes, first_peak=tracker.peak, light_flops=tracker.light_flops)
 
 
-def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]]) -> None:
+def _unit_figures(before: Dict[tuple, dict], m: nn.Module, h, input_needs_grad: bool, allocator: bool) -> dict:
+    """:func:`measure_unit`'s figures of ``m`` on ``h``, or those of a unit alike measured ``before``."""
+    key = None if allocator else measurement_key([m], h, input_needs_grad)
+    return measured_once(before, key, lambda: measure_unit(m, h, input_needs_grad=input_needs_grad, allocator=allocator))
+
+
+def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]], before: Dict[tuple, dict]) -> None:
     """Measure a span ``(start, its input, its units)`` under each region policy into
-    ``under_policy``, and where ``timings`` (the units' ``forward_seconds`` and ``rerun_seconds``
-    so far) are given, time it (see :func:`~trunksplit.planning.timing.time_span`)."""
+    ``under_policy`` (where a span alike was measured, ``before``, its figures), and where ``timings``
+    (the units' ``forward_seconds`` and ``rerun_seconds`` so far) are given, time it (see
+    :func:`~trunksplit.planning.timing.time_span`)."""
     start, span_input, members, input_needs_grad = span
     stop = start + len(members)
     for policy, measured in under_policy.items():
-        measured[(start, stop)] = measure_under(members, span_input, input_needs_grad, policy, allocator)
+        key = None if allocator else measurement_key(members, span_input, input_needs_grad, policy)
+        measured[(start, stop)] = measured_once(before, key, lambda: measure_under(members, span_input, input_needs_grad, policy, allocator))
     if timings is not None:
         forward, rerun = (sum(timings[k][start:stop]) for k in ("forward_seconds", "rerun_seconds"))
         time_span(members, span_input, input_needs_grad, {p: m[(start, stop)] for p, m in under_policy.items()}, forward, rerun)

@@ -1,0 +1,70 @@
+"""A profile measures a repeated block once (trunksplit.planning.same_units): its figures must be those of
+measuring every unit, which is the reference here (the key disabled), on every family whose blocks repeat
+and on units that differ only where the key has to look."""
+import pytest
+import torch
+from torch import nn
+
+import trunksplit.planning.profile as profile
+from trunksplit import CheckpointedTrunk
+from trunksplit.planning.profile import profile_units
+from trunksplit.planning.search import peak_model
+
+from zoo import input_for, small
+
+
+def _each_unit_measured(monkeypatch):
+    monkeypatch.setattr(profile, "measurement_key", lambda *args: None)
+
+
+def _counted_measurements(monkeypatch):
+    calls = []
+    real = profile.measure_unit
+    monkeypatch.setattr(profile, "measure_unit", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["regnet_x_400mf", "vit", "swin", "convnext", "densenet", pytest.param("efficientnet_b0", marks=pytest.mark.slow),
+                                  pytest.param("maxvit", marks=pytest.mark.slow)])  # slow: 7 s each here, blocks as the others
+def test_a_profile_measuring_repeated_blocks_once_gives_the_figures_of_measuring_every_unit(name, monkeypatch):
+    """Every family with blocks alike (RegNet's stages, ViT's layers, Swin's shifted and unshifted windows, which
+    differ only in an attribute, DenseNet's layers, each wider by its growth), with regions: the whole profile, every
+    policy's figures included, equals the one that measured each unit."""
+    trunk = CheckpointedTrunk(small(name), None, memory_budget=0.5)
+    x = input_for(name)
+    once = peak_model(trunk.plan_request(), x, regions=True).costs
+    with monkeypatch.context() as patched:
+        _each_unit_measured(patched)
+        every = peak_model(trunk.plan_request(), x, regions=True).costs
+    assert once == every
+
+
+class _Scaled(nn.Module):
+    """A block whose allocation follows a plain attribute and a function it holds, neither in ``extra_repr``."""
+
+    def __init__(self, copies: int, act):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.copies, self.act = copies, act
+
+    def forward(self, x):
+        y = self.act(self.conv(x))
+        return sum(y * k for k in range(1, self.copies + 1))
+
+
+def _wide(x):
+    return torch.cat([x, x], 1)[:, :4].sigmoid()
+
+
+def test_units_alike_but_for_an_attribute_or_a_function_are_measured_each_and_units_alike_once(monkeypatch):
+    units = [("a", _Scaled(1, torch.relu)), ("b", _Scaled(3, torch.relu)), ("c", _Scaled(3, _wide)), ("d", _Scaled(3, _wide)), ("e", _Scaled(3, _wide))]
+    x = torch.randn(2, 4, 8, 8)
+    calls = _counted_measurements(monkeypatch)
+    once = profile_units(units, x)
+    assert len(calls) == 3  # d and e are c's copies: measured once
+    frozen = [("a", _Scaled(2, torch.relu)), ("b", _Scaled(2, torch.relu).requires_grad_(False))]
+    calls.clear()
+    frozen_once = profile_units(frozen, x)
+    assert len(calls) == 2  # a frozen block keeps no weight gradient: not the trained one's figures
+    _each_unit_measured(monkeypatch)
+    assert once == profile_units(units, x) and frozen_once == profile_units(frozen, x)

@@ -1,0 +1,73 @@
+"""Units a profile need not measure twice: a deep trunk repeats its blocks (ResNet-50's res4 runs five
+alike after its first, a ViT-B twelve encoder layers), and two units of the same structure, run on
+inputs of the same layout, count the same tensor bytes. :func:`trunksplit.planning.profile.profile_units`
+measures the first and reuses its figures for the others (ResNet-50 at 4 x 224 px: 13 of its 21 blocks'
+spans measured; docs/benchmarks.md, "How long a plan takes").
+
+Exact, not approximate: the tensor-accounting tracker counts the storages ops allocate, which depend on
+shapes, strides, dtypes and the ops a forward runs, never on values. So the key holds everything those
+can depend on: each submodule's class, mode, ``extra_repr`` and attributes, each parameter's and
+buffer's layout and ``requires_grad``, and the input's layout. What it cannot compare by value (a function
+or an object a module holds) it compares by identity, which a private copy never shares with another
+unit's, so such units are measured each; an input that is not one tensor (a traced chain's tuples) is
+measured each time too. The allocator's figures (CUDA; ``allocator=True``) depend on what its cache
+holds, so they are always measured.
+
+    key = measurement_key([unit], h, input_needs_grad)   # None: measure it
+"""
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+from torch import nn
+
+_MODULE_OWN = frozenset(vars(nn.Module()))  # what every module's __dict__ holds (parameters, buffers, hooks...)
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def measurement_key(modules: Sequence[nn.Module], h, *settings) -> Optional[tuple]:
+    """What two measurements of ``modules`` on ``h`` with ``settings`` (hashable) share where they
+    give the same figures, or None where that cannot be told (see the module's docstring)."""
+    if not isinstance(h, torch.Tensor):
+        return None
+    keys = tuple(_module_key(m) for m in modules)
+    return None if None in keys else (keys, _layout(h), h.requires_grad, settings)
+
+
+def measured_once(memo: Dict[tuple, dict], key: Optional[tuple], measure: Callable[[], Optional[dict]]) -> Optional[dict]:
+    """``measure()``, or a copy of what it returned for ``key`` before (a ``None`` key: always measured)."""
+    if key is None:
+        return measure()
+    if key not in memo:
+        memo[key] = measure()
+    return None if memo[key] is None else dict(memo[key])
+
+
+def _module_key(module: nn.Module) -> Optional[tuple]:
+    try:
+        parts = []
+        for name, sub in module.named_modules():
+            attrs = tuple((k, _value(v)) for k, v in sorted(vars(sub).items()) if k not in _MODULE_OWN)
+            parts.append((name, type(sub), sub.training, sub.extra_repr(), attrs))
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            parts.append((name, _layout(t), t.requires_grad))
+        key = tuple(parts)
+        hash(key)
+    except (TypeError, RuntimeError):  # an attribute neither plain nor hashable, a tensor without storage: measured each time
+        return None
+    return key
+
+
+def _value(v):
+    """An attribute as the key holds it: by value where plain (numbers, strings, their lists), a tensor by
+    its layout, anything else as itself (by identity, for most objects: never another copy's)."""
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_value(x) for x in v))
+    if isinstance(v, torch.Tensor):
+        return _layout(v)
+    return v
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.storage_offset(), t.untyped_storage().nbytes() if t.device.type != "meta" else 0)
