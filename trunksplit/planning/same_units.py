@@ -1,17 +1,19 @@
 """Units a profile need not measure twice: a deep trunk repeats its blocks (ResNet-50's res4 runs five
 alike after its first, a ViT-B twelve encoder layers), and two units of the same structure, run on
 inputs of the same layout, count the same tensor bytes. :func:`trunksplit.planning.profile.profile_units`
-measures the first and reuses its figures for the others (ResNet-50 at 4 x 224 px: 13 of its 21 blocks'
-spans measured; docs/benchmarks.md, "How long a plan takes").
+measures the first and reuses its figures for the others (what that saves: docs/benchmarks.md, "A repeated
+block measured once").
 
 Exact, not approximate: the tensor-accounting tracker counts the storages ops allocate, which depend on
-shapes, strides, dtypes and the ops a forward runs, never on values. So the key holds everything those
+shapes, strides, dtypes and the ops a forward runs, not on values. So the key holds everything those
 can depend on: each submodule's class, mode, ``extra_repr`` and attributes, each parameter's and
-buffer's layout and ``requires_grad``, and the input's layout. What it cannot compare by value (a function
-or an object a module holds) it compares by identity, which a private copy never shares with another
-unit's, so such units are measured each; an input that is not one tensor (a traced chain's tuples) is
-measured each time too. The allocator's figures (CUDA; ``allocator=True``) depend on what its cache
-holds, so they are always measured.
+buffer's layout and ``requires_grad``, and the input's layout. An attribute it cannot compare by value
+it compares as itself: a function is the same function in every unit, any other object is each private
+copy's own (``deepcopy``), so units holding one are measured each; so is a unit whose input is not one
+tensor (a traced chain's tuples). The allocator's figures (CUDA; ``allocator=True``) depend on what its
+cache holds: always measured. The sharp edge: an op whose output size follows values (``nonzero``,
+boolean indexing; no vision trunk here runs one) makes a profile's figures those of its random input
+anyway, and two blocks alike share them.
 
     key = measurement_key([unit], h, input_needs_grad)   # None: measure it
 """
