@@ -39,6 +39,25 @@ def test_a_profile_measuring_repeated_blocks_once_gives_the_figures_of_measuring
     assert once == every
 
 
+@pytest.mark.parametrize("kind, config", [
+    ("dinov2", dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, mlp_ratio=2, hidden_dropout_prob=0.1)),
+    pytest.param("convnext", dict(hidden_sizes=[8, 16, 24, 32], depths=[1, 3, 1, 1], drop_path_rate=0.0), marks=pytest.mark.slow),  # 8 s here
+])
+def test_transformers_layers_alike_holding_their_config_are_measured_once_as_measured_each(kind, config, monkeypatch):
+    """A transformers layer holds its model's config (unhashable): compared by its class and state, the layers of
+    one model are alike, and the profile equals the one that measured each."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    trunk = CheckpointedTrunk(transformers.AutoModel.from_config(transformers.AutoConfig.for_model(kind, **config)), None, memory_budget=0.5)
+    x = torch.randn(2, 3, 32, 32)
+    calls = _counted_measurements(monkeypatch)
+    once = peak_model(trunk.plan_request(), x, regions=True).costs
+    measured_once = len(calls)
+    _each_unit_measured(monkeypatch)
+    every = peak_model(trunk.plan_request(), x, regions=True).costs
+    assert once == every and measured_once < len(calls) - measured_once, (measured_once, len(calls) - measured_once)
+
+
 class _Scaled(nn.Module):
     """A block whose allocation follows a plain attribute and a function it holds, neither in ``extra_repr``."""
 

@@ -8,8 +8,9 @@ Exact, not approximate: the tensor-accounting tracker counts the storages ops al
 shapes, strides, dtypes and the ops a forward runs, not on values. So the key holds everything those
 can depend on: each submodule's class, mode, ``extra_repr`` and attributes, each parameter's and
 buffer's layout and ``requires_grad``, and the input's layout. An attribute it cannot compare by value
-it compares as itself: a function is the same function in every unit, any other object is each private
-copy's own (``deepcopy``), so units holding one are measured each; so is a unit whose input is not one
+(nor by its class and plain state, as a transformers config) it compares as itself: a function is the same
+function in every unit, any other object is each private copy's own (``deepcopy``), so units holding one
+are measured each; so is a unit whose input is not one
 tensor (a traced chain's tuples). The allocator's figures (CUDA; ``allocator=True``) depend on what its
 cache holds: always measured. The sharp edge: an op whose output size follows values (``nonzero``,
 boolean indexing; no vision trunk here runs one) makes a profile's figures those of its random input
@@ -59,15 +60,20 @@ def _module_key(module: nn.Module) -> Optional[tuple]:
     return key
 
 
-def _value(v):
-    """An attribute as the key holds it: by value where plain (numbers, strings, their lists), a tensor by
-    its layout, anything else as itself (by identity, for most objects: never another copy's)."""
+def _value(v, depth: int = 0):
+    """An attribute as the key holds it: by value where plain (numbers, strings, their lists and dicts), a
+    tensor by its layout, an object of plain state (a transformers config each layer holds) by its class and
+    that state, anything else as itself (by identity, for most objects: never another copy's)."""
     if isinstance(v, _PLAIN):
         return v
     if isinstance(v, (list, tuple)):
-        return (type(v), tuple(_value(x) for x in v))
+        return (type(v), tuple(_value(x, depth) for x in v))
+    if isinstance(v, dict) and all(isinstance(k, _PLAIN) for k in v):
+        return (dict, tuple((k, _value(x, depth)) for k, x in sorted(v.items(), key=lambda item: (type(item[0]).__name__, repr(item[0])))))
     if isinstance(v, torch.Tensor):
         return _layout(v)
+    if depth < 3 and hasattr(v, "__dict__") and not isinstance(v, (nn.Module, type)) and not callable(v):
+        return (type(v), _value(vars(v), depth + 1))
     return v
 
 
