@@ -8,13 +8,12 @@ Exact, not approximate: the tensor-accounting tracker counts the storages ops al
 shapes, strides, dtypes and the ops a forward runs, not on values. So the key holds everything those
 can depend on: each submodule's class, mode, ``extra_repr`` and attributes, each parameter's and
 buffer's layout and ``requires_grad``, and the input's layout. An attribute it cannot compare by value
-(nor by its class and plain state, as a transformers config) it compares as itself: a function is the same
-function in every unit, any other object is each private copy's own (``deepcopy``), so units holding one
-are measured each; so is a unit whose input is not one
-tensor (a traced chain's tuples). The allocator's figures (CUDA; ``allocator=True``) depend on what its
-cache holds: always measured. The sharp edge: an op whose output size follows values (``nonzero``,
-boolean indexing; no vision trunk here runs one) makes a profile's figures those of its random input
-anyway, and two blocks alike share them.
+(nor by its class and plain state, as a transformers config) it compares as itself: a function is the
+same function in every unit, any other object is each private copy's own (``deepcopy``), so units
+holding one are measured each; so is a unit whose input is not one tensor (a traced chain's tuples).
+The allocator's figures (CUDA; ``allocator=True``) depend on what its cache holds: always measured.
+The sharp edge: an op whose output size follows values (``nonzero``, boolean indexing; no vision trunk
+here runs one) makes a profile's figures those of its random input anyway, and two blocks alike share them.
 
     key = measurement_key([unit], h, input_needs_grad)   # None: measure it
 """
