@@ -54,7 +54,7 @@ def _module_key(module: nn.Module) -> Optional[tuple]:
             parts.append((name, _layout(t), t.requires_grad))
         key = tuple(parts)
         hash(key)
-    except (TypeError, RuntimeError):  # an attribute neither plain nor hashable, a tensor without storage: measured each time
+    except (TypeError, RuntimeError, ValueError):  # an attribute neither plain nor hashable, a tensor without storage: measured each time
         return None
     return key
 
