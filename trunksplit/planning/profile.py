@@ -267,8 +267,9 @@ def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, t
     :func:`~trunksplit.planning.timing.time_span`)."""
     start, span_input, members, input_needs_grad = span
     stop = start + len(members)
+    alike = None if allocator else measurement_key(members, span_input, input_needs_grad)  # the span's, for every policy
     for policy, measured in under_policy.items():
-        key = None if allocator else measurement_key(members, span_input, input_needs_grad, policy)
+        key = None if alike is None else (alike, policy)
         measured[(start, stop)] = measured_once(before, key, lambda: measure_under(members, span_input, input_needs_grad, policy, allocator))
     if timings is not None:
         forward, rerun = (sum(timings[k][start:stop]) for k in ("forward_seconds", "rerun_seconds"))
