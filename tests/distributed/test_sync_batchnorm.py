@@ -239,3 +239,31 @@ def test_group_size_spans_vissls_groups_of_ranks_and_a_size_that_cannot_divide_t
         assert a == b == spans, key
         assert torch.equal(mean_a, mean_b) == (spans == 2), key  # statistics over both ranks' images, or each its own
     assert "groups of 3 ranks cannot divide the 2 ranks of this run" in ranks[0][3, "2"]
+
+
+def _pickled_with_own_group(rank, world_size, out):
+    """A run saves its model whole (``torch.save(model)``): rank r's layer normalises over a group of its own rank."""
+    groups = [dist.new_group([r]) for r in range(world_size)]  # every rank makes every group
+    torch.save(convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), groups[rank]), f"{out}/model{rank}.pt")
+
+
+def _loaded_in_another_run(rank, world_size, out):
+    """Another pair of processes loads it, having made groups of its own (the first takes the number the saved
+    layer's group had in its process): training refuses, saying what to give it; given one, it trains."""
+    mine = SyncBatchNorm(3, process_group=dist.new_group([0, 1]))
+    model = torch.load(f"{out}/model{rank}.pt", weights_only=False)
+    x = torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(rank))
+    before = model[0].running_mean.clone()
+    with pytest.raises(RuntimeError, match=r"pickled with a process group of another process .* m\.process_group = group"):
+        model(x)
+    assert torch.equal(model[0].running_mean, before)  # nothing moved
+    model[0].process_group = [dist.new_group([r]) for r in range(world_size)][rank]  # every rank makes every group
+    reference = nn.BatchNorm2d(3)  # its own rank's batch: torch's BatchNorm
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=1e-6)
+    torch.testing.assert_close(model[0].running_var, reference.running_var, rtol=0, atol=1e-6)
+    mine(x)  # the layer made here trains over its group (no refusal)
+
+
+def test_a_layer_pickled_with_its_processes_group_is_refused_in_another_processes_run_until_given_one(tmp_path):
+    run_processes(_pickled_with_own_group, 2, (str(tmp_path),))
+    run_processes(_loaded_in_another_run, 2, (str(tmp_path),))

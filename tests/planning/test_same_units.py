@@ -87,3 +87,37 @@ def test_units_alike_but_for_an_attribute_or_a_function_are_measured_each_and_un
     assert len(calls) == 2  # a frozen block keeps no weight gradient: not the trained one's figures
     _each_unit_measured(monkeypatch)
     assert once == profile_units(units, x) and frozen_once == profile_units(frozen, x)
+
+
+class _Residual(nn.Module):
+    """A residual block whose branch stochastic depth drops (torchvision's or timm's, at ``rate``)."""
+
+    def __init__(self, drop):
+        super().__init__()
+        self.conv, self.drop = nn.Conv2d(4, 4, 3, padding=1), drop
+
+    def forward(self, x):
+        return x + self.drop(self.conv(x).relu())
+
+
+def _torchvision_drop(rate):
+    from torchvision.ops import StochasticDepth
+    return StochasticDepth(rate, "row")
+
+
+def _timm_drop(rate):
+    return pytest.importorskip("timm.layers").DropPath(rate)
+
+
+@pytest.mark.parametrize("drop", [_torchvision_drop, _timm_drop], ids=["torchvision", "timm"])
+def test_blocks_whose_stochastic_depth_rates_differ_above_0_are_measured_once_and_a_block_at_0_apart(drop, monkeypatch):
+    """Deep trunks raise the drop rate block by block (ConvNeXt, EfficientNet, Swin, timm's drop_path_rate): every
+    rate above 0 allocates the same mask, and 0 none (the input passes), so the rates above 0 share one measurement,
+    and the profile equals measuring each."""
+    units = [(name, _Residual(drop(rate))) for name, rate in (("a", 0.0), ("b", 0.1), ("c", 0.25), ("d", 1.0))]
+    x = torch.randn(2, 4, 8, 8)
+    calls = _counted_measurements(monkeypatch)
+    once = profile_units(units, x)
+    assert len(calls) == 2  # a; then b, whose figures c and d share
+    _each_unit_measured(monkeypatch)
+    assert once == profile_units(units, x)

@@ -20,7 +20,8 @@ checkpointed or not. The running statistics move once a step (:mod:`trunksplit.r
 guard sees this layer as a BatchNorm). While trunksplit measures a unit or a step on one rank alone (planning, ``fit``),
 nothing is communicated: the layer normalises with its rank's statistics, through the same ops.
 """
-from typing import Dict, Optional
+import os
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,18 +50,33 @@ class SyncBatchNorm(nn.BatchNorm2d):
 
     # A ProcessGroup cannot be copied or pickled, and planning profiles private copies of the trunk's
     # units (torch's own SyncBatchNorm with a group refuses deepcopy). The module holds a key to the group,
-    # which copies share: a copy normalises over the same ranks.
+    # which copies share: a copy normalises over the same ranks. The key names this process's group: a
+    # layer pickled whole (``torch.save(model)``) and loaded in another process finds no group under it
+    # there, and must be given one rather than fall back to every rank (or take another group's key).
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the layer normalises over (None: every rank); None too where the layer was loaded from
+        another process's pickle with a group of that process (``forward`` then refuses to train)."""
         return _GROUPS.get(self._group_key)
 
     @process_group.setter
     def process_group(self, group: Optional[dist.ProcessGroup]) -> None:
         key = next((k for k, g in _GROUPS.items() if g is group), None)
         if group is not None and key is None:
-            key = len(_GROUPS) + 1
+            key = (os.getpid(), len(_GROUPS) + 1)
             _GROUPS[key] = group
         self._group_key = key
+
+    def _group(self) -> Optional[dist.ProcessGroup]:
+        """The group this training forward normalises over: the layer's, else every rank where torch.distributed runs."""
+        running = dist.is_available() and dist.is_initialized()
+        if self._group_key is not None and self._group_key not in _GROUPS and running:
+            raise RuntimeError("this SyncBatchNorm was pickled with a process group of another process (torch.save(model) "
+                               "whole, loaded here): groups do not cross processes, and normalising over every rank instead would change its statistics. "
+                               "Give its layers this run's group: for m in model.modules(): if isinstance(m, "
+                               "trunksplit.SyncBatchNorm): m.process_group = group (None: every rank)")
+        group = self.process_group
+        return dist.group.WORLD if group is None and running else group
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -68,10 +84,10 @@ class SyncBatchNorm(nn.BatchNorm2d):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        group = self.process_group
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
-        if not self.training or group is None or dist.get_world_size(group) == 1:
+        if not self.training:
+            return super().forward(input)
+        group = self._group()
+        if group is None or dist.get_world_size(group) == 1:
             return super().forward(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats and self.num_batches_tracked is not None:  # as _BatchNorm.forward counts
@@ -110,7 +126,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.Proce
     return module
 
 
-_GROUPS: Dict[int, dist.ProcessGroup] = {}  # this process's groups that SyncBatchNorm layers normalise over, by key
+_GROUPS: Dict[Tuple[int, int], dist.ProcessGroup] = {}  # this process's groups that SyncBatchNorm layers normalise over, by (pid, number)
 
 
 def _statistics(x: torch.Tensor, group: Optional[dist.ProcessGroup]):

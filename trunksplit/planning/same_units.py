@@ -11,6 +11,8 @@ buffer's layout and ``requires_grad``, and the input's layout. An attribute it c
 (nor by its class and plain state, as a transformers config) it compares as itself: a function is the
 same function in every unit, any other object is each private copy's own (``deepcopy``), so units
 holding one are measured each; so is a unit whose input is not one tensor (a traced chain's tuples).
+A stochastic-depth rate (torchvision's ``StochasticDepth``, timm's ``DropPath``) counts by whether it
+is 0: above 0 it allocates the same mask whatever its value, so blocks whose rates rise one by one are alike.
 The allocator's figures (CUDA; ``allocator=True``) depend on what its cache holds: always measured.
 The sharp edge: an op whose output size follows values (``nonzero``, boolean indexing; no vision trunk
 here runs one) makes a profile's figures those of its random input anyway, and two blocks alike share them.
@@ -23,6 +25,11 @@ import torch
 from torch import nn
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what every module's __dict__ holds (parameters, buffers, hooks...)
+# Stochastic depth (a block's residual branch dropped per sample) allocates the same tensors at every rate
+# above 0 (its mask, scaled in place) and none at 0 (it returns its input): a rate counts by whether it is 0.
+# Deep trunks raise it block by block (torchvision's ConvNeXt, EfficientNet, Swin; timm's drop_path_rate),
+# and by value no two blocks would be alike. The modules' own ``extra_repr`` shows the rate only.
+_RATE_ONLY = {("torchvision.ops.stochastic_depth", "StochasticDepth"): "p", ("timm.layers.drop", "DropPath"): "drop_prob"}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
 
@@ -48,8 +55,9 @@ def _module_key(module: nn.Module) -> Optional[tuple]:
     try:
         parts = []
         for name, sub in module.named_modules():
-            attrs = tuple((k, _value(v)) for k, v in sorted(vars(sub).items()) if k not in _MODULE_OWN)
-            parts.append((name, type(sub), sub.training, sub.extra_repr(), attrs))
+            rate = _RATE_ONLY.get((type(sub).__module__, type(sub).__qualname__))
+            attrs = tuple((k, v == 0 if k == rate else _value(v)) for k, v in sorted(vars(sub).items()) if k not in _MODULE_OWN)
+            parts.append((name, type(sub), sub.training, "" if rate else sub.extra_repr(), attrs))
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             parts.append((name, _layout(t), t.requires_grad))
         key = tuple(parts)
