@@ -137,9 +137,10 @@ def test_a_commands_warnings_print_as_one_line_each():
 
 def test_bench_writes_a_table_and_a_plot(tmp_path, capsys):
     out = tmp_path / "bench"
-    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "3", "--budgets", "0.9", "--repeats", "1", "--out", str(out),
+    assert main(["bench", "--arch", "resnet18", "--input", "2x3x32x32", "--splits", "3", "--budgets", "0.9", "--repeats", "1", "--out", str(out),
                  "--objective", "auto", "flops"]) == 0
     table = (out / "benchmark.md").read_text()
+    assert table.startswith("### resnet18, input (2, 3, 32, 32), cpu,")  # --input as plan takes it: the batch every row steps
     assert "budget plans priced in flops\n" in table  # auto, the trunk's default, is FLOPs on a CPU: once
     for row in ["plain", "checkpoint_sequential k=3", "vissl k=3", "balanced k=3", "budget 0.9", "budget 0.9, cuts only", "budget floor", "wrap every block"]:
         assert f"| {row}" in table
@@ -157,7 +158,7 @@ def test_bench_in_backward_steps_every_row_with_the_optimizer_and_its_plain_row_
     from trunksplit import PeakMemory, optimizer_in_backward
 
     out = tmp_path / "bench"
-    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "2", "--budgets", "--repeats", "1",
+    assert main(["bench", "--arch", "resnet18", "--input", "2x3x32x32", "--splits", "2", "--budgets", "--repeats", "1",
                  "--no-selective", "--gradients", "in_backward", "--optimizer", "adamw", "--out", str(out)]) == 0
     table = (out / "benchmark.md").read_text()
     assert "peak beyond parameters and adamw's state (adamw stepped in backward)" in table
@@ -180,7 +181,7 @@ def test_bench_in_backward_names_the_optimizers_it_steps_before_measuring(tmp_pa
     from trunksplit.cli.bench import run_benchmark
 
     with pytest.raises(ValueError, match="optimizer is one of sgd, lars, adamw, got 'lbfgs'"):
-        run_benchmark(["resnet18"], batch=2, resolution=32, gradients="in_backward", optimizer="lbfgs", out_dir=str(tmp_path / "bench"))
+        run_benchmark(["resnet18"], input_shape=(2, 3, 32, 32), gradients="in_backward", optimizer="lbfgs", out_dir=str(tmp_path / "bench"))
     assert not (tmp_path / "bench").exists()
 
 
@@ -194,6 +195,7 @@ def test_bench_in_backward_names_the_optimizers_it_steps_before_measuring(tmp_pa
         (["bench", "--repeats", "0"], "--repeats: expected a whole number >= 1"),
         (["bench", "--splits", "0"], "--splits: expected a whole number >= 1"),
         (["bench", "--out", "/proc/cannot/write"], "--out: cannot write to"),
+        (["bench", "--input", "3x64x64"], "--input: expected a shape of 4 sizes, each at least 1, like 8x3x224x224"),  # plan's words
     ],
 )
 def test_bad_arguments_are_usage_errors(args, message, capsys):
@@ -209,6 +211,7 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
         (["plan", "--arch", "resnet18", "--input", "2x4x64x64"], "resnet18 cannot run an input of shape 2x4x64x64"),
         (["plan", "--arch", "get_model", "--input", "2x3x64x64"], "torchvision has no model 'get_model'"),
         (["bench", "--arch", "resnet18", "nope"], "torchvision has no model 'nope'"),
+        (["bench", "--arch", "resnet18", "--input", "2x4x64x64", "--repeats", "1"], "cannot benchmark an input of shape 2x4x64x64"),
     ],
 )
 def test_bad_requests_are_errors_not_tracebacks(args, message, capsys):
@@ -218,7 +221,7 @@ def test_bad_requests_are_errors_not_tracebacks(args, message, capsys):
 
 def test_bench_takes_byte_budgets_and_more_splits_than_layers(tmp_path, capsys):
     out = tmp_path / "bench"
-    args = ["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "32", "--splits", "30", "--budgets", "2e9", "--repeats", "1", "--no-selective", "--out", str(out)]
+    args = ["bench", "--arch", "resnet18", "--input", "2x3x32x32", "--splits", "30", "--budgets", "2e9", "--repeats", "1", "--no-selective", "--out", str(out)]
     assert main(args) == 0
     table = (out / "benchmark.md").read_text()
     assert "| budget 2e+09" in table and "only 14 layers" in table
@@ -401,7 +404,7 @@ def test_bench_measures_a_timm_model_as_plan_plans_it(tmp_path, capsys):
     """A traced trunk's last block is ``output``, not torchvision's ``flatten``, and it has no stages: bench asked
     for ``flatten`` and took its wrapped rows' block type from the stages, so it refused every timm model."""
     timm = pytest.importorskip("timm")
-    assert main(["bench", "--arch", "timm:convnext_atto", "--batch", "2", "--resolution", "64", "--splits", "2",
+    assert main(["bench", "--arch", "timm:convnext_atto", "--input", "2x3x64x64", "--splits", "2",
                  "--budgets", "0.9", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:]] for r in (tmp_path / "benchmark.md").read_text().splitlines()
             if r.startswith("| ") and not r.startswith("| plan")}

@@ -326,7 +326,7 @@ def test_bench_plans_budgets_as_a_trunk_on_the_gpu_does_by_default(tmp_path):
     against 1.98x on an H100, docs/gpu.md)."""
     from trunksplit.cli import main
 
-    assert main(["bench", "--arch", "resnet18", "--batch", "2", "--resolution", "64", "--splits", "2", "--budgets", "0.9", "--repeats", "1",
+    assert main(["bench", "--arch", "resnet18", "--input", "2x3x64x64", "--splits", "2", "--budgets", "0.9", "--repeats", "1",
                  "--no-selective", "--device", "cuda", "--out", str(tmp_path)]) == 0
     assert "cuda, peak beyond parameters (gradients allocated by the step), budget plans priced in time\n" in (tmp_path / "benchmark.md").read_text()
 

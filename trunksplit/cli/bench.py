@@ -217,8 +217,7 @@ def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gra
 
 def run_benchmark(
     archs: Sequence[str] = ("resnet50",),
-    batch: int = 4,
-    resolution: int = 224,
+    input_shape: Sequence[int] = (4, 3, 224, 224),
     splits: Sequence[int] = (4, 6),
     budgets: Sequence[float] = (0.5, 0.45),
     repeats: int = 5,
@@ -234,12 +233,12 @@ def run_benchmark(
     ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side;
     ``"auto"`` is the one a trunk on ``device`` plans with by default (time on a GPU, FLOPs on a CPU).
     ``optimizer``: with ``gradients="in_backward"``, the optimizer each row steps in backward (a name of
-    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw)."""
+    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw). ``input_shape``: the batch every row steps, NxCxHxW."""
     if gradients == "in_backward" and optimizer not in NAMED_OPTIMIZERS:
         raise ValueError(f"gradients=\"in_backward\" steps an optimizer in backward: optimizer is one of {', '.join(NAMED_OPTIMIZERS)}, got {optimizer!r}")
     dev = torch.device(device)
     objectives = list(dict.fromkeys(priced_in(o, dev) for o in objectives))
-    x = torch.randn(batch, 3, resolution, resolution, generator=torch.Generator().manual_seed(0)).to(dev)
+    x = torch.randn(*input_shape, generator=torch.Generator().manual_seed(0)).to(dev)
     tables, all_rows = [], []
     for arch in archs:
         rows = _trunk_rows(arch, x, splits, budgets, selective, gradients, objectives, optimizer)

@@ -1,6 +1,6 @@
 """Step time of vissl's manual DDP path vs native DDP: two gloo processes, two forwards per step.
 
-    python tools/benchmark.py --ddp [--arch resnet50] [--batch 4] [--resolution 112] [--steps 6]
+    python tools/benchmark.py --ddp [--arch resnet50] [--input 4x3x112x112] [--steps 6]
 
 Both paths run in the same processes, interleaved step by step; rank 0 prints
 the median step times and their ratio.
@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
 from ..ssl.data import usable_cores
 from ..trunk import CheckpointedTrunk
+from .parser import batch_shape
 
 
 def _step(ddp, views, manual):
@@ -35,7 +36,7 @@ def _worker(rank, world, port, args, threads):
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
-    views = [torch.randn(args.batch, 3, args.resolution, args.resolution, generator=g) for _ in range(2)]
+    views = [torch.randn(*args.input, generator=g) for _ in range(2)]
     paths = {}
     for name, manual in (("native (non-reentrant, DDP hooks)", False), ("manual (reentrant, no_sync + all-reduce)", True)):
         torch.manual_seed(0)
@@ -55,7 +56,7 @@ def _worker(rank, world, port, args, threads):
         native, manual = medians.values()
         for name, m in medians.items():
             print(f"{name:45s} median step {m:.3f} s")
-        print(f"manual / native step time: {manual / native:.2f}  ({args.arch}, 2 gloo processes, batch {args.batch} x 2 views of {args.resolution}px per rank, {args.splits} segments, {args.steps} interleaved steps)")
+        print(f"manual / native step time: {manual / native:.2f}  ({args.arch}, 2 gloo processes, 2 views of {'x'.join(map(str, args.input))} per rank, {args.splits} segments, {args.steps} interleaved steps)")
     dist.destroy_process_group()
 
 
@@ -63,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--arch", default="resnet50")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--resolution", type=int, default=112)
+    parser.add_argument("--input", type=batch_shape, default=(4, 3, 112, 112), help="one view's batch per rank, NxCxHxW (two views a step)")
     parser.add_argument("--splits", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     return parser

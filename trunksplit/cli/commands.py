@@ -177,19 +177,19 @@ def run_bench(args) -> int:
     try:  # the device and every name checked before an hour of measuring
         device = device_of(args.device)
         for arch in args.arch:
-            build_backbone(arch, args.resolution)
+            build_backbone(arch, args.input[-1])
     except ValueError as e:
         _library_error(e)
         return 2
 
     try:
         table = run_benchmark(
-            args.arch, batch=args.batch, resolution=args.resolution, splits=args.splits, budgets=args.budgets,
+            args.arch, input_shape=args.input, splits=args.splits, budgets=args.budgets,
             repeats=args.repeats, device=device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
             objectives=args.objective, optimizer=args.optimizer,
         )
-    except (RuntimeError, ValueError) as e:  # the model cannot run this batch or resolution
-        print(f"error: cannot benchmark at batch {args.batch}, resolution {args.resolution}: {str(e).splitlines()[0]}", file=sys.stderr)
+    except (RuntimeError, ValueError) as e:  # the model cannot run this input
+        print(f"error: cannot benchmark an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(table)
     print(f"\nwritten to {args.out}/benchmark.md and {args.out}/benchmark.png")

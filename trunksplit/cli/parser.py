@@ -142,8 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"], help=BENCH_ARCH_HELP)
-    b.add_argument("--batch", type=_positive, default=4, help="images per step")
-    b.add_argument("--resolution", type=_positive, default=224, help="image height and width")
+    b.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every row steps, NxCxHxW, as plan's --input")
     b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6], help="segment counts of the vissl and balanced rows")
     b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="budget rows: fractions of the unsplit peak, bytes (2e9) or sizes (2GiB)")
     b.add_argument("--repeats", type=_positive, default=5, help="timed steps per row (the median is reported)")
@@ -178,7 +177,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
     p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")
     p.add_argument("--features", nargs="+", default=None, help="feature blocks the trunk returns (res4 res5 ...); default: its last block (flatten for torchvision's)")
-    p.add_argument("--input", type=_shape, default=(8, 3, 224, 224), help="the batch planned for, NxCxHxW")
+    p.add_argument("--input", type=batch_shape, default=(8, 3, 224, 224), help="the batch planned for, NxCxHxW")
     p.add_argument("--gradients", choices=GRADIENT_MODES, default="allocated", help=GRADIENTS_HELP)
     p.add_argument("--world-size", type=_positive, default=1, help=PLAN_WORLD_HELP)
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state the per-rank breakdown counts")
@@ -222,7 +221,8 @@ def _dims(text: str, count: int, example: str):
     return dims
 
 
-def _shape(text: str):
+def batch_shape(text: str):
+    """``--input``'s NxCxHxW (``8x3x224x224``) as a tuple of four sizes, each at least 1."""
     return _dims(text, 4, "8x3x224x224")
 
 
