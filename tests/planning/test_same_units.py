@@ -109,7 +109,13 @@ def _timm_drop(rate):
     return pytest.importorskip("timm.layers").DropPath(rate)
 
 
-@pytest.mark.parametrize("drop", [_torchvision_drop, _timm_drop], ids=["torchvision", "timm"])
+def _transformers_drop(rate):  # one of the copies each model's file holds
+    pytest.importorskip("transformers")
+    from transformers.models.convnext.modeling_convnext import ConvNextDropPath
+    return ConvNextDropPath(rate)
+
+
+@pytest.mark.parametrize("drop", [_torchvision_drop, _timm_drop, _transformers_drop], ids=["torchvision", "timm", "transformers"])
 def test_blocks_whose_stochastic_depth_rates_differ_above_0_are_measured_once_and_a_block_at_0_apart(drop, monkeypatch):
     """Deep trunks raise the drop rate block by block (ConvNeXt, EfficientNet, Swin, timm's drop_path_rate): every
     rate above 0 allocates the same mask, and 0 none (the input passes), so the rates above 0 share one measurement,

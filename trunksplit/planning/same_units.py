@@ -11,7 +11,7 @@ buffer's layout and ``requires_grad``, and the input's layout. An attribute it c
 (nor by its class and plain state, as a transformers config) it compares as itself: a function is the
 same function in every unit, any other object is each private copy's own (``deepcopy``), so units
 holding one are measured each; so is a unit whose input is not one tensor (a traced chain's tuples).
-A stochastic-depth rate (torchvision's ``StochasticDepth``, timm's ``DropPath``) counts by whether it
+A stochastic-depth rate (torchvision's ``StochasticDepth``, timm's and transformers' ``DropPath``) counts by whether it
 is 0: above 0 it allocates the same mask whatever its value, so blocks whose rates rise one by one are alike.
 The allocator's figures (CUDA; ``allocator=True``) depend on what its cache holds: always measured.
 The sharp edge: an op whose output size follows values (``nonzero``, boolean indexing; no vision trunk
@@ -27,8 +27,9 @@ from torch import nn
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what every module's __dict__ holds (parameters, buffers, hooks...)
 # Stochastic depth (a block's residual branch dropped per sample) allocates the same tensors at every rate
 # above 0 (its mask, scaled in place) and none at 0 (it returns its input): a rate counts by whether it is 0.
-# Deep trunks raise it block by block (torchvision's ConvNeXt, EfficientNet, Swin; timm's drop_path_rate),
-# and by value no two blocks would be alike. The modules' own ``extra_repr`` shows the rate only.
+# Deep trunks raise it block by block (torchvision's ConvNeXt, EfficientNet, Swin; timm's and transformers'
+# drop_path_rate), and by value no two blocks would be alike. The modules' own ``extra_repr`` shows the rate only.
+# transformers copies one ``XDropPath`` into each model's file (43 alike in transformers 5): matched by that name.
 _RATE_ONLY = {("torchvision.ops.stochastic_depth", "StochasticDepth"): "p", ("timm.layers.drop", "DropPath"): "drop_prob"}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
@@ -55,7 +56,7 @@ def _module_key(module: nn.Module) -> Optional[tuple]:
     try:
         parts = []
         for name, sub in module.named_modules():
-            rate = _RATE_ONLY.get((type(sub).__module__, type(sub).__qualname__))
+            rate = _rate_attribute(type(sub))
             attrs = tuple((k, v == 0 if k == rate else _value(v)) for k, v in sorted(vars(sub).items()) if k not in _MODULE_OWN)
             parts.append((name, type(sub), sub.training, "" if rate else sub.extra_repr(), attrs))
         for name, t in (*module.named_parameters(), *module.named_buffers()):
@@ -65,6 +66,13 @@ def _module_key(module: nn.Module) -> Optional[tuple]:
     except (TypeError, RuntimeError, ValueError):  # an attribute neither plain nor hashable, a tensor without storage: measured each time
         return None
     return key
+
+
+def _rate_attribute(cls: type) -> Optional[str]:
+    """The attribute holding a stochastic-depth module's rate (see ``_RATE_ONLY``), None for any other module."""
+    if cls.__module__.startswith("transformers.models.") and cls.__qualname__.endswith("DropPath"):
+        return "drop_prob"
+    return _RATE_ONLY.get((cls.__module__, cls.__qualname__))
 
 
 def _value(v, depth: int = 0):
