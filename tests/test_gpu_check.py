@@ -74,7 +74,7 @@ def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_mem
     """tools/eager_overhead.py (docs/gpu.md, docs/benchmarks.md): eight steps per budget; the budget plans
     meet the budget as measured, the cuts alone keep more, the time plan says what it predicted, and the
     parts add up to the plan's extra time."""
-    assert _tool("eager_overhead").main(["--device", "cpu", "--models", "mobilenet_v3_small", "--size", "96", "--batch", "2",
+    assert _tool("eager_overhead").main(["--device", "cpu", "--models", "mobilenet_v3_small", "--input", "2x3x96x96",
                                          "--budgets", "0.7", "--repeats", "1"]) == 0
     captured = capsys.readouterr()
     text = captured.out
@@ -137,7 +137,7 @@ def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
     for m in (model, switch):
         m(x).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), switch.parameters()))
-    assert tool.main(["--device", "cpu", "--models", "resnet18", "--narrow", "8", "--size", "128", "--batch", "4", "--budgets",
+    assert tool.main(["--device", "cpu", "--models", "resnet18", "--narrow", "8", "--input", "4x3x128x128", "--budgets",
                       "--repeats", "1", "--switch"]) == 0  # no budgets: the switch's comparison alone
     rows = {r[1]: r for r in _table(capsys.readouterr().out, "At the peak of timm's switch")}
     peak = {k: float(r[5]) for k, r in rows.items()}
@@ -151,7 +151,7 @@ def test_against_timms_switch_the_time_plans_keep_to_its_measured_peak(capsys):
                                         (["--models", "resnet50", "--budgets"], "nothing to measure")])
 def test_a_stand_in_the_tool_cannot_build_is_refused_with_what_to_change(argv, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
-        _tool("eager_overhead").main(["--device", "cpu", "--size", "64", "--batch", "2", "--budgets", "0.9", "--repeats", "1", *argv])
+        _tool("eager_overhead").main(["--device", "cpu", "--input", "2x3x64x64", "--budgets", "0.9", "--repeats", "1", *argv])
 
 
 @pytest.mark.slow  # a benchmark tool's run (6 s): nothing in it is asserted but its table's shape
@@ -159,10 +159,10 @@ def test_the_price_check_sets_each_kind_of_plan_beside_its_measured_step(capsys)
     """tools/price_check.py (docs/benchmarks.md): five plans over ResNet-50's stem and res2, each with its
     measured and predicted extra time. (How the prices rank the plans is a benchmark, not asserted: they
     are timed, and under load nesting every span once came out 0.01 ms below nesting two.)"""
-    assert _tool("price_check").main(["--narrow", "16", "--size", "64", "--batch", "2", "--repeats", "1"]) == 0
+    assert _tool("price_check").main(["--narrow", "16", "--input", "2x3x64x64", "--repeats", "1"]) == 0
     rows = {r[0]: r for r in _table(capsys.readouterr().out, "Prices against steps")}
     assert list(rows) == ["a cut", "the cut, every span nested", "the cut, its last two spans nested", "no cut, the two spans as last-segment regions", "three cuts"]
     predicted = {k: float(r[2]) for k, r in rows.items()}
     assert all(v > 0 for v in predicted.values()) and all(r[1] != "-" for r in rows.values())
     with pytest.raises(SystemExit, match="the plans need two"):
-        _tool("price_check").main(["--narrow", "16", "--size", "64", "--batch", "2", "--repeats", "1", "--units", "1"])
+        _tool("price_check").main(["--narrow", "16", "--input", "2x3x64x64", "--repeats", "1", "--units", "1"])

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from trunksplit import BudgetTooLowError, CheckpointedTrunk, PeakMemory
 from trunksplit.planning.memory import profiled_peak
+from trunksplit.cli.parser import batch_shape
 from trunksplit.ssl.backbones import build_backbone
 from trunksplit.planning.timing import interleaved_medians
 
@@ -38,8 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", nargs="+", default=["resnet50"])
     p.add_argument("--budgets", type=float, nargs="+", default=[0.7, 0.5, 0.3])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--objective", choices=["flops", "time"], default="flops", help="what the budget plans minimise (see trunksplit plan --objective)")
     p.add_argument("--channels-last", action="store_true", help="every row's weights and input in channels-last memory format")
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("ignore")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(args.input, generator=torch.Generator().manual_seed(0)).to(device)
     results = []
     for arch in args.arch:
         fmt = torch.channels_last if args.channels_last else torch.contiguous_format

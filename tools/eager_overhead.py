@@ -2,8 +2,8 @@
 """Where the eager checkpointed step's extra time goes, against the plain step.
 
     python tools/eager_overhead.py --device cuda                       # ResNet-50 and ViT-B/16, 4 x 224px
-    python tools/eager_overhead.py --device cpu --models resnet18 --size 64 --budgets 0.7 --repeats 2
-    python tools/eager_overhead.py --device cpu --models resnet50 --narrow 16 --size 64 --budgets 0.7 0.5   # dispatch-bound
+    python tools/eager_overhead.py --device cpu --models resnet18 --input 4x3x64x64 --budgets 0.7 --repeats 2
+    python tools/eager_overhead.py --device cpu --models resnet50 --narrow 16 --input 4x3x64x64 --budgets 0.7 0.5   # dispatch-bound
     python tools/eager_overhead.py --device cuda --budgets 0.5 --switch                 # and against timm's switch
 
 For each model and budget, seven or eight steps run interleaved (median of ``--repeats``): the plain trunk;
@@ -38,6 +38,7 @@ from torchvision.models.resnet import ResNet
 from torchvision.models.vision_transformer import VisionTransformer
 
 from trunksplit import CheckpointedTrunk, PeakMemory
+from trunksplit.cli.parser import batch_shape
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import peak_model, plan_trunk
 from trunksplit.planning.timing import interleaved_medians, synchronize
@@ -55,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=["resnet50", "vit_b_16"], help="torchvision model names")
     p.add_argument("--budgets", nargs="*", type=float, default=[0.7, 0.5, 0.3],
                    help="memory budgets, fractions of the unsplit step (none, with --switch: only the switch's comparison)")
-    p.add_argument("--batch", type=int, default=4, help="images per step")
-    p.add_argument("--size", type=int, default=224, help="image side in pixels")
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--repeats", type=int, default=7, help="steps timed per variant, interleaved; the median is reported")
     p.add_argument("--switch", action="store_true",
                    help="also timm's set_grad_checkpointing (every block under torch's checkpoint) and the time plans at its peak")
@@ -278,12 +278,12 @@ def main(argv=None) -> int:
         raise SystemExit("error: nothing to measure: give --budgets, --switch or both")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch sees no GPU here; on CPU: --device cpu --models resnet18 --size 64", file=sys.stderr)
+        print("error: --device cuda, but torch sees no GPU here; on CPU: --device cpu --models resnet18 --input 4x3x64x64", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = False
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
+    x = torch.randn(args.input, generator=torch.Generator().manual_seed(0)).to(device)
     tables, attributions, switched = [], [], []
-    models = {name if args.narrow == 1 else f"{name} / {args.narrow}": build(name, args.narrow, args.size).to(device)
+    models = {name if args.narrow == 1 else f"{name} / {args.narrow}": build(name, args.narrow, args.input[2]).to(device)
               for name in args.models}  # all built first: one the tool cannot build is refused before any is measured
     for model in models.values() if args.switch else ():
         _check_switchable(model)  # a family without blocks, as early
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
             switched += switch_rows(name, model, x, args.repeats)
             print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"### Eager steps, {args.batch} x {args.size}px, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
+    print(f"### Eager steps, {'x'.join(map(str, args.input))}, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
     if tables:
         print(tabulate(tables, headers=STEP_HEADERS, tablefmt="github"))
         print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")

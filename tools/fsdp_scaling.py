@@ -17,13 +17,14 @@ from tabulate import tabulate
 
 from trunksplit import scaling
 from trunksplit.planning.sharding import gib
+from trunksplit.cli.parser import image_shape
 from trunksplit.ssl.backbones import build_backbone
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", nargs="+", default=["regnet_y_16gf", "regnet_y_128gf", "vit_h_14"])
-    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--input", type=image_shape, default=(3, 224, 224), help="one image, CxHxW (as trunksplit fit's --input)")
     p.add_argument("--memory", default="80GiB", help="per rank")
     p.add_argument("--optimizer", choices=["sgd", "lars", "adamw"], default="adamw")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 8, 64, 512])
@@ -42,9 +43,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.manual_seed(0)
     for arch in args.arch:
-        model = build_backbone(arch, args.resolution)
+        model = build_backbone(arch, args.input[1])
         start = time.perf_counter()
-        rows = scaling(model, (3, args.resolution, args.resolution), args.memory, args.optimizer, args.world_sizes, args.gradients)
+        rows = scaling(model, args.input, args.memory, args.optimizer, args.world_sizes, args.gradients)
         print(table(arch, rows, time.perf_counter() - start) + "\n", flush=True)
         del model
     return 0

@@ -23,6 +23,6 @@ fi
 timeout 100 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 230 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
 timeout 160 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
-timeout 65 python3 tools/eager_overhead.py --device cuda --models resnet50 --batch 64 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
-timeout 35 python3 tools/price_check.py --device cuda --size 224 --repeats 21 2>&1 | tee "$OUT/price_check.md"
+timeout 65 python3 tools/eager_overhead.py --device cuda --models resnet50 --input 64x3x224x224 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
+timeout 35 python3 tools/price_check.py --device cuda --input 4x3x224x224 --repeats 21 2>&1 | tee "$OUT/price_check.md"
 echo "gpu_session: done; files in $OUT"

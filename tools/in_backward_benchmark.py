@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The optimizer stepped in backward against torch's default gradient mode, side by side.
 
-    python tools/in_backward_benchmark.py --arch resnet50 vit_b_16 --batch 4 --resolution 224
+    python tools/in_backward_benchmark.py --arch resnet50 vit_b_16 --input 4x3x224x224
 
 For each model, one profile of its units feeds both modes' peak models. In each mode it plans
 the floor (the lowest peak any plan reaches) and the least-recompute plans at budgets of 0.5 and
@@ -26,6 +26,7 @@ from trunksplit.in_backward import update_temporaries
 from trunksplit.planning.budget import MemoryBudget, parse_memory_size
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import best_plan, peak_model, plan_from_cuts, plan_trunk
+from trunksplit.cli.parser import batch_shape
 from trunksplit.ssl.backbones import build_backbone
 from trunksplit.planning.timing import interleaved_medians
 
@@ -35,8 +36,7 @@ BUDGETS = (0.5, 0.3)  # of the default mode's plain step
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", nargs="+", default=["resnet50", "vit_b_16"], help="torchvision model names")
-    p.add_argument("--batch", type=int, default=4, help="images per step")
-    p.add_argument("--resolution", type=int, default=224, help="image height and width")
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--optimizer", choices=sorted(NAMED_OPTIMIZERS), default="sgd", help="stepped in backward (and after backward in the standard step)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps of each plan in each mode; the median counts")
     p.add_argument("--memory", nargs="*", default=["512MiB", "2GiB"], help="fit's memory sizes")
@@ -94,8 +94,8 @@ def _timed(pairs, x, repeats: int) -> dict:
 def benchmark(arch: str, args) -> list:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    base = build_backbone(arch, args.resolution).to(device)
-    x = torch.randn(args.batch, 3, args.resolution, args.resolution, device=device)
+    base = build_backbone(arch, args.input[2]).to(device)
+    x = torch.randn(args.input, device=device)
     optimizer_class, kwargs = NAMED_OPTIMIZERS[args.optimizer]
     temporaries = update_temporaries(optimizer_class, kwargs, device)
     with warnings.catch_warnings():
@@ -124,7 +124,7 @@ def benchmark(arch: str, args) -> list:
 def _fitted_batch(model, args, memory: int, gradients: str) -> int:
     """fit's batch (checked by a real step), or 0 where not one image fits."""
     try:
-        return fit(model, (3, args.resolution, args.resolution), memory, optimizer=args.optimizer, gradients=gradients).batch_size
+        return fit(model, args.input[1:], memory, optimizer=args.optimizer, gradients=gradients).batch_size
     except ValueError:
         return 0
 
@@ -143,10 +143,10 @@ def main(argv=None) -> int:
             else:
                 print(f"| {arch_} | {gradients} | {name} | {predicted:.3f} | {measured:.3f} | {'-' if ratio is None else f'{ratio:.3f}'} |")
         sys.stdout.flush()
-        model = build_backbone(arch, args.resolution).to(args.device)
+        model = build_backbone(arch, args.input[2]).to(args.device)
         for memory, text in zip(memories, args.memory):
             fits.append((arch, text, *(_fitted_batch(model, args, memory, g) for g in ("allocated", "in_backward"))))
-        print(f"\n{arch}: default plain step {plain / 2**20:.1f} MiB (batch {args.batch}, {args.resolution}px, {args.optimizer})\n")
+        print(f"\n{arch}: default plain step {plain / 2**20:.1f} MiB ({'x'.join(map(str, args.input))}, {args.optimizer})\n")
     print("| model | memory | fit's batch, default | fit's batch, in backward | ratio |")
     print("|---|---|---|---|---|")
     for arch, text, default, stepped in fits:

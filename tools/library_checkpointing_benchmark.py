@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A library's own activation-checkpointing switch against trunksplit, side by side in one run.
 
-    python tools/library_checkpointing_benchmark.py --against timm hf --batch 4 --resolution 224
+    python tools/library_checkpointing_benchmark.py --against timm hf --input 4x3x224x224
 
 timm's ``set_grad_checkpointing(True)`` (ResNet-50, ConvNeXt-T, ViT-B/16, Swin-T) and transformers'
 ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before; ViT, DINOv2, ConvNeXt, base sizes, random weights) are one
@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
+from trunksplit.cli.parser import batch_shape
 
 TIMM = ("resnet50", "convnext_tiny", "vit_base_patch16_224", "swin_tiny_patch4_window7_224")
 HF = ("vit", "dinov2", "convnext")
@@ -36,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", nargs="+", choices=["timm", "hf"], default=["timm", "hf"], help="whose switch: timm's, transformers'")
     p.add_argument("--models", nargs="*", default=None, help="a subset of the models (timm names, or vit, dinov2, convnext)")
-    p.add_argument("--batch", type=int, default=4, help="images per step")
-    p.add_argument("--resolution", type=int, default=224, help="image height and width")
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS), help="trunksplit's budgets, fractions of the plain step")
     p.add_argument("--repeats", type=int, default=3, help="timed steps of each row; the median counts")
     p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated",
@@ -119,7 +119,7 @@ def _hf(name: str, x, gradients: str):
 
 def benchmark(library: str, name: str, args) -> dict:
     print(f"{library} {name}: measuring the plain step, the switch, then trunksplit's budgets ...", file=sys.stderr, flush=True)  # minutes a model on CPU
-    x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(args.input, generator=torch.Generator().manual_seed(0))
     g = args.gradients
     plain, switch, ours = (_timm if library == "timm" else _hf)(name, x, g)
     plain_peak = _peak(plain, x, g)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A gradient penalty's step peak, plain and checkpointed: what plans do not predict.
 
-    python tools/penalty_peaks.py --model resnet50 --batch 4 --size 224
+    python tools/penalty_peaks.py --model resnet50 --input 4x3x224x224
 
 A penalty (R1's: ``torch.autograd.grad(loss, images, create_graph=True)``, then one backward of the
 loss plus the gradient's squared norm) keeps a graph of the first backward until the second, and
@@ -20,13 +20,13 @@ import torchvision
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk, PeakMemory, checkpoint_wrapper
+from trunksplit.cli.parser import batch_shape
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet50", help="a torchvision ResNet (the wrapped rows wrap its blocks)")
-    p.add_argument("--batch", type=int, default=4, help="images per step")
-    p.add_argument("--size", type=int, default=224, help="image side in pixels")
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     return p
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.model)().to(args.device)
-    x = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
+    x = torch.randn(args.input, device=args.device)
     x_grad = x.clone().requires_grad_()  # a trunk plans apart for an input that requires grad
     rows, plain = [], None
     for label, trunk in trunks(model).items():
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         plain = plain or (one, penalty)
         rows.append([label, "-" if predicted is None else f"{predicted / 2**20:.1f}", f"{one / 2**20:.1f}", f"{one / plain[0]:.2f}",
                      f"{penalty / 2**20:.1f}", f"{penalty / plain[1]:.2f}"])
-    print(f"### A gradient penalty's step: {args.model}, {args.batch} x {args.size}px, {args.device}, gradients kept\n")
+    print(f"### A gradient penalty's step: {args.model}, {'x'.join(map(str, args.input))}, {args.device}, gradients kept\n")
     print(tabulate(rows, headers=["trunk", "predicted (MiB)", "one backward (MiB)", "/ plain", "penalty (MiB)", "/ plain"], tablefmt="github"))
     return 0
 

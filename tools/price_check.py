@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The "time" objective's prices against measured steps, for each kind of thing a plan prices.
 
-    python tools/price_check.py --narrow 16 --size 64 --repeats 41             # the CPU's launch-bound stand-in
-    python tools/price_check.py --device cuda --size 224 --repeats 21          # ResNet-50 on a GPU
+    python tools/price_check.py --narrow 16 --input 4x3x64x64 --repeats 41             # the CPU's launch-bound stand-in
+    python tools/price_check.py --device cuda --input 4x3x224x224 --repeats 21          # ResNet-50 on a GPU
 
 One timed profile of ResNet-50 (``--narrow``: every width divided, see ``eager_overhead.build``), then
 five hand-made plans over its first ``--units`` units (the stem and res2 by default), each run as a trunk
@@ -21,6 +21,7 @@ import torch
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk
+from trunksplit.cli.parser import batch_shape
 from trunksplit.planning.search import Cuts, peak_model, plan_from_cuts
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # eager_overhead.py, beside this one, builds the models and runs the steps
@@ -31,8 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--narrow", type=int, default=1, metavar="D", help="every width divided by D (see eager_overhead.py)")
-    p.add_argument("--size", type=int, default=224, help="image side in pixels")
-    p.add_argument("--batch", type=int, default=4, help="images per step")
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--units", type=int, default=7, help="the first units the plans checkpoint (ResNet-50: 7 is the stem and res2)")
     p.add_argument("--repeats", type=int, default=21, help="steps timed per plan, interleaved; the median is reported")
     return p
@@ -70,11 +70,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch sees no GPU here; on CPU: --narrow 16 --size 64", file=sys.stderr)
+        print("error: --device cuda, but torch sees no GPU here; on CPU: --narrow 16 --input 4x3x64x64", file=sys.stderr)
         return 2
-    model = eager_overhead.build("resnet50", args.narrow, args.size).to(device)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
-    print(f"### Prices against steps: resnet50{'' if args.narrow == 1 else f' / {args.narrow}'}, {args.batch} x {args.size}px, {device}, median of {args.repeats}\n")
+    model = eager_overhead.build("resnet50", args.narrow, args.input[2]).to(device)
+    x = torch.randn(args.input, generator=torch.Generator().manual_seed(0)).to(device)
+    print(f"### Prices against steps: resnet50{'' if args.narrow == 1 else f' / {args.narrow}'}, {'x'.join(map(str, args.input))}, {device}, median of {args.repeats}\n")
     print(tabulate(rows(model, x, args.units, args.repeats), headers=["plan over the first units", "extra ms", "predicted ms", "predicted / measured"], tablefmt="github"))
     return 0
 

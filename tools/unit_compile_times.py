@@ -18,6 +18,7 @@ import torch
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk
+from trunksplit.cli.parser import batch_shape
 from trunksplit.ssl.backbones import build_backbone
 
 OPTIONS = dict(dynamic=False, options={"layout_optimization": False})  # as trunk.compile() compiles
@@ -58,8 +59,7 @@ def unit_rows(arch: str, x: torch.Tensor, repeats: int, memory_format=torch.cont
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="resnet50")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--resolution", type=int, default=224)
+    p.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every step runs, NxCxHxW (as trunksplit plan's --input)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--channels-last", action="store_true", help="weights and input channels-last, as trunk.compile() stores convolution weights")
     return p
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("ignore")
     torch._dynamo.config.recompile_limit = 64  # private: every unit is a module of its own, some of one class
-    x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(args.input, generator=torch.Generator().manual_seed(0))
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     rows, (eager_whole, compiled_whole) = unit_rows(args.arch, x.contiguous(memory_format=fmt), args.repeats, fmt)
     body = [[n, f"{e * 1e3:.1f}", f"{c * 1e3:.1f}", f"{c / e:.2f}"] for n, e, c in rows]

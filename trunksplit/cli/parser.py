@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["auto"], help=OBJECTIVE_HELP + " (the trunk's default); several: budget rows for each")
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50", help=ARCH_HELP)
-    f.add_argument("--input", type=_image_shape, default=(3, 224, 224), help="one image, CxHxW")
+    f.add_argument("--input", type=image_shape, default=(3, 224, 224), help="one image, CxHxW")
     f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
     f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state is resident (sgd, lars: one buffer per parameter; adamw: two)")
     f.add_argument("--splits", type=_positive, default=None, help="at most this many segments")
@@ -226,7 +226,8 @@ def batch_shape(text: str):
     return _dims(text, 4, "8x3x224x224")
 
 
-def _image_shape(text: str):
+def image_shape(text: str):
+    """``fit --input``'s CxHxW (``3x224x224``), one image, as a tuple of three sizes, each at least 1."""
     return _dims(text, 3, "3x224x224 (one image)")
 
 
