@@ -26,7 +26,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # private, as trunk
 
 from trunksplit.cli import main as cli_main
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl import loop
+from trunksplit.ssl import loop, side_by_side
 from trunksplit import CheckpointedTrunk
 from trunksplit import trunk as trunk_module
 from trunksplit.ssl.loop import train
@@ -325,11 +325,11 @@ def test_a_child_that_ends_as_the_run_stops_is_no_error(monkeypatch):
 def test_the_side_by_side_line_says_why_it_reads_below_a_step_that_holds_a_teacher():
     """Both copies run the student under a stand-in loss; DINO's step also holds its loss and teacher
     (the run says what its step holds: below, vissl's all-reduce on two ranks)."""
-    side_by_side, cfg, mib = _train_tool()._side_by_side, load_config(QUICK), 2**20
+    line_of, mib = _train_tool()._side_by_side, 2**20
     vs = {"checkpointed": 100 * mib, "plain": 200 * mib}
     plain_line = "memory, one step side by side: checkpointed 100.0 MiB, without checkpointing 200.0 MiB (0.50x)"
-    assert side_by_side(cfg, vs, 100 * mib, ["the method's loss"]) == plain_line  # SimCLR's: the same step
-    assert side_by_side(cfg, vs, 110 * mib, ["the method's loss", "DINO's teacher"]) == plain_line + (
+    assert line_of(vs, "", 100 * mib, ["the method's loss"]) == plain_line  # SimCLR's: the same step
+    assert line_of(vs, "", 110 * mib, ["the method's loss", "DINO's teacher"]) == plain_line + (
         " (the student alone under a stand-in loss: the step peak above also holds the method's loss and DINO's teacher)")
 
 
@@ -526,6 +526,22 @@ def test_a_run_stepped_in_backward_trains_the_standard_runs_weights_in_less_memo
     assert stepped_row["peak_memory_bytes"] < standard_row["peak_memory_bytes"]
     checkpointed, plain = stepped_row["memory_vs_plain"]["checkpointed"], stepped_row["memory_vs_plain"]["plain"]
     assert checkpointed < plain and checkpointed <= 1.05 * stepped_row["peak_memory_bytes"]  # the copies stepped in backward too
+
+
+def test_the_side_by_side_step_is_left_out_where_it_could_fail_and_the_line_says_why():
+    """A fitted batch (TRAIN.MEMORY_LIMIT) would pass the limit with a plain step; under FSDP2 on a GPU a
+    rank out of memory for it would leave the others waiting in a collective (one process, or DDP's rank 0
+    alone, only loses the line). A CPU's FSDP2 run steps it (the test above)."""
+    mib, limited = 2**20, load_config(QUICK, ["TRAIN.MEMORY_LIMIT", "1GiB"])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert side_by_side.not_run_because(load_config(QUICK), strategy.FSDP(0, 2, cpu)) == ""
+    assert side_by_side.not_run_because(load_config(QUICK), strategy.DDP(0, 2, cuda)) == ""
+    assert side_by_side.not_run_because(load_config(QUICK), strategy.FSDP(0, 2, cuda)).startswith("FSDP2 on a GPU: a rank without room")
+    assert side_by_side.not_run_because(limited, strategy.Strategy(0, 1, cpu)) == "TRAIN.MEMORY_LIMIT is set, and a step without checkpointing would pass it"
+    assert side_by_side.side_by_side(limited, None, None, [], None, False, strategy.Strategy(0, 1, cpu)) is None  # nothing copied, nothing run
+    said = _train_tool()._side_by_side(None, side_by_side.not_run_because(load_config(QUICK), strategy.FSDP(0, 2, cuda)), 100 * mib, [])
+    assert said == ("memory, one step side by side: not run (FSDP2 on a GPU: a rank without room for a step without checkpointing "
+                    "would leave the others waiting in a collective)")
 
 
 def test_the_side_by_side_step_under_autocast_is_the_step_trained(tmp_path):
@@ -1223,6 +1239,31 @@ def test_a_whole_checkpoint_whose_optimizer_groups_differ_is_refused_before_anyt
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not two_groups.state
 
 
+def _fsdp_with_and_without_checkpointing(rank, world_size, out):
+    for how in ("checkpointed", "unsplit"):
+        overrides = ["OUTPUT_DIR", os.path.join(out, how), *FSDP, "TRAIN.STEPS", "1", "MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING", str(how == "checkpointed")]
+        _, last = train(load_config(QUICK, overrides))
+        if rank == 0:
+            with open(os.path.join(out, f"{how}.json"), "w") as f:
+                json.dump(last, f)
+
+
+def test_an_fsdp_run_ends_with_one_sharded_step_with_and_without_checkpointing_side_by_side(tmp_path):
+    """FSDP2 refuses deepcopy, so its runs had no side-by-side line: the copies are now built afresh and
+    sharded as the run's, and every rank steps them together. The checkpointed copy steps what the run
+    stepped (its plans; a stand-in for SimCLR's loss), the plain copy what a run without checkpointing
+    steps, each rank's peak as the run's meter counts it (the profiler's events on CPU)."""
+    run_processes(_fsdp_with_and_without_checkpointing, 2, (str(tmp_path),))
+    checkpointed, unsplit = (json.loads((tmp_path / f"{how}.json").read_text()) for how in ("checkpointed", "unsplit"))
+    vs = checkpointed["memory_vs_plain"]
+    assert abs(vs["checkpointed"] / checkpointed["peak_memory_bytes"] - 1) < 0.02, (vs, checkpointed["peak_memory_bytes"])
+    assert abs(vs["plain"] / unsplit["peak_memory_bytes"] - 1) < 0.02, (vs, unsplit["peak_memory_bytes"])
+    assert vs["checkpointed"] < vs["plain"]
+    same = unsplit["memory_vs_plain"]  # nothing checkpointed either way (the profiler's events differed by 4 bytes, a scalar)
+    assert abs(same["checkpointed"] - same["plain"]) <= 64, same
+    assert json.loads((tmp_path / "checkpointed" / "summary.json").read_text())["memory_vs_plain"] == vs
+
+
 @pytest.mark.slow  # two 2-process runs: about 20 s on 2 cores
 def test_fsdp_runs_resume_from_sharded_checkpoints_to_the_uninterrupted_weights(tmp_path):
     (tmp_path / "a").mkdir()
@@ -1344,7 +1385,7 @@ def test_a_run_sized_to_its_memory_limit_runs_no_step_without_checkpointing_and_
     def plain_step(*args, **kwargs):
         raise AssertionError("a step without checkpointing ran beside a run sized to its memory limit")
 
-    monkeypatch.setattr(loop, "compare_with_plain", plain_step)
+    monkeypatch.setattr(side_by_side, "compare_with_plain", plain_step)
     out = tmp_path / "run"
     result = _cli("--config-file", QUICK, "OUTPUT_DIR", str(out), *SMALL, "TRAIN.STEPS", "1", "TRAIN.BATCH_SIZE_PER_RANK", "0",
                   "TRAIN.MEMORY_LIMIT", "170MiB")

@@ -14,9 +14,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from tqdm import tqdm
 
-from ..in_backward import holding_updates, update_temporaries
+from ..in_backward import update_temporaries
 from ..planning.budget import BudgetTooLowError, format_bytes
-from ..planning.memory import PeakMemory, measuring_alone
 from ..planning.plan import SplitPlan
 from ..planning.timing import synchronize
 from ..recompute.wrapper import checkpoint_wrapped_names
@@ -28,9 +27,10 @@ from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step, held_calls
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard, images_per_second
-from .model import SSLModel, budget_refused, same_size_runs, student_copy, with_batch
+from .model import SSLModel, budget_refused, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_slow_half_precision_on_a_cpu
+from .side_by_side import not_run_because, side_by_side
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, save_trunk_weights, saved_batch, start_run_dir
 from .stopping import EvaluationStopped, StopSignals, next_unless_stopping, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
@@ -81,7 +81,7 @@ def train(cfg, resume: bool = False) -> Tuple[SSLModel, Optional[dict]]:
             if logging and rank == 0:
                 last = _log_row(cfg, log, bar, step, loss, optimizer, seconds, mem.peak_bytes, world, setup_seconds if step == start else None, data)
     _finish(cfg, strategy, wrapped, model)
-    if last is not None:
+    if start < cfg.TRAIN.STEPS:  # a step ran, on every rank (under FSDP2 every rank steps the side-by-side copies)
         _summarise(cfg, log, last, model, optimizer, crops, autocast, kept, strategy, world)
     return model, last
 
@@ -202,33 +202,18 @@ def _optimizer_step(cfg, model, optimizer, scaler, step: int, device, rule=None)
     synchronize(device)  # the step's time is its kernels', not their launches
 
 
-def _summarise(cfg, log: MetricsLog, last: dict, model, optimizer, crops, autocast, kept: bool, strategy, world: int) -> None:
-    """Add the plan, the loss of a model that learned nothing (where the method has one), what the step
-    peak is counted beyond and, one step side by side where the model can be copied and no
-    TRAIN.MEMORY_LIMIT is set, the memory with and without checkpointing to the last row (each copy
-    stepped in backward as the model is, if it is); ``log`` keeps them in summary.json."""
+def _summarise(cfg, log: Optional[MetricsLog], last: Optional[dict], model, optimizer, crops, autocast, kept: bool, strategy, world: int) -> None:
+    """Step the model with and without checkpointing side by side (:func:`trunksplit.ssl.side_by_side.side_by_side`);
+    on rank 0, add that, the plan, the loss of a model that learned nothing (where the method has one) and what
+    the step peak is counted beyond to the last row; ``log`` keeps them in summary.json."""
+    memory_vs_plain = side_by_side(cfg, model, optimizer, crops, autocast, kept, strategy)
+    if last is None:  # not rank 0
+        return
     last["chance_loss"] = chance_loss(cfg.METHOD.NAME, sum(c.shape[0] for c in crops) * world)
     last["plan"] = _plans_said(cfg, model.trunk)
     last["peak_beyond"], last["step_also_holds"] = strategy.peak_beyond(cfg), strategy.step_also_holds(cfg)
-    stepping = _stepping_copies(cfg, optimizer) if cfg.OPTIM.IN_BACKWARD else None
-    grouped = by_crop_group(cfg, crops)
-    # a run with TRAIN.MEMORY_LIMIT (its batch fitted to fill it) would pass it with a plain step beside a
-    # copy of the model (on a CPU nothing stops that but the host running out): not run
-    side_by_side = strategy.compares_with_plain and not cfg.TRAIN.MEMORY_LIMIT
-    last["memory_vs_plain"] = compare_with_plain(model, crops, autocast, kept, stepping, grouped) if side_by_side else None
+    last["memory_vs_plain"], last["memory_vs_plain_not_run"] = memory_vs_plain, not_run_because(cfg, strategy)
     log.finish({key: last[key] for key in ("step", "chance_loss", "plan", "memory_vs_plain")})
-
-
-def _stepping_copies(cfg, optimizer) -> Callable:
-    """What steps a copy of the model in backward as ``optimizer`` steps the model: the same
-    optimizer, its state loaded (so that the copy's first step makes none)."""
-
-    def stepping(copy):
-        copy_optimizer = build_optimizer(cfg, copy)
-        copy_optimizer.load_state_dict(optimizer.state_dict())
-        return copy_optimizer
-
-    return stepping
 
 
 def _plans_said(cfg, trunk, peaks: bool = False) -> str:
@@ -321,42 +306,6 @@ def _save_checkpoint(cfg, strategy, model, optimizer, scaler, steps_done: int, s
     meta = {"scaler": scaler.state_dict(), "step": steps_done, "config": cfg.dump(), "rng": rng, "skipped_images": dict(skipped),
             "plans": [(key, plan.state()) for key, plan in model.trunk.plans.items()]}
     strategy.save(cfg, model, optimizer, meta)
-
-
-def compare_with_plain(model, crops, autocast, kept_gradients: bool, stepping: Optional[Callable] = None, grouped: bool = False) -> Optional[dict]:
-    """Peak bytes of one step of ``model`` and of a plain (never checkpointed) copy, side by side.
-
-    Both run the same surrogate loss on the same crops, in this process only (no
-    collectives), on copies whose gradients are where the loop leaves them between
-    steps (None, or kept zeros), one copy at a time, so the real model is untouched;
-    ``stepping(copy)``, where given, steps each copy's optimizer in backward. ``grouped``:
-    both run each crop group's forward and backward in turn, as the training step does.
-    None where a GPU has no room for a copy.
-    """
-    peaks = {}
-    for name in ("checkpointed", "plain"):
-        try:
-            m = _copy_for_comparison(model, plain=name == "plain", kept_gradients=kept_gradients)
-            steps = stepping(m) if stepping is not None else None
-            with PeakMemory(crops[0].device) as mem, measuring_alone():
-                runs = list(same_size_runs(crops)) if grouped else [(0, len(crops))]
-                for k, (start, stop) in enumerate(runs):
-                    with holding_updates(m) if k < len(runs) - 1 else contextlib.nullcontext():  # as the grouped step does (the trunk plans for it)
-                        with autocast:  # the forward only, as in training: autocast keeps its casts of the weights until it exits
-                            loss = sum(o.float().pow(2).mean() for o in m(crops[start:stop]))
-                        loss.backward()
-        except torch.cuda.OutOfMemoryError:
-            return None
-        peaks[name] = mem.peak_bytes
-        del m, steps
-    return peaks
-
-
-def _copy_for_comparison(model, plain: bool, kept_gradients: bool):
-    m = student_copy(model, plain)  # the step compared is the student's
-    for p in m.parameters():  # deepcopy drops .grad: put them back where the loop keeps them
-        p.grad = torch.zeros_like(p) if kept_gradients and p.requires_grad else None
-    return m
 
 
 def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, accumulating: Callable):

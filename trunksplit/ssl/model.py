@@ -249,11 +249,16 @@ def student_copy(model: SSLModel, plain: bool) -> SSLModel:
         m = copy.deepcopy(model)
     finally:
         model.teacher = teacher
-    if plain:
-        for sub in m.modules():
-            unwrap_checkpoint(sub)
-        m.trunk = CheckpointedTrunk(m.trunk.feature_blocks, m.trunk.out_feat_keys, gradients=m.trunk.gradients)
-    return m
+    return without_checkpointing(m) if plain else m
+
+
+def without_checkpointing(model: SSLModel) -> SSLModel:
+    """``model`` checkpointing nothing: its trunk one unsplit segment, selective wrappers removed (in place;
+    the same parameters, under the same names)."""
+    for sub in model.modules():
+        unwrap_checkpoint(sub)
+    model.trunk = CheckpointedTrunk(model.trunk.feature_blocks, model.trunk.out_feat_keys, gradients=model.trunk.gradients)
+    return model
 
 
 def with_batch(cfg, batch: int, budget: float, rank: int, why: str):

@@ -22,8 +22,9 @@ from ..distributed.agree import rank0_decides
 from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
 from ..distributed.fsdp import shard_trunk
 from ..in_backward import standard_optimizer
-from ..planning.memory import PeakMemory, ProfiledPeak
+from ..planning.memory import PeakMemory, ProfiledPeak, measuring_alone
 from .fit_step import RankLayout
+from .model import build_model, student_copy, without_checkpointing
 from .optim import keep_gradients
 from .run_dir import CHECKPOINT, drop_shards, load_sharded, load_whole_into_shards, save_atomically, save_sharded
 
@@ -35,7 +36,6 @@ class Strategy:
     a whole checkpoint. Subclasses change what differs under several processes."""
 
     sharded = False  # parameters, gradients and optimizer state split across ranks
-    compares_with_plain = True  # the last metrics row runs a plain copy beside the model
 
     def __init__(self, rank: int, world: int, device: torch.device):
         self.rank, self.world, self.device = rank, world, device
@@ -78,6 +78,17 @@ class Strategy:
     def meter(self, wrapped: nn.Module) -> ContextManager:
         """The step's memory meter: the allocator's on CUDA, the tensor tracker on CPU."""
         return PeakMemory(self.device)
+
+    def comparison_copy(self, cfg, model: nn.Module, plain: bool) -> nn.Module:
+        """The student that the run's last row steps beside a plain one (``plain``: checkpointing nothing),
+        in this process alone: a deep copy (the model is untouched)."""
+        return student_copy(model, plain)
+
+    @contextlib.contextmanager
+    def comparison_meter(self, copy: nn.Module):
+        """The meter of a comparison copy's step, run by this rank alone (no collectives), as planning measures."""
+        with PeakMemory(self.device) as mem, measuring_alone():
+            yield mem
 
     def peak_beyond(self, cfg) -> str:
         """What the metered step peak is counted beyond: gradients are in it unless resident before the step."""
@@ -215,7 +226,6 @@ class FSDP(Strategy):
     (torchtitan's and torch's own advice for accumulation under FSDP2 too)."""
 
     sharded = True
-    compares_with_plain = False  # FSDP refuses deepcopy
 
     @staticmethod
     def check(cfg):
@@ -243,6 +253,19 @@ class FSDP(Strategy):
     def meter(self, wrapped):
         # the profiler's allocation events on CPU: the tracker cannot see the weights FSDP gathers
         return ProfiledPeak() if self.device.type == "cpu" else PeakMemory(self.device)
+
+    def comparison_copy(self, cfg, model, plain):
+        """FSDP2 refuses ``deepcopy``: the config's student built afresh and sharded as the run's is, running
+        the run's plans (or, ``plain``, checkpointing nothing). Its weights are new (no byte count depends on
+        them); every rank builds and steps its copy together, as it trains."""
+        copy = build_model(cfg).to(self.device)
+        copy.trunk.update_temporaries = model.trunk.update_temporaries  # what its plans were made for, stepped in backward
+        for key, plan in model.trunk.plans.items():
+            copy.trunk.store_plan(key, plan)
+        return self.wrap(cfg, without_checkpointing(copy) if plain else copy)
+
+    def comparison_meter(self, copy):
+        return self.meter(copy)  # the ranks step together: the copies' collectives run, as in training
 
     def save(self, cfg, model, optimizer, meta):
         broadcast_buffers(model)
