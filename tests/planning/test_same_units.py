@@ -127,3 +127,27 @@ def test_blocks_whose_stochastic_depth_rates_differ_above_0_are_measured_once_an
     assert len(calls) == 2  # a; then b, whose figures c and d share
     _each_unit_measured(monkeypatch)
     assert once == profile_units(units, x)
+
+
+def _block(width: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(4, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(), nn.Conv2d(width, 4, 1))
+
+
+@pytest.mark.parametrize("allocator", [False, True])
+def test_the_time_objective_times_units_and_spans_alike_once_on_either_meter(allocator, monkeypatch):
+    """Wall times do not depend on what the allocator holds: units alike share one timing, and spans alike
+    one timing of each region policy, under the tensor tracker and under the allocator's meter (CUDA's,
+    where ``"time"`` is the default objective) alike; a block of another width is timed apart. Before,
+    each unit and span was timed: ViT-B/16's twelve layers twelve times (docs/benchmarks.md)."""
+    timed_units, timed_spans = [], []
+    real_forward, real_span = profile.forward_seconds, profile.time_span
+    monkeypatch.setattr(profile, "forward_seconds", lambda *a, **k: timed_units.append(1) or real_forward(*a, **k))
+    monkeypatch.setattr(profile, "time_span", lambda *a, **k: timed_spans.append(1) or real_span(*a, **k))
+    torch.manual_seed(0)
+    units = [("stem", nn.Conv2d(3, 4, 3, padding=1)), ("a", _block(8)), ("b", _block(8)), ("c", _block(8)), ("wide", _block(16))]
+    costs = profile_units(units, torch.randn(2, 3, 8, 8), spans=[(1, 2), (2, 3), (3, 4), (4, 5)], timed=True, allocator=allocator)
+    assert (len(timed_units), len(timed_spans)) == (3, 2)  # stem, the 8-wide block, the 16-wide one; two kinds of span
+    assert costs.forward_seconds[1] == costs.forward_seconds[2] == costs.forward_seconds[3] > 0
+    assert costs.rerun_seconds[1] == costs.rerun_seconds[2] == costs.rerun_seconds[3] > 0
+    for policy, under in costs.policies.items():
+        assert under.again_seconds[1] == under.again_seconds[2] == under.again_seconds[3] > 0, policy

@@ -220,8 +220,8 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             for key, value in {**measured, **feature_figures(m, h, i >= carries, i - 1 in features and i >= carries, i in features and i + 1 < len(units) and measured["keeps_output"])}.items():
                 fields[key].append(value)
             if timed:
-                fields["forward_seconds"].append(forward_seconds(m, h, input_needs_grad=i >= carries))
-                fields["rerun_seconds"].append(rerun_seconds(m, h, i >= carries, use_reentrant, own, fields["forward_seconds"][-1]))
+                for key, value in _unit_seconds(before, m, h, i >= carries, use_reentrant, own).items():
+                    fields[key].append(value)
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:
@@ -260,6 +260,18 @@ def _unit_figures(before: Dict[tuple, dict], m: nn.Module, h, input_needs_grad: 
     return measured_once(before, key, lambda: measure_unit(m, h, input_needs_grad=input_needs_grad, allocator=allocator))
 
 
+def _unit_seconds(before: Dict[tuple, dict], m: nn.Module, h, input_needs_grad: bool, use_reentrant: bool, own: float) -> dict:
+    """``m``'s ``forward_seconds`` and ``rerun_seconds`` on ``h``, or those of a unit alike timed ``before``: wall
+    times do not depend on what the allocator holds, so alike units share them on CUDA too (where the ``"time"``
+    objective is the default: a ViT's twelve layers are timed once)."""
+    def timed():
+        forward = forward_seconds(m, h, input_needs_grad=input_needs_grad)
+        return {"forward_seconds": forward, "rerun_seconds": rerun_seconds(m, h, input_needs_grad, use_reentrant, own, forward)}
+
+    key = measurement_key([m], h, input_needs_grad)
+    return measured_once(before, None if key is None else (key, "unit seconds"), timed)
+
+
 def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]], before: Dict[tuple, dict]) -> None:
     """Measure a span ``(start, its input, its units)`` under each region policy into
     ``under_policy`` (where a span alike was measured, ``before``, its figures), and where ``timings``
@@ -267,13 +279,17 @@ def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, t
     :func:`~trunksplit.planning.timing.time_span`)."""
     start, span_input, members, input_needs_grad = span
     stop = start + len(members)
-    alike = None if allocator else measurement_key(members, span_input, input_needs_grad)  # the span's, for every policy
+    alike = measurement_key(members, span_input, input_needs_grad)  # the span's, for every policy
     for policy, measured in under_policy.items():
-        key = None if alike is None else (alike, policy)
+        key = None if alike is None or allocator else (alike, policy)  # the allocator's figures depend on its cache
         measured[(start, stop)] = measured_once(before, key, lambda: measure_under(members, span_input, input_needs_grad, policy, allocator))
-    if timings is not None:
+    if timings is not None:  # times alike on CUDA too (see _unit_seconds)
         forward, rerun = (sum(timings[k][start:stop]) for k in ("forward_seconds", "rerun_seconds"))
-        time_span(members, span_input, input_needs_grad, {p: m[(start, stop)] for p, m in under_policy.items()}, forward, rerun)
+        policies = [p for p, m in under_policy.items() if m[(start, stop)] is not None]
+        seconds = measured_once(before, None if alike is None else (alike, "span seconds"),  # a span of one unit is not that unit timed alone
+                                lambda: time_span(members, span_input, input_needs_grad, policies, forward, rerun))
+        for policy, added in seconds.items():
+            under_policy[policy][(start, stop)].update(added)
 
 
 def _span_costs(costs: UnitCosts, measured: Dict[Tuple[int, int], Optional[dict]]) -> UnitCosts:

@@ -196,12 +196,12 @@ def _device(h: Any) -> torch.device:
     return next(iter(tensors_in(h))).device
 
 
-def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: dict, forward: float, rerun: float) -> None:
-    """Add to each region policy's measured ``costs`` of a span (``None``: not measured) what
-    running it so adds to the span's plain step (``again_seconds``), at least the forwards the
-    policy reruns (``forward`` each: two timings' difference may come out below it); and what
-    the segment's recompute adds where it runs a region nested in a checkpointed segment
-    (``nested_forward_seconds``, at least ``forward``).
+def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, policies: Sequence[str], forward: float, rerun: float) -> Dict[str, Dict[str, float]]:
+    """For each region policy in ``policies`` (those the span could be measured under), what running the
+    span so adds to its plain step (``again_seconds``), at least the forwards the policy reruns
+    (``forward`` each: two timings' difference may come out below it); and what the segment's
+    recompute adds where it runs a region nested in a checkpointed segment (``nested_forward_seconds``,
+    at least ``forward``).
 
     Nested, a region runs in the segment's recompute too where a later unit of the segment needs
     it, and not as a plain forward: torch reruns a nested checkpoint as its first forward ran, its
@@ -210,15 +210,15 @@ def time_span(members: Sequence[nn.Module], h, input_needs_grad: bool, costs: di
     nested as a region and one op after it that saves its output (so that the recompute runs
     through the region), against the same checkpoint of the span run plainly, whose units add
     ``rerun`` (their ``rerun_seconds``); less what the region adds on its own (``again_seconds``)."""
-    measured = [p for p, cost in costs.items() if cost is not None]
-    under = {p: functools.partial(_run_region, members, p) for p in measured}
-    for policy, added in added_seconds(under, nn.Sequential(*members), h, input_needs_grad).items():
-        costs[policy]["again_seconds"] = max(added, POLICIES[policy].reruns * forward)
-    nests_as = {p: POLICIES[p].nested.name for p in measured if POLICIES[p].nested.name in measured}
+    under = {p: functools.partial(_run_region, members, p) for p in policies}
+    seconds = {p: {"again_seconds": max(added, POLICIES[p].reruns * forward)}
+               for p, added in added_seconds(under, nn.Sequential(*members), h, input_needs_grad).items()}
+    nests_as = {p: POLICIES[p].nested.name for p in policies if POLICIES[p].nested.name in policies}
     nested = {q: functools.partial(_run_in_segment, members, q) for q in set(nests_as.values())}
     for q, added in added_seconds(nested, functools.partial(_run_in_segment, members, None), h, input_needs_grad).items():
         for policy in (p for p, as_run in nests_as.items() if as_run == q):
-            costs[policy]["nested_forward_seconds"] = max(added + rerun - costs[q]["again_seconds"], forward)
+            seconds[policy]["nested_forward_seconds"] = max(added + rerun - seconds[q]["again_seconds"], forward)
+    return seconds
 
 
 def _run_in_segment(members: Sequence[nn.Module], policy: Optional[str], x: Any) -> Any:
