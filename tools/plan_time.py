@@ -3,6 +3,7 @@
 
     python tools/plan_time.py                                   # timm's MobileNetV3-small and EfficientNet-B0, ResNet-50
     python tools/plan_time.py --fit 300MiB                      # and how long fit takes to find its batch in 300 MiB
+    python tools/plan_time.py --objective time                  # plans that minimise measured time (a GPU's default)
     PYTHONPATH=path/to/older/checkout python tools/plan_time.py # the same with another version of trunksplit
 
 A ``CheckpointedTrunk`` with a memory budget plans at its first training forward; on a long
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", default="8x3x160x160", help="the batch planned for")
     p.add_argument("--budget", type=float, default=0.5)
     p.add_argument("--gradients", default="kept", choices=["allocated", "kept", "in_backward"])
+    p.add_argument("--objective", default="auto", choices=["auto", "flops", "time"], help="what the plan minimises (auto: time on a GPU, FLOPs on a CPU)")
     p.add_argument("--fit", default="", help="also time trunksplit.fit (no checking step) for one image of --input's shape in this memory")
     return p
 
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.models:
         torch.manual_seed(0)
-        trunk = CheckpointedTrunk(_model(name), memory_budget=args.budget, gradients=args.gradients)
+        trunk = CheckpointedTrunk(_model(name), memory_budget=args.budget, gradients=args.gradients, objective=args.objective)
         start = time.perf_counter()
         plan = trunk.plan_for(x)
         row = [name, len(trunk.units), f"{time.perf_counter() - start:.1f}", " ".join(str(s.start) for s in plan.segments), len(plan.regions)]
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
             fitted = fit(_model(name), tuple(x.shape[1:]), args.fit, gradients=args.gradients, verify=False)
             row += [f"{time.perf_counter() - start:.1f}", fitted.batch_size]
         rows.append(row)
-    print(f"trunksplit from {trunksplit.__file__}, input {args.input}, budget {args.budget}, gradients {args.gradients}, {torch.get_num_threads()} threads\n")
+    print(f"trunksplit from {trunksplit.__file__}, input {args.input}, budget {args.budget}, gradients {args.gradients}, objective {args.objective}, {torch.get_num_threads()} threads\n")
     headers = ["model", "units", "seconds to plan", "segments start at", "regions"] + (["seconds to fit", "fitted batch"] if args.fit else [])
     print(tabulate(rows, headers=headers, tablefmt="github"))
     return 0
