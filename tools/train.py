@@ -59,8 +59,8 @@ def main(argv=None) -> int:
 
 
 def _side_by_side(vs, not_run: str, step_peak: int, also_holds: list) -> str:
-    """The summary's line on one step with and without checkpointing, or why it was not run. Both
-    copies run the student under a stand-in loss in one process: where the step holds more
+    """The summary's line on one step with and without checkpointing, or why it was not run (``not_run``). Both
+    copies run the student under a stand-in loss: where the step holds more
     (``also_holds``: DINO's teacher, vissl's all-reduce), the line says why it reads below the step peak."""
     if vs:
         line = (f"memory, one step side by side: checkpointed {vs['checkpointed'] / 2**20:.1f} MiB, "
