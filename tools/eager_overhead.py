@@ -38,7 +38,7 @@ from torchvision.models.resnet import ResNet
 from torchvision.models.vision_transformer import VisionTransformer
 
 from trunksplit import CheckpointedTrunk, PeakMemory
-from trunksplit.cli.parser import batch_shape
+from trunksplit.cli.parser import batch_shape, shape_text
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import peak_model, plan_trunk
 from trunksplit.planning.timing import interleaved_medians, synchronize
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
             switched += switch_rows(name, model, x, args.repeats)
             print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"### Eager steps, {'x'.join(map(str, args.input))}, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
+    print(f"### Eager steps, {shape_text(args.input)}, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
     if tables:
         print(tabulate(tables, headers=STEP_HEADERS, tablefmt="github"))
         print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")

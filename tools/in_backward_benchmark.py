@@ -26,7 +26,7 @@ from trunksplit.in_backward import update_temporaries
 from trunksplit.planning.budget import MemoryBudget, parse_memory_size
 from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import best_plan, peak_model, plan_from_cuts, plan_trunk
-from trunksplit.cli.parser import batch_shape
+from trunksplit.cli.parser import batch_shape, shape_text
 from trunksplit.ssl.backbones import build_backbone
 from trunksplit.planning.timing import interleaved_medians
 
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         model = build_backbone(arch, args.input[2]).to(args.device)
         for memory, text in zip(memories, args.memory):
             fits.append((arch, text, *(_fitted_batch(model, args, memory, g) for g in ("allocated", "in_backward"))))
-        print(f"\n{arch}: default plain step {plain / 2**20:.1f} MiB ({'x'.join(map(str, args.input))}, {args.optimizer})\n")
+        print(f"\n{arch}: default plain step {plain / 2**20:.1f} MiB ({shape_text(args.input)}, {args.optimizer})\n")
     print("| model | memory | fit's batch, default | fit's batch, in backward | ratio |")
     print("|---|---|---|---|---|")
     for arch, text, default, stepped in fits:

@@ -20,7 +20,7 @@ import torchvision
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk, PeakMemory, checkpoint_wrapper
-from trunksplit.cli.parser import batch_shape
+from trunksplit.cli.parser import batch_shape, shape_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         plain = plain or (one, penalty)
         rows.append([label, "-" if predicted is None else f"{predicted / 2**20:.1f}", f"{one / 2**20:.1f}", f"{one / plain[0]:.2f}",
                      f"{penalty / 2**20:.1f}", f"{penalty / plain[1]:.2f}"])
-    print(f"### A gradient penalty's step: {args.model}, {'x'.join(map(str, args.input))}, {args.device}, gradients kept\n")
+    print(f"### A gradient penalty's step: {args.model}, {shape_text(args.input)}, {args.device}, gradients kept\n")
     print(tabulate(rows, headers=["trunk", "predicted (MiB)", "one backward (MiB)", "/ plain", "penalty (MiB)", "/ plain"], tablefmt="github"))
     return 0
 

@@ -21,7 +21,7 @@ import torch
 from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk
-from trunksplit.cli.parser import batch_shape
+from trunksplit.cli.parser import batch_shape, shape_text
 from trunksplit.planning.search import Cuts, peak_model, plan_from_cuts
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # eager_overhead.py, beside this one, builds the models and runs the steps
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         return 2
     model = eager_overhead.build("resnet50", args.narrow, args.input[2]).to(device)
     x = torch.randn(args.input, generator=torch.Generator().manual_seed(0)).to(device)
-    print(f"### Prices against steps: resnet50{'' if args.narrow == 1 else f' / {args.narrow}'}, {'x'.join(map(str, args.input))}, {device}, median of {args.repeats}\n")
+    print(f"### Prices against steps: resnet50{'' if args.narrow == 1 else f' / {args.narrow}'}, {shape_text(args.input)}, {device}, median of {args.repeats}\n")
     print(tabulate(rows(model, x, args.units, args.repeats), headers=["plan over the first units", "extra ms", "predicted ms", "predicted / measured"], tablefmt="github"))
     return 0
 

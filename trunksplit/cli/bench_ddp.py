@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..distributed.ddp import manual_gradient_all_reduce, manual_sync_params
 from ..ssl.data import usable_cores
 from ..trunk import CheckpointedTrunk
-from .parser import batch_shape
+from .parser import batch_shape, shape_text
 
 
 def _step(ddp, views, manual):
@@ -56,7 +56,7 @@ def _worker(rank, world, port, args, threads):
         native, manual = medians.values()
         for name, m in medians.items():
             print(f"{name:45s} median step {m:.3f} s")
-        print(f"manual / native step time: {manual / native:.2f}  ({args.arch}, 2 gloo processes, 2 views of {'x'.join(map(str, args.input))} per rank, {args.splits} segments, {args.steps} interleaved steps)")
+        print(f"manual / native step time: {manual / native:.2f}  ({args.arch}, 2 gloo processes, 2 views of {shape_text(args.input)} per rank, {args.splits} segments, {args.steps} interleaved steps)")
     dist.destroy_process_group()
 
 

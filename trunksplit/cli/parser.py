@@ -122,7 +122,7 @@ class _ParserWithDefaults(argparse.ArgumentParser):
 def _as_typed(default) -> str:
     """A default as the command line spells it: a shape joined by x, a list by spaces."""
     if isinstance(default, tuple):
-        return "x".join(map(str, default))
+        return shape_text(default)
     return " ".join(map(str, default)) if isinstance(default, list) else str(default)
 
 
@@ -224,6 +224,11 @@ def _dims(text: str, count: int, example: str):
 def batch_shape(text: str):
     """``--input``'s NxCxHxW (``8x3x224x224``) as a tuple of four sizes, each at least 1."""
     return _dims(text, 4, "8x3x224x224")
+
+
+def shape_text(shape) -> str:
+    """A shape as ``--input`` spells it: ``(8, 3, 224, 224)`` is ``8x3x224x224`` (what :func:`batch_shape` reads)."""
+    return "x".join(map(str, shape))
 
 
 def image_shape(text: str):

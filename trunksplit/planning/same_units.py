@@ -13,7 +13,8 @@ same function in every unit, any other object is each private copy's own (``deep
 holding one are measured each; so is a unit whose input is not one tensor (a traced chain's tuples).
 A stochastic-depth rate (torchvision's ``StochasticDepth``, timm's and transformers' ``DropPath``) counts by whether it
 is 0: above 0 it allocates the same mask whatever its value, so blocks whose rates rise one by one are alike.
-The allocator's figures (CUDA; ``allocator=True``) depend on what its cache holds: always measured.
+The allocator's figures (CUDA; ``allocator=True``) depend on what its cache holds: always measured. Wall times
+(the ``"time"`` objective's) do not: shared on either meter (``profile._unit_seconds``).
 The sharp edge: an op whose output size follows values (``nonzero``, boolean indexing; no vision trunk
 here runs one) makes a profile's figures those of its random input anyway, and two blocks alike share them.
 
