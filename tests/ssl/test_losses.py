@@ -50,3 +50,26 @@ def _losses(rank, world_size):
 
 def test_a_rank_alone_has_the_memory_of_its_step_among_the_ranks_and_runs_no_collective():
     run_processes(_losses, 2, timeout=120)
+
+
+def _swav_scores(rank: int) -> list:
+    """Rank ``rank``'s half of a SwAV step's scores (two large crops and a small one, 8 images each): rank 1's run higher."""
+    g = torch.Generator().manual_seed(0)
+    whole = [torch.randn(16, 10, generator=g) + torch.cat([torch.zeros(8, 1), torch.full((8, 1), 0.5)]) for _ in range(3)]
+    return [s[8 * rank: 8 * rank + 8].clone().requires_grad_() for s in whole]
+
+
+def _swav_over_ranks(rank, world_size, expected_grads):
+    scores = _swav_scores(rank)
+    swav_loss(scores, 2, 0.1, 3, 0.05).backward()
+    for s, expected in zip(scores, expected_grads):  # DDP averages the ranks' gradients: each rank's own, divided by the world
+        torch.testing.assert_close(s.grad / world_size, expected[8 * rank: 8 * rank + 8], rtol=1e-5, atol=1e-7)
+
+
+def test_swav_over_two_ranks_has_the_gradients_of_the_whole_batch_in_one_process():
+    """The codes are one equal partition of every rank's batch: a rank's scores must not be scaled apart from the
+    others' (each rank once subtracted its own largest score before the exponential, which weighted the ranks'
+    columns unequally in the partition's row sums, and gave codes far from one process's)."""
+    whole = [torch.cat(parts).detach().requires_grad_() for parts in zip(_swav_scores(0), _swav_scores(1))]
+    swav_loss(whole, 2, 0.1, 3, 0.05).backward()
+    run_processes(_swav_over_ranks, 2, ([s.grad for s in whole],), timeout=120)

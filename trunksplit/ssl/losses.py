@@ -37,10 +37,10 @@ def step_ranks() -> Tuple[int, int, bool]:
     return 0, 1, False
 
 
-def all_reduce_(t: torch.Tensor) -> None:
-    """``t`` summed over the ranks, in place (as it is alone)."""
+def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """``t`` reduced over the ranks (summed by default), in place (as it is alone)."""
     if step_ranks()[2]:
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=op)
 
 
 class _Gather(torch.autograd.Function):
@@ -97,7 +97,10 @@ def nt_xent(z1: torch.Tensor, z2: torch.Tensor, temperature: float) -> torch.Ten
 @torch.no_grad()
 def sinkhorn(scores: torch.Tensor, iterations: int, epsilon: float) -> torch.Tensor:
     """SwAV's equal-partition soft assignment of a (global) batch to prototypes."""
-    q = torch.exp((scores.float() - scores.float().max()) / epsilon).t()  # [K, B]
+    scores = scores.float()
+    top = scores.max().reshape(1)  # every rank's: a constant over the whole batch cancels in the sums, one per rank would not
+    all_reduce_(top, dist.ReduceOp.MAX)
+    q = torch.exp((scores - top) / epsilon).t()  # [K, B]
     world = step_ranks()[1]
     total_b = q.shape[1] * world
     k = q.shape[0]
