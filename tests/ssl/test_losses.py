@@ -7,9 +7,14 @@ import torch
 
 from trunksplit.planning.memory import PeakMemory
 from trunksplit.ssl.dino import update_center
-from trunksplit.ssl.losses import alone_as_one_of, nt_xent, swav_loss
+from trunksplit.ssl.losses import alone_as_one_of, nt_xent, sinkhorn, swav_loss
 
 from distributed_harness import run_processes
+
+
+def _swav(scores):
+    """SwAV's loss without a queue: the two large crops' codes, Sinkhorn over the batch, predicted from the other crops."""
+    return swav_loss(scores, {i: sinkhorn(scores[i].detach(), 3, 0.05) for i in range(2)}, 0.1)
 
 
 # bytes: every tensor these steps hand a collective (SimCLR's: two gathers of 2 x 64 x 4 floats, their two
@@ -27,7 +32,7 @@ def _losses(rank, world_size):
 
     def swav():
         scores = [torch.randn(8, 16, generator=g).requires_grad_() for _ in range(3)]
-        swav_loss(scores, 2, 0.1, 3, 0.05).backward()
+        _swav(scores).backward()
 
     def dino_center():
         update_center(torch.zeros(1, 16), [torch.randn(8, 16, generator=g) for _ in range(2)], 0.9)
@@ -61,7 +66,7 @@ def _swav_scores(rank: int) -> list:
 
 def _swav_over_ranks(rank, world_size, expected_grads):
     scores = _swav_scores(rank)
-    swav_loss(scores, 2, 0.1, 3, 0.05).backward()
+    _swav(scores).backward()
     for s, expected in zip(scores, expected_grads):  # DDP averages the ranks' gradients: each rank's own, divided by the world
         torch.testing.assert_close(s.grad / world_size, expected[8 * rank: 8 * rank + 8], rtol=1e-5, atol=1e-7)
 
@@ -71,5 +76,5 @@ def test_swav_over_two_ranks_has_the_gradients_of_the_whole_batch_in_one_process
     others' (each rank once subtracted its own largest score before the exponential, which weighted the ranks'
     columns unequally in the partition's row sums, and gave codes far from one process's)."""
     whole = [torch.cat(parts).detach().requires_grad_() for parts in zip(_swav_scores(0), _swav_scores(1))]
-    swav_loss(whole, 2, 0.1, 3, 0.05).backward()
+    _swav(whole).backward()
     run_processes(_swav_over_ranks, 2, ([s.grad for s in whole],), timeout=120)

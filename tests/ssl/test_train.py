@@ -445,11 +445,16 @@ DINO_SMALL = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_S
               "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "OPTIM.NAME", "adamw", "OPTIM.LR", "0.001", "OPTIM.WEIGHT_DECAY_END", "0.4"]
 
 
-@pytest.mark.parametrize("method", ["simclr", pytest.param("dino", marks=pytest.mark.slow), "dino_in_backward"])  # dino: dino_in_backward resumes its teacher and centre too
+# SwAV's queue: 8 embeddings of each large crop, full after the two steps saved, used by the two resumed
+SWAV_QUEUE = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "16", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]",
+              "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "METHOD.SWAV.QUEUE_LENGTH", "8"]
+
+
+@pytest.mark.parametrize("method", ["simclr", pytest.param("dino", marks=pytest.mark.slow), "dino_in_backward", "swav_queue"])  # dino: dino_in_backward resumes its teacher and centre too
 def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch, method):
-    # DINO: the EMA teacher, the centre and AdamW's state resume too (stepped in backward as well)
+    # DINO: the EMA teacher, the centre and AdamW's state resume too (stepped in backward as well); SwAV its queue
     overrides = ["TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2", *SMALL, *(DINO_SMALL if method.startswith("dino") else []),
-                 *(["OPTIM.IN_BACKWARD", "True"] if method.endswith("in_backward") else [])]
+                 *(SWAV_QUEUE if method == "swav_queue" else []), *(["OPTIM.IN_BACKWARD", "True"] if method.endswith("in_backward") else [])]
     straight, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "a"), *overrides]))
 
     cfg = load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "b"), *overrides])
@@ -458,6 +463,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monk
     resumed, last = train(cfg, resume=True)
 
     assert not method.startswith("dino") or {"center", "teacher.head.last_layer"} <= set(straight.state_dict())
+    assert method != "swav_queue" or bool(straight.queue[:, -1].any())
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]

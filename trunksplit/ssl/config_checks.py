@@ -195,6 +195,9 @@ def _check_method_and_head(cfg: CN) -> None:
             raise ValueError(f"SwAV predicts one crop's code from another: DATA.CROP_COUNTS {list(cfg.DATA.CROP_COUNTS)} gives {sum(cfg.DATA.CROP_COUNTS)} crop")
         if cfg.METHOD.SINKHORN_ITERATIONS < 1 or not cfg.METHOD.SINKHORN_EPSILON > 0:
             raise ValueError("METHOD.SINKHORN_ITERATIONS must be >= 1 and METHOD.SINKHORN_EPSILON > 0")
+        negative = [f"{key} {value}" for key, value in cfg.METHOD.SWAV.items() if value < 0]
+        if negative:
+            raise ValueError(f"METHOD.SWAV: {', '.join(negative)}: each is a count (of embeddings, or steps), 0 or more")
     if cfg.METHOD.NAME == "dino":
         _check_dino(cfg)
 

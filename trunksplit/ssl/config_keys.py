@@ -37,6 +37,11 @@ RENAMED = {
     "LOSS.swav_loss.num_iters": "METHOD.SINKHORN_ITERATIONS",
     "LOSS.swav_loss.epsilon": "METHOD.SINKHORN_EPSILON",
     "LOSS.swav_loss.num_prototypes": "METHOD.NUM_PROTOTYPES (one number)",
+    "LOSS.swav_loss.queue.queue_length": "METHOD.SWAV.QUEUE_LENGTH (every rank's embeddings together, not one rank's)",
+    "LOSS.swav_loss.queue.local_queue_length": "METHOD.SWAV.QUEUE_LENGTH (every rank's embeddings together: this times the ranks)",
+    "LOSS.swav_loss.queue.start_iter": "METHOD.SWAV.QUEUE_START_STEP",
+    "MODEL.TEMP_FROZEN_PARAMS_ITER_MAP": ("METHOD.SWAV.FREEZE_PROTOTYPES_STEPS (SwAV's prototypes) or METHOD.DINO.FREEZE_LAST_LAYER_STEPS "
+                                          "(DINO's last layer): steps, for that one parameter"),
     "LOSS.dino_loss.student_temp": "METHOD.TEMPERATURE",
     "LOSS.dino_loss.teacher_temp_min": "METHOD.DINO.WARMUP_TEACHER_TEMPERATURE",
     "LOSS.dino_loss.teacher_temp_max": "METHOD.DINO.TEACHER_TEMPERATURE",

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .losses import dino_loss, step_ranks
 from .model import SSLModel, build_model, student_copy
+from .swav import add_queue
 
 
 def add_teacher(model: SSLModel) -> SSLModel:
@@ -32,9 +33,10 @@ def add_teacher(model: SSLModel) -> SSLModel:
 
 
 def build_ssl_model(cfg) -> SSLModel:
-    """The model the config trains: the student, and for DINO its teacher (see :func:`add_teacher`)."""
+    """The model the config trains: the student, and for DINO its teacher (see :func:`add_teacher`), for SwAV its
+    queue where it keeps one (:func:`trunksplit.ssl.swav.add_queue`)."""
     model = build_model(cfg)
-    return add_teacher(model) if cfg.METHOD.NAME == "dino" else model
+    return add_teacher(model) if cfg.METHOD.NAME == "dino" else add_queue(model, cfg)
 
 
 def teacher_temperature(cfg, step: int) -> float:

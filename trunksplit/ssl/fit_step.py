@@ -39,6 +39,7 @@ from ..planning.scaled import ScaledChain
 from ..planning.sharding import gib, rank_memory, shard_bytes
 from ..trunk import plan_key
 from .dino import build_ssl_model
+from .swav import fill_queue
 from .grouped import by_crop_group, held_calls
 from .losses import alone_as_one_of
 from .model import SSLModel
@@ -147,7 +148,8 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
     host = "TRAIN.MEMORY_LIMIT" if layout.host_ranks == 1 else f"TRAIN.MEMORY_LIMIT for each of this host's {layout.host_ranks} ranks, in all"
     check_host_room(memory * layout.host_ranks, device, host, "set TRAIN.BATCH_SIZE_PER_RANK yourself")
     torch.manual_seed(cfg.SEED)
-    step = _StepPrediction(cfg, build_ssl_model(cfg).to(device), device, layout, run_step, say, images_at_most)
+    # a SwAV queue full, as a run's steps use it once it is: the queue's scores and its Sinkhorn are in the step measured
+    step = _StepPrediction(cfg, fill_queue(build_ssl_model(cfg).to(device)), device, layout, run_step, say, images_at_most)
     if step.total(1) > memory:
         raise ValueError(f"TRAIN.MEMORY_LIMIT {format_bytes(memory)} is too small for one image per rank: the smallest that fits is "
                          f"{format_bytes(step.total(1))} ({gib(step.rank.resident)} resident and the step's peak)")

@@ -29,8 +29,9 @@ import torch
 
 from ..in_backward import holding_updates
 from .dino import teacher_temperature, update_center
-from .losses import cross_entropy_terms, dino_targets, log_softmax_at, sinkhorn
+from .losses import cross_entropy_terms, dino_targets, log_softmax_at
 from .model import SSLModel, same_size_runs
+from .swav import swav_codes
 
 
 def by_crop_group(cfg, crops) -> bool:
@@ -68,9 +69,11 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
     for k, (start, stop) in enumerate(groups):
         with contextlib.nullcontext() if k == len(groups) - 1 else _held(model, accumulating):
             with autocast:
-                outputs = wrapped(crops[start:stop])
                 if targets is None:  # SwAV: the large crops' codes, from the first group (it holds them)
-                    targets = {i: sinkhorn(outputs[i].detach(), m.SINKHORN_ITERATIONS, m.SINKHORN_EPSILON) for i in range(num_targets)}
+                    outputs, embeddings = wrapped(crops[start:stop], embeddings=True)
+                    targets = swav_codes(cfg, model, outputs, embeddings, step)
+                else:
+                    outputs = wrapped(crops[start:stop])
                 log_probs = dict(zip(range(start, stop), log_softmax_at(outputs, m.TEMPERATURE)))
                 part = cross_entropy_terms(targets, log_probs)[0] / terms
             backward(part)

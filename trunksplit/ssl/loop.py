@@ -34,6 +34,7 @@ from .side_by_side import not_run_because, side_by_side
 from .run_dir import CHECKPOINT, Resumed, check_output_dir, resume_from, rng_states, save_trunk_weights, saved_batch, start_run_dir
 from .stopping import EvaluationStopped, StopSignals, next_unless_stopping, stop_between_steps, stop_if_asked, until_stopped
 from .strategy import strategy_for
+from .swav import check_queue_shares, swav_codes
 from .weights_init import check_weights_file, start_from_weights
 
 
@@ -100,6 +101,7 @@ def _check_before_start(cfg, resume: bool, device, strategy) -> None:
     if cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE and not resume:
         check_weights_file(cfg.MODEL.WEIGHTS_INIT.PARAMS_FILE)
     check_tensorboard(cfg.LOGGING.TENSORBOARD)
+    check_queue_shares(cfg, strategy.world)
     refuse_wrong_bf16_convolutions(cfg, device, strategy.agree)
     if strategy.rank == 0:
         warn_of_slow_half_precision_on_a_cpu(cfg, device)
@@ -316,18 +318,20 @@ def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, a
     if by_crop_group(cfg, crops):
         return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
     with autocast:
-        loss = whole_step_loss(cfg, model, wrapped(crops), crops, step)
+        outputs, embeddings = wrapped(crops, embeddings=True) if cfg.METHOD.NAME == "swav" else (wrapped(crops), None)
+        loss = whole_step_loss(cfg, model, outputs, crops, step, embeddings)
     scaler.scale(loss).backward()
     return loss.detach()
 
 
-def whole_step_loss(cfg, model, outputs, crops, step: int) -> torch.Tensor:
-    """The step's loss over every crop's outputs at once (the whole step: one backward)."""
+def whole_step_loss(cfg, model, outputs, crops, step: int, embeddings=None) -> torch.Tensor:
+    """The step's loss over every crop's outputs at once (the whole step: one backward); ``embeddings``: SwAV's
+    unit embeddings of the crops (``model(crops, embeddings=True)``), which its queue needs."""
     m = cfg.METHOD
     if m.NAME == "simclr":
         return nt_xent(outputs[0], outputs[1], m.TEMPERATURE)
     if m.NAME == "swav":
-        return swav_loss(outputs, cfg.DATA.CROP_COUNTS[0], m.TEMPERATURE, m.SINKHORN_ITERATIONS, m.SINKHORN_EPSILON)
+        return swav_loss(outputs, swav_codes(cfg, model, outputs, embeddings, step), m.TEMPERATURE)
     return dino_step_loss(cfg, model, outputs, crops[: cfg.DATA.CROP_COUNTS[0]], step)
 
 

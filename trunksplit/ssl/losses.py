@@ -115,9 +115,9 @@ def sinkhorn(scores: torch.Tensor, iterations: int, epsilon: float) -> torch.Ten
     return (q * total_b).t()
 
 
-def swav_loss(scores: List[torch.Tensor], num_large: int, temperature: float, iterations: int, epsilon: float) -> torch.Tensor:
-    """Predict each large crop's code from every other crop (SwAV's swapped prediction)."""
-    codes = {i: sinkhorn(scores[i].detach(), iterations, epsilon) for i in range(num_large)}
+def swav_loss(scores: List[torch.Tensor], codes: Dict[int, torch.Tensor], temperature: float) -> torch.Tensor:
+    """SwAV's swapped prediction: each large crop's code (``codes``, by crop index; :func:`sinkhorn` of its
+    scores, or :func:`trunksplit.ssl.swav.swav_codes`) predicted from every other crop's ``scores``."""
     total, terms = cross_entropy_terms(codes, dict(enumerate(log_softmax_at(scores, temperature))))
     return total / terms
 

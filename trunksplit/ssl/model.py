@@ -133,6 +133,7 @@ class SSLModel(nn.Module):
     centre of the teacher's outputs (the ``center`` buffer); see :mod:`trunksplit.ssl.dino`."""
 
     teacher: Optional["SSLModel"]
+    queue: Optional[torch.Tensor]
 
     def __init__(self, trunk: CheckpointedTrunk, head: nn.Module, num_prototypes: int = 0):
         super().__init__()
@@ -140,19 +141,23 @@ class SSLModel(nn.Module):
         self.head = head
         self.prototypes = nn.Linear(head[-1].out_features, num_prototypes, bias=False) if num_prototypes else None
         self.teacher = None
+        self.register_buffer("queue", None)  # SwAV's queue of earlier embeddings, where the config keeps one: trunksplit/ssl/swav.py
 
-    def forward(self, crops: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop."""
-        out = []
+    def forward(self, crops: List[torch.Tensor], embeddings: bool = False):
+        """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop. With ``embeddings`` (SwAV),
+        also the unit embeddings the scores were taken of, detached: ``(scores, embeddings)``."""
+        out, units = [], []
         for i, j in same_size_runs(crops):
             feature = self.trunk(torch.cat(crops[i:j]))[-1]
             if feature.dim() == 4:
                 feature = feature.mean(dim=(2, 3))
             z = self.head(feature)
             if self.prototypes is not None:
-                z = self.prototypes(F.normalize(z, dim=1))
+                unit = F.normalize(z, dim=1)
+                units += list(unit.detach().chunk(j - i))
+                z = self.prototypes(unit)
             out += list(z.chunk(j - i))
-        return out
+        return (out, units) if embeddings else out
 
     def plan_for(self, crops: List[torch.Tensor], autocast, held: Sequence[bool]) -> None:
         """Make the trunk's cost-aware plans for these crops now (one per resolution), not in the first step;

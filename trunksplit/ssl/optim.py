@@ -64,16 +64,16 @@ def optimizer_of(cfg) -> Tuple[Callable[..., torch.optim.Optimizer], dict]:
 
 
 def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.Tensor], bool]]:
-    """DINO's two stabilisers as one rule run on each parameter's whole (reduced) gradient before its
-    update, or None where neither applies: the gradient's norm clipped to ``OPTIM.CLIP_GRAD``
+    """DINO's two stabilisers (and SwAV's one) as one rule run on each parameter's whole (reduced) gradient
+    before its update, or None where none applies: the gradient's norm clipped to ``OPTIM.CLIP_GRAD``
     (scaled by ``clip / (norm + 1e-6)`` where that is below 1: DINO's ``clip_gradients``; under FSDP2 the
     whole gradient's norm, every rank's shard counted: a collective, run by every rank in one order), and the
-    head's last layer left alone for the first ``METHOD.DINO.FREEZE_LAST_LAYER_STEPS`` steps (its
-    gradient dropped: no update, no weight decay, no optimizer state, as DINO's
-    ``cancel_gradients_last_layer``). The rule returns whether to update the parameter."""
+    last layer left alone in the first steps: DINO's head's for ``METHOD.DINO.FREEZE_LAST_LAYER_STEPS``, SwAV's
+    prototypes for ``METHOD.SWAV.FREEZE_PROTOTYPES_STEPS`` (its gradient dropped: no update, no weight decay,
+    no optimizer state, as DINO's ``cancel_gradients_last_layer`` and SwAV's ``freeze_prototypes_niters``).
+    The rule returns whether to update the parameter."""
     clip = cfg.OPTIM.CLIP_GRAD
-    last_layer = getattr(model.head, "last_layer", None)
-    frozen = last_layer if last_layer is not None and step < cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS else None
+    frozen = _frozen_last_layer(cfg, model, step)
     if not clip and frozen is None:
         return None
 
@@ -90,6 +90,17 @@ def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.
         return True
 
     return rule
+
+
+def _frozen_last_layer(cfg, model: nn.Module, step: int) -> Optional[torch.Tensor]:
+    """The parameter left alone at ``step``: DINO's last layer, SwAV's prototypes, in their first steps; else None."""
+    last_layer = getattr(model.head, "last_layer", None)
+    if last_layer is not None and step < cfg.METHOD.DINO.FREEZE_LAST_LAYER_STEPS:
+        return last_layer
+    prototypes = getattr(model, "prototypes", None)
+    if prototypes is not None and step < cfg.METHOD.SWAV.FREEZE_PROTOTYPES_STEPS:
+        return prototypes.weight
+    return None
 
 
 def apply_gradient_rule(rule: Optional[Callable[[torch.Tensor], bool]], optimizer) -> None:
