@@ -1,5 +1,7 @@
 """SwAV's queue and frozen prototypes: against SwAV's own loop (main_swav.py, written out here), one
 process against two ranks, DDP against FSDP2, resumed, and refused where set wrong."""
+import contextlib
+import copy
 import os
 import types
 
@@ -10,9 +12,10 @@ import torch.nn.functional as F
 from distributed_harness import run_processes
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.dino import build_ssl_model
+from trunksplit.ssl.grouped import grouped_step
 from trunksplit.ssl.loop import train, whole_step_loss
 from trunksplit.ssl.optim import gradient_rule
-from trunksplit.ssl.swav import check_queue_shares, swav_codes
+from trunksplit.ssl.swav import check_queue_shares, fill_queue, swav_codes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -139,12 +142,6 @@ def test_the_prototypes_stay_frozen_for_their_steps_while_the_rest_trains(tmp_pa
 def test_a_step_with_the_queue_in_use_gives_the_grouped_and_the_whole_step_alike():
     """The queue full: the whole step (one backward) and the grouped one give the same loss and gradients,
     and push the same embeddings."""
-    import contextlib
-    import copy
-
-    from trunksplit.ssl.grouped import grouped_step
-    from trunksplit.ssl.swav import fill_queue
-
     cfg = _queued(8, 0)
     torch.manual_seed(0)
     model = fill_queue(build_ssl_model(cfg))
