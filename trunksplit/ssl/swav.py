@@ -1,8 +1,8 @@
 """SwAV (Caron et al. 2020): each large crop's code, an equal partition of the batch among the
 prototypes (Sinkhorn-Knopp over every rank's scores), predicted from every other crop.
 
-At small batches an equal partition of the batch alone is a weak target: 64 images cannot fill
-30 prototypes evenly and mean much, and the codes go uniform. SwAV's answer is a queue: the unit
+At small batches an equal partition of the batch alone is a weak target (a few images a
+prototype). SwAV's answer, at 256 images a step and fewer, is a queue: the unit
 embeddings of the last ``METHOD.SWAV.QUEUE_LENGTH`` large crops of every rank (SwAV: 3840 at a
 total batch of 256, filling from epoch 15), scored against the current prototypes and partitioned
 with the batch; only the batch's own codes are kept. It fills from ``QUEUE_START_STEP`` on and is
