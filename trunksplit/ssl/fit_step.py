@@ -39,12 +39,12 @@ from ..planning.scaled import ScaledChain
 from ..planning.sharding import gib, rank_memory, shard_bytes
 from ..trunk import plan_key
 from .dino import build_ssl_model
-from .swav import fill_queue
 from .grouped import by_crop_group, held_calls
 from .losses import alone_as_one_of
 from .model import SSLModel
 from .optim import gradient_mode, optimizer_of
 from .parallel import autocast_for
+from .swav import fill_queue
 
 RunStep = Callable[[SSLModel, List[torch.Tensor]], object]  # the launcher's forward and backward of one step
 CHECKS = 3

@@ -318,7 +318,7 @@ def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, a
     if by_crop_group(cfg, crops):
         return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
     with autocast:
-        outputs, embeddings = wrapped(crops, embeddings=True) if cfg.METHOD.NAME == "swav" else (wrapped(crops), None)
+        outputs, embeddings = wrapped(crops, embeddings=True)
         loss = whole_step_loss(cfg, model, outputs, crops, step, embeddings)
     scaler.scale(loss).backward()
     return loss.detach()

@@ -144,8 +144,8 @@ class SSLModel(nn.Module):
         self.register_buffer("queue", None)  # SwAV's queue of earlier embeddings, where the config keeps one: trunksplit/ssl/swav.py
 
     def forward(self, crops: List[torch.Tensor], embeddings: bool = False):
-        """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop. With ``embeddings`` (SwAV),
-        also the unit embeddings the scores were taken of, detached: ``(scores, embeddings)``."""
+        """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop. With ``embeddings``, also
+        SwAV's unit embeddings the scores were taken of, detached (none without prototypes): ``(outputs, embeddings)``."""
         out, units = [], []
         for i, j in same_size_runs(crops):
             feature = self.trunk(torch.cat(crops[i:j]))[-1]
