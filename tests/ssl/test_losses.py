@@ -3,11 +3,12 @@ measures a rank's step in one process, with the memory of the real step among it
 collective, so that ranks whose measurements differ never wait on each other."""
 import contextlib
 
+import pytest
 import torch
 
 from trunksplit.planning.memory import PeakMemory
 from trunksplit.ssl.dino import update_center
-from trunksplit.ssl.losses import alone_as_one_of, nt_xent, sinkhorn, swav_loss
+from trunksplit.ssl.losses import alone_as_one_of, dino_loss, nt_xent, sinkhorn, swav_loss
 
 from distributed_harness import run_processes
 
@@ -57,24 +58,52 @@ def test_a_rank_alone_has_the_memory_of_its_step_among_the_ranks_and_runs_no_col
     run_processes(_losses, 2, timeout=120)
 
 
-def _swav_scores(rank: int) -> list:
-    """Rank ``rank``'s half of a SwAV step's scores (two large crops and a small one, 8 images each): rank 1's run higher."""
+def _outputs(rank: int) -> list:
+    """Rank ``rank``'s half of a step's outputs (two large crops and a small one, 8 images of 16 each): rank
+    1's run higher, so that a rank's outputs scaled apart from the other's show."""
     g = torch.Generator().manual_seed(0)
     whole = [torch.randn(16, 10, generator=g) + torch.cat([torch.zeros(8, 1), torch.full((8, 1), 0.5)]) for _ in range(3)]
     return [s[8 * rank: 8 * rank + 8].clone().requires_grad_() for s in whole]
 
 
-def _swav_over_ranks(rank, world_size, expected_grads):
-    scores = _swav_scores(rank)
-    _swav(scores).backward()
-    for s, expected in zip(scores, expected_grads):  # DDP averages the ranks' gradients: each rank's own, divided by the world
+def _dino(outputs, center):
+    """DINO's loss, its teacher's outputs a fixed function of the student's large crops; then the centre moves,
+    as the step moves it."""
+    teacher = [o.detach().flip(-1) * 2 for o in outputs[:2]]
+    loss = dino_loss(outputs, teacher, center, 0.1, 0.04)
+    update_center(center, teacher, 0.9)
+    return loss
+
+
+LOSSES = {  # each method's loss of the step's outputs (and DINO's centre)
+    "simclr": lambda outputs, center: nt_xent(outputs[0], outputs[1], 0.1),
+    "swav": lambda outputs, center: _swav(outputs),
+    "dino": _dino,
+}
+
+
+def _centre() -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, 10).reshape(1, -1)
+
+
+def _over_ranks(rank, world_size, method, expected_grads, expected_centre):
+    outputs, centre = _outputs(rank), _centre()
+    LOSSES[method](outputs, centre).backward()
+    for s, expected in zip(outputs, expected_grads):  # DDP averages the ranks' gradients: each rank's own, divided by the world
+        if expected is None:  # SimCLR's third crop: unused
+            assert s.grad is None
+            continue
         torch.testing.assert_close(s.grad / world_size, expected[8 * rank: 8 * rank + 8], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(centre, expected_centre)
 
 
-def test_swav_over_two_ranks_has_the_gradients_of_the_whole_batch_in_one_process():
-    """The codes are one equal partition of every rank's batch: a rank's scores must not be scaled apart from the
-    others' (each rank once subtracted its own largest score before the exponential, which weighted the ranks'
-    columns unequally in the partition's row sums, and gave codes far from one process's)."""
-    whole = [torch.cat(parts).detach().requires_grad_() for parts in zip(_swav_scores(0), _swav_scores(1))]
-    _swav(whole).backward()
-    run_processes(_swav_over_ranks, 2, ([s.grad for s in whole],), timeout=120)
+@pytest.mark.parametrize("method", sorted(LOSSES))
+def test_each_loss_over_two_ranks_has_the_gradients_of_the_whole_batch_in_one_process(method):
+    """What DDP trains on 2 ranks of 8 images is what one process computes on the 16: SimCLR's negatives are
+    every rank's views, SwAV's codes one equal partition of every rank's batch, DINO's centre the mean over
+    every rank. SwAV's once failed it: each rank subtracted its own largest score before the exponential,
+    which weighted the ranks' columns unequally in the partition's row sums."""
+    whole = [torch.cat(parts).detach().requires_grad_() for parts in zip(_outputs(0), _outputs(1))]
+    centre = _centre()
+    LOSSES[method](whole, centre).backward()
+    run_processes(_over_ranks, 2, (method, [s.grad for s in whole], centre), timeout=120)
