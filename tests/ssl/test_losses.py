@@ -82,19 +82,19 @@ LOSSES = {  # each method's loss of the step's outputs (and DINO's centre)
 }
 
 
-def _centre() -> torch.Tensor:
+def _center() -> torch.Tensor:
     return torch.linspace(-0.5, 0.5, 10).reshape(1, -1)
 
 
-def _over_ranks(rank, world_size, method, expected_grads, expected_centre):
-    outputs, centre = _outputs(rank), _centre()
-    LOSSES[method](outputs, centre).backward()
+def _over_ranks(rank, world_size, method, expected_grads, expected_center):
+    outputs, center = _outputs(rank), _center()
+    LOSSES[method](outputs, center).backward()
     for s, expected in zip(outputs, expected_grads):  # DDP averages the ranks' gradients: each rank's own, divided by the world
         if expected is None:  # SimCLR's third crop: unused
             assert s.grad is None
             continue
         torch.testing.assert_close(s.grad / world_size, expected[8 * rank: 8 * rank + 8], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(centre, expected_centre)
+    torch.testing.assert_close(center, expected_center)
 
 
 @pytest.mark.parametrize("method", sorted(LOSSES))
@@ -104,6 +104,6 @@ def test_each_loss_over_two_ranks_has_the_gradients_of_the_whole_batch_in_one_pr
     every rank. SwAV's once failed it: each rank subtracted its own largest score before the exponential,
     which weighted the ranks' columns unequally in the partition's row sums."""
     whole = [torch.cat(parts).detach().requires_grad_() for parts in zip(_outputs(0), _outputs(1))]
-    centre = _centre()
-    LOSSES[method](whole, centre).backward()
-    run_processes(_over_ranks, 2, (method, [s.grad for s in whole], centre), timeout=120)
+    center = _center()
+    LOSSES[method](whole, center).backward()
+    run_processes(_over_ranks, 2, (method, [s.grad for s in whole], center), timeout=120)
