@@ -27,7 +27,7 @@ import torch
 from trunksplit import optimizer_in_backward
 from trunksplit.planning.memory import PeakMemory, _TensorAccounting  # the tracker PeakMemory runs on CPU, to draw its curve
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.dino import build_ssl_model
+from trunksplit.ssl.model import build_ssl_model
 from trunksplit.ssl.grouped import grouped_step
 from trunksplit.ssl.loop import whole_step_loss
 from trunksplit.ssl.optim import optimizer_of

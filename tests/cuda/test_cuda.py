@@ -296,7 +296,7 @@ def test_a_multi_crop_step_backward_by_crop_group_on_cuda():
     """DINO at two resolutions on the GPU, one step from one model each way: the whole step's
     gradients (fp32 convolutions: the same kernels either way), and a lower allocator peak."""
     from trunksplit.ssl.config import load_config
-    from trunksplit.ssl.dino import build_ssl_model
+    from trunksplit.ssl.model import build_ssl_model
     from trunksplit.ssl.grouped import grouped_step
     from trunksplit.ssl.loop import whole_step_loss
     import contextlib

@@ -13,7 +13,7 @@ from trunksplit import optimizer_in_backward
 from trunksplit import trunk as trunk_module
 from trunksplit.ssl import loop
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.dino import build_ssl_model
+from trunksplit.ssl.model import build_ssl_model
 from trunksplit.ssl.grouped import by_crop_group, grouped_step
 from trunksplit.ssl.loop import train
 

@@ -418,7 +418,7 @@ def test_a_dino_run_is_evaluated_by_its_teacher_as_dinos_own_knn_does(tmp_path, 
     trunk run image by image, and the hand-written kNN."""
     import torch.nn.functional as F
 
-    from trunksplit.ssl.dino import build_ssl_model
+    from trunksplit.ssl.model import build_ssl_model
 
     out = tmp_path / "run"
     dino = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.HEAD.OUTPUT_DIM", "16", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from distributed_harness import run_processes
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.dino import build_ssl_model
+from trunksplit.ssl.model import build_ssl_model
 from trunksplit.ssl.grouped import grouped_step
 from trunksplit.ssl.loop import train, whole_step_loss
 from trunksplit.ssl.optim import gradient_rule

@@ -11,7 +11,7 @@ from PIL import Image
 
 from trunksplit.ssl import knn
 from trunksplit.ssl.config import load_config
-from trunksplit.ssl.dino import build_ssl_model
+from trunksplit.ssl.model import build_ssl_model
 from trunksplit.ssl.loop import train
 from trunksplit.ssl.weights_init import start_from_weights
 

@@ -18,25 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .losses import dino_loss, step_ranks
-from .model import SSLModel, build_model, student_copy
-from .swav import add_queue
-
-
-def add_teacher(model: SSLModel) -> SSLModel:
-    """Give ``model`` (the student) its teacher, equal to it, and a zero centre; returns ``model``."""
-    teacher = student_copy(model, plain=True)
-    teacher.requires_grad_(False)
-    model.teacher = teacher
-    out_dim = model.head.last_layer.shape[0]
-    model.register_buffer("center", torch.zeros(1, out_dim, device=model.head.last_layer.device))
-    return model
-
-
-def build_ssl_model(cfg) -> SSLModel:
-    """The model the config trains: the student, and for DINO its teacher (see :func:`add_teacher`), for SwAV its
-    queue where it keeps one (:func:`trunksplit.ssl.swav.add_queue`)."""
-    model = build_model(cfg)
-    return add_teacher(model) if cfg.METHOD.NAME == "dino" else add_queue(model, cfg)
+from .model import SSLModel
 
 
 def teacher_temperature(cfg, step: int) -> float:

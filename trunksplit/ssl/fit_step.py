@@ -38,10 +38,9 @@ from ..planning.plan import SplitPlan, policy_counts
 from ..planning.scaled import ScaledChain
 from ..planning.sharding import gib, rank_memory, shard_bytes
 from ..trunk import plan_key
-from .dino import build_ssl_model
 from .grouped import by_crop_group, held_calls
 from .losses import alone_as_one_of
-from .model import SSLModel
+from .model import SSLModel, build_ssl_model
 from .optim import gradient_mode, optimizer_of
 from .parallel import autocast_for
 from .swav import fill_queue

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from .config import load_config
 from .data import IMAGE_EXTENSIONS, num_workers, read_image
-from .dino import build_ssl_model
+from .model import build_ssl_model
 from .parallel import autocast_for
 from .run_dir import CHECKPOINT, load_checkpoint, load_sharded_model
 from .stopping import ignore_interrupts

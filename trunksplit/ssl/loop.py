@@ -22,12 +22,12 @@ from ..recompute.wrapper import checkpoint_wrapped_names
 from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import check_images_a_step, image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor, evaluated_trunk
-from .dino import build_ssl_model, dino_step_loss, teacher_momentum, update_teacher
+from .dino import dino_step_loss, teacher_momentum, update_teacher
 from .fit_step import crop_groups, fitted_batch
 from .grouped import by_crop_group, grouped_step, held_calls
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard, images_per_second
-from .model import SSLModel, budget_refused, with_batch
+from .model import SSLModel, budget_refused, build_ssl_model, with_batch
 from .optim import apply_gradient_rule, build_optimizer, gradient_rule, keep_gradients, optimizer_of, set_schedules, with_scaled_lr
 from .parallel import autocast_for, setup_distributed, warn_of_slow_half_precision_on_a_cpu
 from .side_by_side import not_run_because, side_by_side

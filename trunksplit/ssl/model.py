@@ -183,8 +183,35 @@ def same_size_runs(crops: List[torch.Tensor]):
         i = j
 
 
+def build_ssl_model(cfg) -> SSLModel:
+    """The model the config trains: the student (:func:`build_model`), and for DINO its teacher (see
+    :func:`add_teacher`), for SwAV its queue where it keeps one (:func:`add_queue`)."""
+    model = build_model(cfg)
+    return add_teacher(model) if cfg.METHOD.NAME == "dino" else add_queue(model, cfg)
+
+
+def add_teacher(model: SSLModel) -> SSLModel:
+    """Give ``model`` (the student) DINO's teacher, equal to it, and a zero centre; returns ``model``.
+    What they do in a step is :mod:`trunksplit.ssl.dino`'s."""
+    teacher = student_copy(model, plain=True)
+    teacher.requires_grad_(False)
+    model.teacher = teacher
+    out_dim = model.head.last_layer.shape[0]
+    model.register_buffer("center", torch.zeros(1, out_dim, device=model.head.last_layer.device))
+    return model
+
+
+def add_queue(model: SSLModel, cfg) -> SSLModel:
+    """Give ``model`` SwAV's queue where the config keeps one (``METHOD.SWAV.QUEUE_LENGTH`` > 0), empty; returns
+    ``model``. How a step uses and fills it is :mod:`trunksplit.ssl.swav`'s."""
+    length = cfg.METHOD.SWAV.QUEUE_LENGTH
+    if cfg.METHOD.NAME == "swav" and length:
+        model.queue = torch.zeros(cfg.DATA.CROP_COUNTS[0], length, model.prototypes.in_features, device=model.prototypes.weight.device)
+    return model
+
+
 def build_model(cfg) -> SSLModel:
-    """The student the config asks for (a DINO teacher is added by :func:`trunksplit.ssl.dino.add_teacher`)."""
+    """The student the config asks for, without DINO's teacher or SwAV's queue (:func:`build_ssl_model` adds them)."""
     trunk = build_trunk(cfg)
     dim, h = feature_width(trunk, cfg), cfg.MODEL.HEAD
     if cfg.METHOD.NAME == "dino":

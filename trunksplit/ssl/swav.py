@@ -25,14 +25,6 @@ from .losses import gather_with_grad, sinkhorn, step_ranks
 from .model import SSLModel
 
 
-def add_queue(model: SSLModel, cfg) -> SSLModel:
-    """Give ``model`` SwAV's queue where the config keeps one (``METHOD.SWAV.QUEUE_LENGTH`` > 0), empty; returns ``model``."""
-    length = cfg.METHOD.SWAV.QUEUE_LENGTH
-    if cfg.METHOD.NAME == "swav" and length:
-        model.queue = torch.zeros(cfg.DATA.CROP_COUNTS[0], length, model.prototypes.in_features, device=model.prototypes.weight.device)
-    return model
-
-
 def check_queue_shares(cfg, world: int) -> None:
     """Refuse a queue that ``world`` ranks cannot share equally (each scores ``QUEUE_LENGTH / world`` rows)."""
     length = cfg.METHOD.SWAV.QUEUE_LENGTH
