@@ -545,6 +545,8 @@ def test_plan_flags_a_config_sets_are_refused_with_the_key_to_set(args, message,
     (["--config-file", QUICK, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", "2e9"], "TRAIN.BATCH_SIZE_PER_RANK 0 fits the batch when the run starts: trunksplit fit --config-file"),
     (["--config-file", QUICK, "TRAIN.NO_SUCH_KEY", "1"], "unknown config key: TRAIN.NO_SUCH_KEY"),
     (["TRAIN.STEPS", "3"], "config overrides TRAIN.STEPS 3 ... need --config-file"),
+    (["resnet50"], "give the model with --arch resnet50"),  # a new user's first guess
+    (["timm:resnet18", "--budget", "0.5"], "give the model with --arch timm:resnet18"),
 ])
 def test_plan_of_a_config_that_cannot_be_planned_says_why(args, message, capsys):
     assert main(["plan", *args]) == 2

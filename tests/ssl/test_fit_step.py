@@ -193,6 +193,8 @@ def test_a_fit_on_a_small_data_set_stops_at_its_share_of_a_step(tmp_path, capsys
 def test_fit_overrides_without_a_config_file_are_refused(capsys):
     assert main(["fit", "--memory", "1GiB", "TRAIN.STEPS", "3"]) == 2
     assert "need --config-file" in capsys.readouterr().err
+    assert main(["fit", "resnet18", "--memory", "1GiB"]) == 2
+    assert "give the model with --arch resnet18" in capsys.readouterr().err
 
 
 DDP_LIMITS = {"simclr": 200 * 2**20, "simclr stepped in backward": 200 * 2**20, "simclr, vissl's manual DDP": 260 * 2**20, "dino": LIMIT}
