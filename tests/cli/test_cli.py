@@ -511,6 +511,17 @@ def test_config_overrides_go_before_or_after_the_flags_as_the_launcher_takes_the
     assert stopped.value.code == 2 and "unrecognized arguments: --world-sise 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("word,hint", [("resnet50", True), ("timm:resnet18", True), ("TRAIN.STEPS", False)])
+def test_bench_given_a_model_without_arch_points_to_it(word, hint, capsys):
+    """``trunksplit bench resnet50`` (no overrides there): the usage error says where the model goes; a word that
+    reads as no model is refused as before, without the hint."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", word])
+    said = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"unrecognized arguments: {word}" in said
+    assert (f"give a model with --arch {word}" in said) == hint
+
+
 def test_fit_of_a_config_with_no_verify_predicts_only(capsys):
     """``--no-verify`` was read only without ``--config-file``: a config's fit ran its checking step anyway."""
     run = ["fit", "--config-file", QUICK, *SMALL_RUN, "DATA.CROP_SIZES", "[32]", "--memory", "200MiB"]

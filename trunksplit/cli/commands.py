@@ -6,7 +6,6 @@ import time
 import warnings
 
 import torch
-import torchvision
 
 from tqdm import tqdm
 
@@ -52,23 +51,7 @@ def _library_error(e: Exception) -> None:
     print(f"error: {said}", file=sys.stderr)
 
 
-def _overrides_refused(args) -> bool:
-    """Refuse words after the flags without ``--config-file``: they are config overrides (KEY VALUE) and need
-    one. A model's name given there (``trunksplit plan resnet50``) is pointed to ``--arch``. True where refused."""
-    if not args.opts or args.config_file:
-        return False
-    first = args.opts[0]
-    if first.startswith(("timm:", "hf:")) or first in torchvision.models.list_models(module=torchvision.models):
-        print(f"error: give the model with --arch {first} (words after the flags are config overrides, KEY VALUE, "
-              "with --config-file)", file=sys.stderr)
-    else:
-        print(f"error: config overrides {' '.join(args.opts[:2])} ... need --config-file", file=sys.stderr)
-    return True
-
-
 def run_plan(args) -> int:
-    if _overrides_refused(args):
-        return 2
     try:
         device = device_of(args.device)  # before any model: a missing GPU is no fault of its input
     except ValueError as e:
@@ -213,8 +196,6 @@ def run_bench(args) -> int:
 def run_fit(args) -> int:
     if args.config_file:
         return _fit_config(args)
-    if _overrides_refused(args):
-        return 2
     try:
         device = device_of(args.device)  # before the model: a missing GPU is no fault of its input
         model = build_backbone(args.arch, args.input[-1]).to(device)

@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -49,6 +50,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_with_overrides(parser, argv, "opts")
     if args.command in ("plan", "fit") and args.config_file:
         _refuse_what_the_config_says(parser, args)
+    if getattr(args, "opts", None) and not args.config_file:
+        print(f"error: {_overrides_without_config(args.opts)}", file=sys.stderr)
+        return 2
     runner = importlib.import_module(f"{__package__}.{COMMANDS[args.command]}")
     try:
         with warnings_as_lines():
@@ -66,9 +70,25 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: Optional[List[st
     args, extra = parser.parse_known_args(argv)
     if extra:
         if getattr(args, overrides, None) is None or any(t.startswith("-") and not _number(t) for t in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            hint = f" (give a model with --arch {extra[0]})" if _is_model_name(extra[0]) else ""
+            parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
         setattr(args, overrides, getattr(args, overrides) + extra)
     return args
+
+
+def _overrides_without_config(opts: List[str]) -> str:
+    """Why words after the flags are refused without ``--config-file``: they are config overrides (KEY VALUE) and
+    need one; a model's name there (``trunksplit plan resnet50``) is pointed to ``--arch``."""
+    if _is_model_name(opts[0]):
+        return f"give the model with --arch {opts[0]} (words after the flags are config overrides, KEY VALUE, with --config-file)"
+    return f"config overrides {' '.join(opts[:2])} ... need --config-file"
+
+
+def _is_model_name(word: str) -> bool:
+    """Whether ``word`` reads as a model ``--arch`` takes (resnet50, timm:NAME, hf:TYPE) rather than a config key
+    (upper case, TRAIN.STEPS): a new user's first guess puts the model where the flags end (``trunksplit plan
+    resnet50``). By its form, not torchvision's list: this module imports no torch."""
+    return word.startswith(("timm:", "hf:")) or re.fullmatch(r"[a-z][a-z0-9_]*", word) is not None
 
 
 @contextlib.contextmanager
