@@ -13,7 +13,9 @@ import torch
 from trunksplit import trunk as trunk_module
 from trunksplit.cli import main
 from trunksplit.ssl.config import load_config
+from trunksplit.fit import largest_fitting
 from trunksplit.ssl.fit_step import crop_groups
+from trunksplit.ssl.model import build_ssl_model
 from trunksplit.ssl.loop import step_for_fit, train
 from trunksplit.ssl.parallel import SLOW, convolution_slowdown
 
@@ -110,6 +112,26 @@ def test_backward_by_crop_group_fits_more_images_than_the_whole_step(fitted):
     whole, whole_total, _ = fitted("dino", False)
     assert grouped >= 1.4 * whole, (grouped, whole)
     assert 0.85 * LIMIT <= whole_total <= LIMIT and grouped_total <= LIMIT
+
+
+def test_a_batch_no_trunk_budget_fits_by_prediction_is_checked_on_each_groups_lowest_peak_plan():
+    """Where a real step measured well below the limit, fit checks one image more, though by prediction no trunk
+    budget fits it (the search's budget 0: each crop group's lowest-peak plan). That check runs those plans, and the
+    budget fit hands on is bytes each of them meets: 0 reads as no budget to a trunk, which then takes no stored
+    plan (the check, and a launcher run, stopped with "this trunk runs vissl's fixed plan")."""
+    cfg = load_config(QUICK, [*SMALL, *DINO, "TRAIN.MEMORY_LIMIT", str(float(LIMIT))])
+    torch.manual_seed(0)
+    step = fit_step_module._StepPrediction(cfg, build_ssl_model(cfg), torch.device("cpu"), fit_step_module.RankLayout(),
+                                           step_for_fit(cfg, contextlib.nullcontext()), lambda line: None, None)
+    images = largest_fitting(lambda b: step.fits(b, LIMIT)) + 1
+    assert step.budget(images, LIMIT) == 0  # the case: no budget fits this batch by prediction
+    lowest = step.plans(images, 0)
+    for (size, count), plan in zip(step.groups, lowest.values()):  # each group's lowest-peak plan: none within a budget peaks lower
+        assert plan.predicted_peak_bytes == min(step.chains[size].plan(images * count, b).predicted_peak_bytes for b in (0, LIMIT // 8, LIMIT // 4, LIMIT))
+    measured = step.measured(images, 0)
+    assert abs(measured / step.total(images, 0) - 1) < 0.1, (measured, step.total(images, 0))  # the step predicted: those plans
+    budget = fit_step_module.trunk_budget(0, lowest)
+    assert budget == max(plan.predicted_peak_bytes for plan in lowest.values()) > 1
 
 
 def test_a_limit_too_small_for_one_image_is_refused_before_anything_is_written(tmp_path):

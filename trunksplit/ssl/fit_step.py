@@ -160,8 +160,16 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
     if world == 1 and verify:  # one process cannot run a sharded step
         images, budget, measured = _checked(step, images, memory, say)
     plans = step.plans(images, budget)
+    total, budget = step.total(images, budget), trunk_budget(budget, plans)
     lines = [_group_line(k, s, n, images, plan, budget, held) for k, ((s, n), plan, held) in enumerate(zip(step.groups, plans.values(), step.held))]
-    return StepFit(images, budget, step.rank.resident, step.total(images, budget), measured, memory, lines, plans)
+    return StepFit(images, budget, step.rank.resident, total, measured, memory, lines, plans)
+
+
+def trunk_budget(budget: int, plans: Dict[tuple, SplitPlan]) -> int:
+    """``budget`` as a trunk takes it, its ``plans`` given: 0, where the search found none that fits (each group's
+    lowest-peak plan, checked by a real step all the same), reads as no budget to a trunk (``memory_budget=0``:
+    not planned by cost, so it takes no stored plan), so it is the largest of those plans' peaks, which each meets."""
+    return budget or max(plan.predicted_peak_bytes for plan in plans.values())
 
 
 class _StepPrediction:
@@ -248,8 +256,9 @@ class _StepPrediction:
 
     def measured(self, images: int, budget: int) -> int:
         """Everything resident during one real step at ``images`` per rank, the trunk planned as predicted (no profiling)."""
-        trunk = self.make(memory_budget=budget)
-        for key, plan in self.plans(images, budget).items():
+        plans = self.plans(images, budget)
+        trunk = self.make(memory_budget=trunk_budget(budget, plans))
+        for key, plan in plans.items():
             trunk.store_plan(key, plan)
         peak = _measured_step(self.model, trunk, self.run_step, _crops(self.groups, images, self.device), self.mode, self.optimizer, self.ranks)
         return self.rank.resident + max(peak, self.optimizer_peak)

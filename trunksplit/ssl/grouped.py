@@ -67,8 +67,11 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
     groups = list(same_size_runs(crops))
     total = torch.zeros(())
     for k, (start, stop) in enumerate(groups):
+        # A lone large crop (DATA.CROP_COUNTS [1, ...]) is read by no term: its group runs without a graph,
+        # for the BatchNorm statistics its forward moves in the whole step too, and SwAV's codes.
+        read = any(j != i for i in range(num_targets) for j in range(start, stop))
         with contextlib.nullcontext() if k == len(groups) - 1 else _held(model, accumulating):
-            with autocast:
+            with autocast, torch.set_grad_enabled(read and torch.is_grad_enabled()):
                 if targets is None:  # SwAV: the large crops' codes, from the first group (it holds them)
                     outputs, embeddings = wrapped(crops[start:stop], embeddings=True)
                     targets = swav_codes(cfg, model, outputs, embeddings, step)
@@ -76,8 +79,9 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
                     outputs = wrapped(crops[start:stop])
                 log_probs = dict(zip(range(start, stop), log_softmax_at(outputs, m.TEMPERATURE)))
                 part = cross_entropy_terms(targets, log_probs)[0] / terms
-            backward(part)
-        total = total.to(part.device) + part.detach()
+            if read:
+                backward(part)
+                total = total.to(part.device) + part.detach()
     if teacher_out is not None:
         update_center(model.center, teacher_out, m.DINO.CENTER_MOMENTUM)
     return total
