@@ -114,15 +114,30 @@ def test_backward_by_crop_group_fits_more_images_than_the_whole_step(fitted):
     assert 0.85 * LIMIT <= whole_total <= LIMIT and grouped_total <= LIMIT
 
 
+def _prediction(method_overrides):
+    """fit's prediction of a launcher step (``fit_step._StepPrediction``), before any batch is searched."""
+    cfg = load_config(QUICK, [*SMALL, *method_overrides, "TRAIN.MEMORY_LIMIT", str(float(LIMIT))])
+    torch.manual_seed(0)
+    return fit_step_module._StepPrediction(cfg, build_ssl_model(cfg), torch.device("cpu"), fit_step_module.RankLayout(),
+                                           step_for_fit(cfg, contextlib.nullcontext()), lambda line: None, None)
+
+
+def test_a_lone_large_crops_group_is_predicted_as_it_runs_without_backward():
+    """DINO with one global crop (DATA.CROP_COUNTS [1, 4]), grouped: no term reads that crop, so its group runs
+    without a graph, and the next group finds no gradients. Predicted so, the step a fit finds is the step measured
+    (predicted as a trained group, it was 10% over, and the fit a batch short of what the memory holds)."""
+    step = _prediction([*DINO[:6], "DATA.CROP_COUNTS", "[1, 4]", *DINO[8:]])
+    images = largest_fitting(lambda b: step.fits(b, LIMIT))
+    budget = step.budget(images, LIMIT)
+    assert abs(step.measured(images, budget) / step.total(images, budget) - 1) < 0.03
+
+
 def test_a_batch_no_trunk_budget_fits_by_prediction_is_checked_on_each_groups_lowest_peak_plan():
     """Where a real step measured well below the limit, fit checks one image more, though by prediction no trunk
     budget fits it (the search's budget 0: each crop group's lowest-peak plan). That check runs those plans, and the
     budget fit hands on is bytes each of them meets: 0 reads as no budget to a trunk, which then takes no stored
     plan (the check, and a launcher run, stopped with "this trunk runs vissl's fixed plan")."""
-    cfg = load_config(QUICK, [*SMALL, *DINO, "TRAIN.MEMORY_LIMIT", str(float(LIMIT))])
-    torch.manual_seed(0)
-    step = fit_step_module._StepPrediction(cfg, build_ssl_model(cfg), torch.device("cpu"), fit_step_module.RankLayout(),
-                                           step_for_fit(cfg, contextlib.nullcontext()), lambda line: None, None)
+    step = _prediction(DINO)
     images = largest_fitting(lambda b: step.fits(b, LIMIT)) + 1
     assert step.budget(images, LIMIT) == 0  # the case: no budget fits this batch by prediction
     lowest = step.plans(images, 0)

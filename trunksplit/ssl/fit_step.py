@@ -220,7 +220,10 @@ class _StepPrediction:
         found = [a if self.mode == "kept" else chain.planned_peak(b, budget, None if waiting and j == 0 else "kept", held) + self.trunk_grads
                  for j, ((chain, b), a, held) in enumerate(zip(sized, alone, self.held))]
         if self.grouped:
-            return max([alone[0], *found[1:]])
+            # a lone large crop's group (one crop, its own target) runs without a graph (grouped.py): no backward and no
+            # gradients for the next group to find; its forward holds a unit's input and output at a time, below a trained group's peak
+            first = 1 if self.groups[0][1] == 1 else 0
+            return max([alone[first], *found[first + 1:]])
         held = [chain.held_after_forward(b, budget) for chain, b in sized]
         last = len(sized) - 1
         return max(sum(held[:j]) + (alone[j] if j == last else found[j]) for j in range(last, -1, -1))
