@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A GPU session's one prepared command: the CUDA tier, the GPU check's report and the eager step's
-# attribution (at 4 images, launch-bound, and at 64, where kernels weigh more) and the time objective's
-# prices against measured steps, each under its own time limit, their logs and reports written to $OUT
-# (default gpu_out/). Sized for a lease of 15 minutes on one H100 or H200, and for the device tool's
-# 10 minutes a command: 590 s of limits in all.
+# attribution (at 4 images, launch-bound, and at 64, where kernels weigh more), the time objective's
+# prices against measured steps and DINO's multi-crop step whole against by crop group, each under its
+# own time limit, their logs and reports written to $OUT (default gpu_out/). Sized for a lease of 15
+# minutes on one H100 or H200, and for the device tool's 10 minutes a command: 585 s of limits in all
+# (on an H200, 2026-12-04, the first five took 384 s, the multi-crop step about 45).
 #
 #     bash tools/gpu_session.sh                 # from the repository root, on the GPU machine
 #
@@ -21,8 +22,9 @@ fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/environment.txt"
 # the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them
 timeout 100 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
-timeout 230 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
-timeout 160 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
-timeout 65 python3 tools/eager_overhead.py --device cuda --models resnet50 --input 64x3x224x224 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
-timeout 35 python3 tools/price_check.py --device cuda --input 4x3x224x224 --repeats 21 2>&1 | tee "$OUT/price_check.md"
+timeout 215 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
+timeout 120 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
+timeout 50 python3 tools/eager_overhead.py --device cuda --models resnet50 --input 64x3x224x224 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
+timeout 30 python3 tools/price_check.py --device cuda --input 4x3x224x224 --repeats 21 2>&1 | tee "$OUT/price_check.md"
+timeout 70 python3 tools/multicrop_benchmark.py --device cuda --batch 32 --repeats 5 --methods dino 2>&1 | tee "$OUT/multicrop_dino.md"
 echo "gpu_session: done; files in $OUT"
