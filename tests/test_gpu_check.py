@@ -94,6 +94,19 @@ def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_mem
     assert abs(parts["the plan's extra time (plan - plain)"] - extra) <= 0.11, (parts, extra)
 
 
+@pytest.mark.slow  # 10 s
+def test_a_step_the_overhead_tool_cannot_plan_is_a_row_that_says_the_least_budget_it_reaches(capsys):
+    """A reentrant trunk's time plan has cuts alone, which may not reach a budget the regions reach: its row says
+    so, with the smallest budget cuts reach (above the one asked), where it was left out without a word."""
+    assert _tool("eager_overhead").main(["--device", "cpu", "--models", "resnet50", "--narrow", "16", "--input", "4x3x64x64",
+                                         "--budgets", "0.45", "--repeats", "1"]) == 0
+    steps = {r[2]: r for r in _table(capsys.readouterr().out, "Eager steps")}
+    assert "objective time" in steps and steps["objective time"][4] != "-"  # the budget is met with regions
+    said = steps["objective time, reentrant"]
+    least = re.fullmatch(r"the smallest feasible budget is .* MiB \(\d+ bytes\), (\S+) of unsplit", said[3])
+    assert least and float(least.group(1)) > 0.45 and said[4:] == ["-"] * 6, said
+
+
 def test_the_planning_time_tool_reports_the_plan_the_trunk_makes(capsys):
     """tools/plan_time.py (docs/benchmarks.md, "How long a plan takes"): its row's segments and regions
     are those of the same trunk planned here."""

@@ -123,13 +123,20 @@ def _with_plan(model, x, plan, use_reentrant=False):
     return trunk
 
 
+def _reason(refusal: ValueError) -> str:
+    """The planner's refusal of a budget, in a table cell: its smallest feasible budget."""
+    clauses = str(refusal).split(";")
+    return next((c for c in clauses if "smallest feasible" in c), clauses[0]).strip().split(". ")[0][:120]
+
+
 def variants(model, x, budget: float):
-    """(label -> trunk, the flops plan) or (None, the planner's reason) where the budget does not fit."""
+    """(label -> trunk, the flops plan, label -> why that step is not run) or (None, the planner's reason, {}) where
+    the budget does not fit."""
     planned = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="flops")
     try:
         plan = planned.plan_for(x)
     except ValueError as e:
-        return None, str(e).split(";")[-1].strip()[:120]
+        return None, _reason(e), {}
     timed = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time")
     request = timed.plan_request()
     measured = peak_model(request, x, regions=True)
@@ -144,13 +151,13 @@ def variants(model, x, budget: float):
              "its cuts only, reentrant": _with_plan(model, x, cuts, use_reentrant=True),
              "selective regions run whole": _with_plan(model, x, whole), "objective time": timed,
              "objective time, cuts priced by their forward (before)": _with_plan(model, x, plan_trunk(request, x, by_forward))}
-    reentrant = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time", use_reentrant=True)
+    reentrant, unreached = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time", use_reentrant=True), {}
     try:  # cuts alone (a reentrant trunk has no regions): none may reach the budget
         reentrant.plan_for(x)
         steps["objective time, reentrant"] = reentrant
-    except ValueError:
-        pass
-    return steps, plan
+    except ValueError as e:
+        unreached["objective time, reentrant"] = _reason(e)
+    return steps, plan, unreached
 
 
 class _NarrowResNet(ResNet):
@@ -231,7 +238,7 @@ def switch_rows(name: str, model: nn.Module, x, repeats: int) -> list:
         try:
             trunk.plan_for(x)
         except ValueError as e:
-            print(f"eager_overhead: {label}: {str(e).split(';')[-1].strip()[:120]}", file=sys.stderr)
+            print(f"eager_overhead: {label}: {_reason(e)}", file=sys.stderr)
             continue
         steps[label], peaks[label] = trunk, _peak(trunk, x)
     ms = _median_ms(steps, x, repeats)
@@ -246,7 +253,7 @@ def _regions(plan) -> str:
 
 
 def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int):
-    steps, plan = variants(model, x, budget)
+    steps, plan, unreached = variants(model, x, budget)
     if steps is None:
         return [[name, budget, "-", plan, "-", "-", "-", "-", "-", "-"]], []
     ms = _median_ms(steps, x, repeats)
@@ -258,6 +265,7 @@ def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int):
         shape = "-" if p is None else f"{sum(s.checkpointed for s in p.segments)} checkpointed of {len(p.segments)}; regions: {_regions(p)}"
         predicted = "-" if p is None or p.segments[0].recompute_seconds is None else f"{sum(s.recompute_seconds for s in p.segments) * 1e3:.1f}"
         table.append([name, budget, k, shape, f"{ms[k]:.1f}", f"{ms[k] / ms[base]:.3f}", f"{ms[k] - ms[base]:.1f}", predicted, f"{peaks[k] / peaks[base]:.3f}", _ops(trunk, x)])
+    table += [[name, budget, k, why, "-", "-", "-", "-", "-", "-"] for k, why in unreached.items()]  # said, not left out
     unit_ms = unit_forward_ms(steps[base], x, repeats)
     rerun = sum(sum(unit_ms[s.start:s.stop]) for s in plan.segments if s.checkpointed)
     label = f"budget {budget}, objective flops"
