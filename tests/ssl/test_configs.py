@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -32,8 +33,20 @@ def test_the_configs_folder_holds_the_configs_the_docs_name():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=_name)
 def test_every_shipped_config_loads(path):
-    cfg = load_config(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and says nothing: a shipped config is as its docs mean it
+        cfg = load_config(path)
     assert cfg.TRAIN.STEPS > 0 and cfg.DATA.CROP_SIZES and cfg.MODEL.TRUNK.NAME
+
+
+@pytest.mark.parametrize("method", ["dino", "swav"])
+def test_small_crops_listed_first_are_said_to_be_the_targets(method):
+    """DINO's teacher and SwAV's codes read the first DATA.CROP_COUNTS[0] crops: listed first, the small ones would be
+    the targets the large ones predict, legal but almost surely not meant."""
+    recipe = os.path.join(ROOT, "configs", "recipes", f"{method}.yaml")
+    with pytest.warns(UserWarning, match=r"DATA.CROP_SIZES \[16, 32\]: .* the first 4 \(DATA.CROP_COUNTS\[0\]\), at 16px, and the 32px "
+                                         r"crops only predict them; list the large crops first"):
+        load_config(recipe, ["DATA.CROP_SIZES", "[16, 32]", "DATA.CROP_COUNTS", "[4, 2]"])
 
 
 def _folder(root, seed):

@@ -200,6 +200,18 @@ def _check_method_and_head(cfg: CN) -> None:
             raise ValueError(f"METHOD.SWAV: {', '.join(negative)}: each is a count (of embeddings, or steps), 0 or more")
     if cfg.METHOD.NAME == "dino":
         _check_dino(cfg)
+    _say_targets_are_the_first_crops(cfg)
+
+
+def _say_targets_are_the_first_crops(cfg: CN) -> None:
+    """DINO's teacher and SwAV's codes read the first DATA.CROP_COUNTS[0] crops, which both recipes make their large
+    ones: say so where a later resolution is larger (the small crops listed first, most likely)."""
+    sizes, first = list(cfg.DATA.CROP_SIZES), cfg.DATA.CROP_COUNTS[0]
+    if cfg.METHOD.NAME in ("dino", "swav") and max(sizes) > sizes[0]:
+        method, targets = ("DINO", "the teacher's crops") if cfg.METHOD.NAME == "dino" else ("SwAV", "the crops SwAV assigns codes to")
+        warnings.warn(f"DATA.CROP_SIZES {sizes}: {targets} are the first {first} (DATA.CROP_COUNTS[0]), at {sizes[0]}px, and the "
+                      f"{max(sizes)}px crops only predict them; list the large crops first, as {method}'s recipes do",
+                      UserWarning, stacklevel=3)
 
 
 def _check_dino(cfg: CN) -> None:
