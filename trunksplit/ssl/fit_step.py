@@ -351,12 +351,14 @@ def _peak_of(model: SSLModel, run_step: RunStep, crops, kept: bool, ranks: int) 
 
 def _measured_step(model: SSLModel, trunk, run_step: RunStep, crops, mode: str, optimizer: OptimizerSpec, ranks: int) -> int:
     """The peak of one real step of ``model`` with ``trunk`` in place of its own (stepped in backward by
-    ``optimizer``, its class and arguments, where ``mode`` says)."""
+    ``optimizer``, its class and arguments, where ``mode`` says, after a first step has made the optimizer's
+    state: the state is resident, counted apart, and a run's first step makes it where the others find it)."""
     saved, model.trunk = model.trunk, trunk
     stepping = None
     if mode == "in_backward":
         optimizer_class, kwargs = optimizer
         stepping = optimizer_in_backward([p for p in model.parameters() if p.requires_grad], optimizer_class, **kwargs)
+        _peak_of(model, run_step, crops, False, ranks)
     try:
         return _peak_of(model, run_step, crops, mode == "kept", ranks)  # alone: no rank reduces its gradients
     finally:
