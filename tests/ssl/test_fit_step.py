@@ -127,11 +127,13 @@ def _prediction(method_overrides):
                                            step_for_fit(cfg, contextlib.nullcontext()), lambda line: None, None)
 
 
-def test_a_lone_large_crops_group_is_predicted_as_it_runs_without_backward():
+@pytest.mark.parametrize("stepped", [False, True], ids=["allocated", "in_backward"])
+def test_a_lone_large_crops_group_is_predicted_as_it_runs_without_backward(stepped):
     """DINO with one global crop (DATA.CROP_COUNTS [1, 4]), grouped: no term reads that crop, so its group runs
-    without a graph, and the next group finds no gradients. Predicted so, the step a fit finds is the step measured
-    (predicted as a trained group, it was 10% over, and the fit a batch short of what the memory holds)."""
-    step = _prediction([*DINO[:6], "DATA.CROP_COUNTS", "[1, 4]", *DINO[8:]])
+    without a graph, and the next group finds no gradients; stepped in backward, the next group's is the step's
+    only backward, its updates held by none. Predicted so, the step a fit finds is the step measured (predicted
+    as a trained group, it was 10% over, and the fit a batch short of what the memory holds)."""
+    step = _prediction([*DINO[:6], "DATA.CROP_COUNTS", "[1, 4]", *DINO[8:], "OPTIM.IN_BACKWARD", str(stepped)])
     images = largest_fitting(lambda b: step.fits(b, LIMIT))
     budget = step.budget(images, LIMIT)
     assert abs(step.measured(images, budget) / step.total(images, budget) - 1) < 0.03

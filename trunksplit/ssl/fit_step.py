@@ -214,15 +214,15 @@ class _StepPrediction:
         the parts (autograd's buffers) as allocated gradients and the first call finds them; grouped,
         the first group's backward keeps its gradients (allocated), the later groups find them."""
         sized = [(self.chains[s], images * n) for s, n in self.groups]
-        waiting = self.mode == "in_backward" and len(sized) > 1
+        # grouped, a lone large crop's group (one crop, its own target) runs without a graph (grouped.py): no backward and no
+        # gradients for the next group to find; its forward holds a unit's input and output at a time, below a trained group's peak
+        first = 1 if self.grouped and self.groups[0][1] == 1 else 0
+        waiting = self.mode == "in_backward" and len(sized) - first > 1
         alone = [chain.planned_peak(b, budget, "allocated" if waiting else None, held) for (chain, b), held in zip(sized, self.held)]
         # waiting, the first call's backward updates as it goes (its own mode's peak) beside the parts the others left
         found = [a if self.mode == "kept" else chain.planned_peak(b, budget, None if waiting and j == 0 else "kept", held) + self.trunk_grads
                  for j, ((chain, b), a, held) in enumerate(zip(sized, alone, self.held))]
         if self.grouped:
-            # a lone large crop's group (one crop, its own target) runs without a graph (grouped.py): no backward and no
-            # gradients for the next group to find; its forward holds a unit's input and output at a time, below a trained group's peak
-            first = 1 if self.groups[0][1] == 1 else 0
             return max([alone[first], *found[first + 1:]])
         held = [chain.held_after_forward(b, budget) for chain, b in sized]
         last = len(sized) - 1
