@@ -38,7 +38,7 @@ from ..planning.plan import SplitPlan, policy_counts
 from ..planning.scaled import ScaledChain
 from ..planning.sharding import gib, rank_memory, shard_bytes
 from ..trunk import plan_key
-from .grouped import by_crop_group, held_calls
+from .grouped import backward_calls, by_crop_group, held_calls
 from .losses import alone_as_one_of
 from .model import SSLModel, build_ssl_model
 from .optim import gradient_mode, optimizer_of
@@ -182,6 +182,7 @@ class _StepPrediction:
         self.groups = crop_groups(cfg)
         sizes = [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)]
         self.grouped, self.held = by_crop_group(cfg, sizes), held_calls(cfg, sizes)  # held: the trunk plans the call so
+        self.backward = backward_calls(cfg, sizes)
         self.mode = mode = gradient_mode(cfg)
         self.optimizer = optimizer_of(cfg)  # the run's own: its class and the config's arguments
         world = layout.world
@@ -214,9 +215,9 @@ class _StepPrediction:
         the parts (autograd's buffers) as allocated gradients and the first call finds them; grouped,
         the first group's backward keeps its gradients (allocated), the later groups find them."""
         sized = [(self.chains[s], images * n) for s, n in self.groups]
-        # grouped, a lone large crop's group (one crop, its own target) runs without a graph (grouped.py): no backward and no
-        # gradients for the next group to find; its forward holds a unit's input and output at a time, below a trained group's peak
-        first = 1 if self.grouped and self.groups[0][1] == 1 else 0
+        # grouped, a lone large crop's group runs without a graph (grouped.backward_calls): no gradients for the next group to
+        # find; its forward holds a unit's input and output at a time, below a trained group's peak
+        first = self.backward.index(True)
         waiting = self.mode == "in_backward" and len(sized) - first > 1
         alone = [chain.planned_peak(b, budget, "allocated" if waiting else None, held) for (chain, b), held in zip(sized, self.held)]
         # waiting, the first call's backward updates as it goes (its own mode's peak) beside the parts the others left

@@ -49,6 +49,16 @@ def held_calls(cfg, crops) -> List[bool]:
     return [held and k < runs - 1 for k in range(runs)]
 
 
+def backward_calls(cfg, crops) -> List[bool]:
+    """For each of the step's trunk calls (a run of crops of one size), whether a backward runs through it: every
+    call but, grouped, a lone large crop's (``DATA.CROP_COUNTS [1, ...]``), its own target, read by no loss term."""
+    runs = list(same_size_runs(crops))
+    if not by_crop_group(cfg, crops):
+        return [True] * len(runs)
+    targets = cfg.DATA.CROP_COUNTS[0]
+    return [any(j != i for i in range(targets) for j in range(start, stop)) for start, stop in runs]
+
+
 def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: ContextManager, backward: Callable[[torch.Tensor], None],
                  accumulating: Callable[[], ContextManager]) -> torch.Tensor:
     """One training step's forward and backward, group by group; returns the step's loss (detached).
@@ -66,10 +76,9 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
             targets = dict(enumerate(dino_targets(teacher_out, model.center, teacher_temperature(cfg, step))))
     groups = list(same_size_runs(crops))
     total = torch.zeros(())
-    for k, (start, stop) in enumerate(groups):
-        # A lone large crop (DATA.CROP_COUNTS [1, ...]) is read by no term: its group runs without a graph,
-        # for the BatchNorm statistics its forward moves in the whole step too, and SwAV's codes.
-        read = any(j != i for i in range(num_targets) for j in range(start, stop))
+    # a lone large crop's group, read by no term, runs without a graph: for the BatchNorm statistics its forward
+    # moves in the whole step too, and SwAV's codes
+    for k, ((start, stop), read) in enumerate(zip(groups, backward_calls(cfg, crops))):
         with contextlib.nullcontext() if k == len(groups) - 1 else _held(model, accumulating):
             with autocast, torch.set_grad_enabled(read and torch.is_grad_enabled()):
                 if targets is None:  # SwAV: the large crops' codes, from the first group (it holds them)
