@@ -20,7 +20,7 @@ A training step with checkpoint segments S_1..S_m (S_m not checkpointed) holds, 
   from its accumulation to its update, and the update of the unit's largest
   parameter allocates ``update_temporaries`` tensors of its size beside it.
 
-A checkpointed segment's recompute stops at the last tensor it saves (torch's non-reentrant early
+A checkpointed segment's recompute stops at the last tensor it saves (non-reentrant checkpoint's early
 stop: the last unit's forward beyond its last save never runs again, ``UnitCosts.rerun_peak``); its
 first forward keeps nothing (``UnitCosts.first_peak``). So peak = max_j (P_j + L(S_j)), with P_j a prefix sum of boundary sizes and L
 local to the segment (the gradients allocated so far depend on the unit only).

@@ -13,9 +13,9 @@ from run to run by a few percent, so a ``"time"`` plan may too where two choices
 Every price is a measured step difference, overhead included: a unit's step under a checkpoint
 of its own less its plain step (:func:`rerun_seconds`), a span's step under a region policy less
 its plain step (:func:`time_span`). A unit's forward alone misprices a cut: non-reentrant
-checkpoint runs Python hooks for every tensor a segment saves, in the forward, at the unpack and
-in the recompute, which cost more than the rerun ops themselves where ops are small (a GPU's
-launch-bound step; docs/benchmarks.md).
+checkpoint runs Python hooks for every tensor a segment saves, in the forward and at the unpack,
+which cost as much as the rerun ops themselves where ops are small (a GPU's launch-bound step;
+docs/benchmarks.md).
 """
 import functools
 import statistics

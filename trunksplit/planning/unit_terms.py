@@ -115,8 +115,8 @@ def _updates(c: UnitCosts, excess: Sequence[int], temporaries: float, compiled: 
 def input_relief(model: "PeakModel", a: int, last: bool) -> int:
     """Bytes of a segment's input that go before its backward ends: once no unit of it holds the input,
     it is predicted without it. Unit ``a - 1`` allocated it and the caller holds no view of it (a feature):
-    a checkpoint keeps its input until the last tensor its segment saved goes (torch's non-reentrant
-    ``_CheckpointFrame`` is held by the hooks of each), the last segment only in its units' saves of it.
+    a checkpoint keeps its input until the last tensor its segment saved goes (its frame, with the saved
+    input, is held by the hooks of each: :mod:`trunksplit.recompute.hooked`), the last segment only in its units' saves of it.
     0 (held to the end) where the moments are not measured: compiled units, FSDP2 ranks, a reentrant
     checkpoint (its backward holds its input whole)."""
     c = model.costs

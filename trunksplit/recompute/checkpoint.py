@@ -1,9 +1,11 @@
-"""Checkpointed execution: every function trunksplit runs under ``torch.utils.checkpoint`` goes
-through :func:`run_checkpointed`, so BatchNorm, RNG, autocast and the reentrant-mode input quirk
-are handled once, for the trunk's segments, its regions and :func:`checkpoint_wrapper` alike.
+"""Checkpointed execution: every function trunksplit checkpoints goes through
+:func:`run_checkpointed`, so BatchNorm, RNG, autocast and the reentrant-mode input quirk are handled
+once, for the trunk's segments, its regions and :func:`checkpoint_wrapper` alike. Non-reentrant cuts
+run under :func:`trunksplit.recompute.hooked.checkpoint_by_hooks` (torch's semantics at a fraction of
+its Python cost per saved tensor), selective regions and reentrant cuts under ``torch.utils.checkpoint``.
 
-What is exact: outputs, every gradient, dropout masks (torch restores the RNG
-state), autocast (torch re-enters the forward's autocast state, CPU bf16
+What is exact: outputs, every gradient, dropout masks (the RNG state is restored
+for the recompute), autocast (the forward's autocast state is re-entered, CPU bf16
 included) and BatchNorm buffers (running stats and ``num_batches_tracked`` move
 once per training step, as without checkpointing). What is not: the recompute
 costs one more forward of the checkpointed part, and code that has side effects
@@ -34,6 +36,7 @@ from torch.nn.modules.batchnorm import _NormBase  # BatchNorm, SyncBatchNorm, In
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import flop_registry
 
+from .hooked import checkpoint_by_hooks
 from .selective import keep_policy, selective_contexts
 
 _local = threading.local()
@@ -325,9 +328,9 @@ def run_checkpointed(
     the first forward did. ``args`` and ``kwargs`` are passed as a tuple and a dict,
     never spread into this call or torch's, so a module's own keyword named
     ``debug``, ``use_reentrant`` or ``function`` reaches the module unchanged.
-    Non-reentrant mode (the default) takes keyword arguments (closed over: torch's
-    non-reentrant checkpoint follows any tensor the function uses) and any output
-    structure. Reentrant mode takes positional tensors only; where no input
+    Non-reentrant mode (the default, :func:`~trunksplit.recompute.hooked.checkpoint_by_hooks`)
+    takes keyword arguments (closed over: a non-reentrant checkpoint follows any tensor the
+    function uses) and any output structure. Reentrant mode takes positional tensors only; where no input
     requires grad, torch's reentrant checkpoint would silently give the
     parameters no gradient, so a zero-size input that requires grad is added. Where no
     input and no parameter of ``modules`` requires grad (frozen units on the images),
@@ -378,7 +381,7 @@ def run_checkpointed(
         return checkpoint(lambda *a: function(*_containers_copied(a), **_containers_copied(kwargs)), *args, use_reentrant=False,
                           context_fn=selective_contexts(keep, guard.first_forward, guard.recompute))
     if not use_reentrant:
-        return checkpoint(lambda *a: run(*a, **kwargs), *args, use_reentrant=False)
+        return checkpoint_by_hooks(lambda *a: run(*a, **kwargs), *args)
     if kwargs:
         raise TypeError("reentrant checkpointing takes positional arguments only; use use_reentrant=False to pass keywords")
     return _reentrant(run, args, modules)

@@ -30,6 +30,11 @@ def selective_contexts(keep: Callable, first_forward: Callable[[], ContextManage
 
     def contexts():
         forward, replay = create_selective_checkpoint_contexts(keep_policy(keep))
+        if hasattr(forward, "respect_saved_tensors_hooks"):
+            # torch 2.14 asks, with a FutureWarning, whether the kept outputs go through the saved-tensor
+            # hooks around the region (an enclosing cut's); checkpoint's argument for it cannot reach a mode
+            # wrapped in ours. Earlier torch keeps them outside the hooks, as False still does.
+            forward.respect_saved_tensors_hooks = False
         return _both(ours(first_forward), forward), _ReplayOnce(lambda: _both(ours(recompute), replay), lambda: ours(recompute))
 
     return contexts
