@@ -71,17 +71,18 @@ def test_asking_for_cuda_without_a_gpu_says_what_to_run_instead(tmp_path, capsys
 
 @pytest.mark.slow  # 6 s; the fast suite keeps the quick check above (issue 49's), the GPU session runs this script whole
 def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_memory(capsys):
-    """tools/eager_overhead.py (docs/gpu.md, docs/benchmarks.md): eight steps per budget; the budget plans
-    meet the budget as measured, the cuts alone keep more, the time plan says what it predicted, and the
-    parts add up to the plan's extra time."""
+    """tools/eager_overhead.py (docs/gpu.md, docs/benchmarks.md): nine steps per budget; the budget plans
+    meet the budget as measured, the cuts alone keep more (as much under torch's checkpoint as under ours,
+    running the same aten ops), the time plan says what it predicted, and the parts add up to the plan's
+    extra time."""
     assert _tool("eager_overhead").main(["--device", "cpu", "--models", "mobilenet_v3_small", "--input", "2x3x96x96",
                                          "--budgets", "0.7", "--repeats", "1"]) == 0
     captured = capsys.readouterr()
     text = captured.out
     steps = {r[2]: r for r in _table(text, "Eager steps")}
     # each budget's rows go to stderr as soon as they are measured: a run cut by a time limit keeps them
-    assert sum(line.startswith("| mobilenet_v3_small") for line in captured.err.splitlines()) == len(steps) == 8
-    assert list(steps) == ["plain", "budget 0.7, objective flops", "its cuts only", "its cuts only, reentrant", "selective regions run whole", "objective time",
+    assert sum(line.startswith("| mobilenet_v3_small") for line in captured.err.splitlines()) == len(steps) == 9
+    assert list(steps) == ["plain", "budget 0.7, objective flops", "its cuts only", "its cuts only, torch's checkpoint", "its cuts only, reentrant", "selective regions run whole", "objective time",
                            "objective time, cuts priced by their forward (before)", "objective time, reentrant"], steps
     peak = {k: float(r[8]) for k, r in steps.items()}
     # the time plan says what its profile predicted it adds to a step, beside what it added
@@ -89,6 +90,9 @@ def test_the_overhead_attribution_runs_on_cpu_and_its_steps_keep_their_plans_mem
     assert all(abs(float(r[6]) - (float(r[4]) - float(steps["plain"][4]))) <= 0.11 for r in steps.values())
     assert all(peak[k] <= 0.7 * 1.02 for k in peak if k.startswith(("budget", "objective"))), peak
     assert peak["its cuts only"] > peak["budget 0.7, objective flops"]  # the regions are what reach the budget
+    ours, torchs = steps["its cuts only"], steps["its cuts only, torch's checkpoint"]
+    assert ours[8] == torchs[8]  # the same peak
+    assert int(ours[9]) - int(torchs[9]) == int(ours[3].split()[0])  # and aten ops, but an empty allocation per checkpoint (its inputs' node)
     parts = {r[2]: float(r[3]) for r in _table(text, "The plan's extra time")}
     extra = float(steps["budget 0.7, objective flops"][4]) - float(steps["plain"][4])
     assert abs(parts["the plan's extra time (plan - plain)"] - extra) <= 0.11, (parts, extra)

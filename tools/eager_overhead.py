@@ -6,10 +6,11 @@
     python tools/eager_overhead.py --device cpu --models resnet50 --narrow 16 --input 4x3x64x64 --budgets 0.7 0.5   # dispatch-bound
     python tools/eager_overhead.py --device cuda --budgets 0.5 --switch                 # and against timm's switch
 
-For each model and budget, seven or eight steps run interleaved (median of ``--repeats``): the plain trunk;
+For each model and budget, eight or nine steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
-regions taken out (its cuts only), and so under reentrant checkpointing (one autograd node per
-segment, where non-reentrant's hooks run in Python for every tensor a segment saves); the same plan
+regions taken out (its cuts only), and so under torch's own non-reentrant checkpoint (trunksplit's
+until 2026-12-04) and under reentrant checkpointing (one autograd node per segment, where
+non-reentrant's hooks run in Python for every tensor a segment saves); the same plan
 with every selective region run as ``"recompute"`` (no per-op policy); the plan priced in measured
 time (``objective="time"``, the default on a GPU); from the same profile, the time plan with a
 cut priced as before 2026-11-27 (at the forward of the units it reruns, the checkpoint itself free);
@@ -20,7 +21,8 @@ aten ops a step runs (counted by a dispatch mode, forward and backward). The att
 the FLOPs plan's extra time: the forward of the units its checkpointed segments run again (each
 unit's forward timed alone on the plain model: kernels and launches), the checkpoint machinery (the
 cuts-only step less the plain step less that recompute; of it, what non-reentrant's saved-tensor
-hooks cost against the same cuts reentrant), and the regions (the plan less its cuts); then the
+hooks cost against the same cuts reentrant, and what torch's checkpoint costs beyond ours), and the
+regions (the plan less its cuts); then the
 selective policy against the same regions recomputed whole: above 0 its per-op dispatch costs more
 than the convolutions it keeps from rerunning (a GPU), below 0 less (a CPU).
 """
@@ -29,6 +31,7 @@ import copy
 import sys
 import time
 from dataclasses import replace
+from unittest import mock
 
 import torch
 import torchvision
@@ -43,6 +46,7 @@ from trunksplit.planning.peak import PeakModel
 from trunksplit.planning.search import peak_model, plan_trunk
 from trunksplit.planning.timing import interleaved_medians, synchronize
 from trunksplit.planning.memory import TorchDispatchMode  # the package's one import of torch's private dispatch mode
+from trunksplit.recompute import checkpoint as checkpoint_module
 from trunksplit.recompute.policies import POLICIES, RECOMPUTE
 
 
@@ -117,8 +121,18 @@ def unit_forward_ms(trunk, x, repeats: int) -> list:
     return times
 
 
-def _with_plan(model, x, plan, use_reentrant=False):
-    trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=1.0, use_reentrant=use_reentrant)
+class UnderTorchsCheckpoint(CheckpointedTrunk):
+    """A trunk whose non-reentrant cuts run under torch's own checkpoint, as trunksplit's did until
+    2026-12-04, not under :func:`trunksplit.recompute.hooked.checkpoint_by_hooks`: the two side by side."""
+
+    def forward(self, *args, **kwargs):
+        # the swap a benchmark may make: run_checkpointed looks the function up by name at each call
+        with mock.patch.object(checkpoint_module, "checkpoint_by_hooks", lambda f, *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)):
+            return super().forward(*args, **kwargs)
+
+
+def _with_plan(model, x, plan, use_reentrant=False, trunk_class=CheckpointedTrunk):
+    trunk = trunk_class(copy.deepcopy(model), memory_budget=1.0, use_reentrant=use_reentrant)
     trunk.store_plan(trunk.key_for(x), plan)
     return trunk
 
@@ -148,6 +162,7 @@ def variants(model, x, budget: float):
     whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, RECOMPUTE.name if POLICIES[p].selective else p) for a, b, p in s.regions))
                                          for s in plan.segments))
     steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), f"budget {budget}, objective flops": planned, "its cuts only": _with_plan(model, x, cuts),
+             "its cuts only, torch's checkpoint": _with_plan(model, x, cuts, trunk_class=UnderTorchsCheckpoint),
              "its cuts only, reentrant": _with_plan(model, x, cuts, use_reentrant=True),
              "selective regions run whole": _with_plan(model, x, whole), "objective time": timed,
              "objective time, cuts priced by their forward (before)": _with_plan(model, x, plan_trunk(request, x, by_forward))}
@@ -272,7 +287,8 @@ def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int):
     gap = ms[label] - ms[base]
     parts = [("segments' recompute (forward of the units they rerun)", rerun),
              ("checkpoint machinery (cuts only - plain - that recompute)", ms["its cuts only"] - ms[base] - rerun),
-             ("  of it, torch's saved-tensor hooks (cuts only - the same reentrant)", ms["its cuts only"] - ms["its cuts only, reentrant"]),
+             ("  of it, the saved-tensor hooks (cuts only - the same reentrant)", ms["its cuts only"] - ms["its cuts only, reentrant"]),
+             ("  torch's checkpoint's hooks against ours (the same cuts)", ms["its cuts only, torch's checkpoint"] - ms["its cuts only"]),
              ("regions (plan - its cuts only)", ms[label] - ms["its cuts only"]),
              ("  selective against whole (plan - regions run whole; < 0: saves)", ms[label] - ms["selective regions run whole"])]
     attribution = [[name, budget, what, f"{v:.1f}", f"{v / gap:.2f}" if gap > 0 else "-"] for what, v in parts]

@@ -46,6 +46,11 @@ class _SaveInputs(torch.autograd.Function):
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
+# What gives every _SaveInputs node a place in the graph (an input that requires grad), made once: no
+# backward reaches it, so it never gets a gradient.
+_ANCHOR = torch.empty(0, requires_grad=True)
+
+
 def _device_type(tensors: Sequence[torch.Tensor]) -> str:
     return next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu")
 
@@ -73,7 +78,7 @@ class _Frame:
         module = getattr(torch, self.device_type, None) if self.device_type != "cpu" else None
         self.devices, self.device_rng = (get_device_states(*tensors) if module is not None and module.is_initialized() else ([], []))
         self.autocast = _autocast_state(self.device_type)
-        self.saver = _SaveInputs.apply(torch.empty(0, requires_grad=True), *tensors).grad_fn
+        self.saver = _SaveInputs.apply(_ANCHOR, *tensors).grad_fn
         self.metas: List = []  # (shape, dtype) of each tensor the forward saved, in order
         self.values: Optional[List] = None  # the recompute's tensors, each dropped once used
 
