@@ -78,7 +78,7 @@ class _Frame:
         module = getattr(torch, self.device_type, None) if self.device_type != "cpu" else None
         self.devices, self.device_rng = (get_device_states(*tensors) if module is not None and module.is_initialized() else ([], []))
         self.autocast = _autocast_state(self.device_type)
-        self.saver = _SaveInputs.apply(_ANCHOR, *tensors).grad_fn
+        self.saver = _SaveInputs.apply(_ANCHOR, *tensors)  # the output, not its node: torch before 2.14 frees a custom node's saved tensors with its output
         self.metas: List = []  # (shape, dtype) of each tensor the forward saved, in order
         self.values: Optional[List] = None  # the recompute's tensors, each dropped once used
 
@@ -100,7 +100,7 @@ class _Frame:
     def _rerun(self) -> List[torch.Tensor]:
         args, positions = self.skeleton
         args = list(args)
-        for i, t in zip(positions, self.saver.saved_tensors):
+        for i, t in zip(positions, self.saver.grad_fn.saved_tensors):
             args[i] = t
         values, wanted = [], len(self.metas)
 
