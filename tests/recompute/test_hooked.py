@@ -68,6 +68,20 @@ def test_cpu_autocast_is_re_entered_for_the_recompute():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_the_recompute_makes_tensors_on_the_default_device_the_forward_had():
+    """Factory calls inside the function (``torch.ones(3)``) follow ``with torch.device(...)`` around the
+    forward; the backward runs outside it, and the recompute must put them where the forward did (here
+    the meta device: shapes only, no GPU needed)."""
+    def f(x):
+        return (x * torch.ones(3)).sin()
+
+    with torch.device("meta"):
+        x = torch.randn(2, 3, requires_grad=True)
+        out = checkpoint_by_hooks(f, x)
+    out.sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == (2, 3)
+
+
 def test_non_tensor_arguments_and_tensors_in_containers_reach_the_recompute():
     def f(x, pair, scale):
         return (x * pair[0] + pair[1]).tanh() * scale

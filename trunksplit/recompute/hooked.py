@@ -4,14 +4,14 @@ saved tensor.
 torch's non-reentrant ``checkpoint`` runs Python on every tensor a checkpointed function saves:
 in the forward (a holder object, a weak reference, a metadata record under ``no_grad``), at
 the unpack (graph-task bookkeeping) and in the recompute (handles in weak dictionaries). Where
-ops are small (a GPU at a few images) that costs as much as the ops: a narrow ResNet-50 with
-three checkpointed segments stepped 1.99x its plain step under torch's, 1.49x under this one,
-as fast as torch's reentrant mode (docs/benchmarks.md). Here a saved tensor costs an index in
-the forward and a list lookup at the unpack; the recompute keeps what it saves in a list.
+ops are small (a GPU at a few images) that costs as much as the ops. Here a saved tensor costs an
+index in the forward and a list lookup at the unpack, and the recompute keeps what it saves in a
+list: the cuts step as fast as under torch's reentrant mode (docs/benchmarks.md, "trunksplit's own
+non-reentrant checkpoint").
 
 What is exact: the same as torch's non-reentrant checkpoint without a ``context_fn``: outputs,
 gradients, the RNG state (CPU and the inputs' device, restored for the recompute), autocast
-(re-entered as the forward had it, device and CPU), ``torch.autograd.grad`` and ``retain_graph``
+(re-entered as the forward had it, device and CPU), the default device (``with torch.device(...)``), ``torch.autograd.grad`` and ``retain_graph``
 (a second backward recomputes again), and nesting: the inputs are saved through the saved-tensor
 hooks in force, so an enclosing checkpoint drops them as it drops its own. The recompute stops
 once it has made the last tensor the forward saved, as torch's early stop does. What differs:
@@ -59,14 +59,15 @@ def _autocast_state(device_type: str):
     def state(kind: str):
         return dict(enabled=torch.is_autocast_enabled(kind), dtype=torch.get_autocast_dtype(kind),
                     cache_enabled=torch.is_autocast_cache_enabled())
-    return state(device_type), (state("cpu") if device_type != "cpu" else None)
+    device = state(device_type) if torch.amp.is_autocast_available(device_type) else None  # none on the meta device
+    return device, (state("cpu") if device_type != "cpu" else None)
 
 
 class _Frame:
     """One checkpointed call: how to rerun it, and what its recompute made."""
 
     __slots__ = ("function", "skeleton", "saver", "device_type", "cpu_rng", "devices", "device_rng",
-                 "autocast", "metas", "values")
+                 "autocast", "default_device", "metas", "values")
 
     def __init__(self, function: Callable, args: tuple):
         self.function = function
@@ -78,6 +79,7 @@ class _Frame:
         module = getattr(torch, self.device_type, None) if self.device_type != "cpu" else None
         self.devices, self.device_rng = (get_device_states(*tensors) if module is not None and module.is_initialized() else ([], []))
         self.autocast = _autocast_state(self.device_type)
+        self.default_device = torch.get_default_device()  # where factory calls put tensors (`with torch.device(...)`)
         self.saver = _SaveInputs.apply(_ANCHOR, *tensors)  # the output, not its node: torch before 2.14 frees a custom node's saved tensors with its output
         self.metas: List = []  # (shape, dtype) of each tensor the forward saved, in order
         self.values: Optional[List] = None  # the recompute's tensors, each dropped once used
@@ -116,10 +118,12 @@ class _Frame:
             torch.set_rng_state(self.cpu_rng)
             if self.devices:
                 set_device_states(self.devices, self.device_rng, device_type=self.device_type)
-            if self.device_type == "cpu" or torch.amp.is_autocast_available(self.device_type):
+            if device is not None:
                 stack.enter_context(torch.autocast(self.device_type, **device))
             if cpu is not None:
                 stack.enter_context(torch.autocast("cpu", **cpu))
+            if self.default_device.type != "cpu":  # a device context costs every op a dispatch: entered only where it was
+                stack.enter_context(torch.device(self.default_device))
             stack.enter_context(saved_tensors_hooks(pack, _unused))
             stack.enter_context(torch.enable_grad())
             try:
