@@ -76,8 +76,9 @@ class _Frame:
         self.skeleton = ([None if i in positions else a for i, a in enumerate(args)], positions)  # not the tensors: the saver holds them
         self.device_type = _device_type(tensors)
         self.cpu_rng = torch.get_rng_state()
-        module = getattr(torch, self.device_type, None) if self.device_type != "cpu" else None
-        self.devices, self.device_rng = (get_device_states(*tensors) if module is not None and module.is_initialized() else ([], []))
+        module = getattr(torch, self.device_type, None) if self.device_type != "cpu" else None  # torch.cuda, torch.xpu, ...
+        initialized = getattr(module, "is_initialized", lambda: False)()  # not before its first use: its RNG state is not ours to start
+        self.devices, self.device_rng = get_device_states(*tensors) if initialized else ([], [])
         self.autocast = _autocast_state(self.device_type)
         self.default_device = torch.get_default_device()  # where factory calls put tensors (`with torch.device(...)`)
         self.saver = _SaveInputs.apply(_ANCHOR, *tensors)  # the output, not its node: torch before 2.14 frees a custom node's saved tensors with its output
