@@ -11,8 +11,8 @@ non-reentrant checkpoint").
 
 What is exact: the same as torch's non-reentrant checkpoint without a ``context_fn``: outputs,
 gradients, the RNG state (CPU and the inputs' device, restored for the recompute), autocast
-(re-entered as the forward had it, device and CPU), the default device (``with torch.device(...)``), ``torch.autograd.grad`` and ``retain_graph``
-(a second backward recomputes again), and nesting: the inputs are saved through the saved-tensor
+(re-entered as the forward had it, device and CPU), the default device (``with torch.device(...)``),
+``torch.autograd.grad`` and ``retain_graph`` (a second backward recomputes again), and nesting: the inputs are saved through the saved-tensor
 hooks in force, so an enclosing checkpoint drops them as it drops its own. The recompute stops
 once it has made the last tensor the forward saved, as torch's early stop does. What differs:
 the determinism check compares shape and dtype (torch also compares devices) when a recomputed
@@ -73,7 +73,7 @@ class _Frame:
         self.function = function
         positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         tensors = [args[i] for i in positions]
-        self.skeleton = ([None if i in positions else a for i, a in enumerate(args)], positions)  # not the tensors: the saver holds them
+        self.skeleton = ([None if isinstance(a, torch.Tensor) else a for a in args], positions)  # not the tensors: the saver holds them
         self.device_type = _device_type(tensors)
         self.cpu_rng = torch.get_rng_state()
         module = getattr(torch, self.device_type, None) if self.device_type != "cpu" else None  # torch.cuda, torch.xpu, ...
