@@ -457,20 +457,26 @@ def _printed_plans(out):
     return plans
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["standard", "stepped_in_backward"])
-def test_plan_of_a_config_is_the_plan_the_launcher_trains_each_crop_group_with(tmp_path, capsys, stepped):
+@pytest.mark.parametrize("stepped,large", [(False, 2), (True, 2), (False, 1)], ids=["standard", "stepped_in_backward", "lone_large_crop"])
+def test_plan_of_a_config_is_the_plan_the_launcher_trains_each_crop_group_with(tmp_path, capsys, stepped, large):
     """``plan --config-file`` before a run against the run itself: the trunk's plan for each crop group
-    (stepped in backward, the first group's backward holds its updates, and its gradients: said, and planned so)."""
+    (stepped in backward, the first group's backward holds its updates, and its gradients: said, and planned so;
+    a lone large crop's group runs without a graph: said, and no plan printed, as the run makes none)."""
     from trunksplit.ssl.config import load_config
     from trunksplit.ssl.loop import train
 
-    overrides = [*SMALL_RUN, *MULTI_CROP, "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "3", "OPTIM.IN_BACKWARD", str(stepped)]
+    overrides = [*SMALL_RUN, *MULTI_CROP, "DATA.CROP_COUNTS", f"[{large}, 4]", "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "3",
+                 "OPTIM.IN_BACKWARD", str(stepped)]
     assert main(["plan", "--config-file", QUICK, *overrides]) == 0
     out = capsys.readouterr().out
-    assert "group 1: 2 x 32px crops per image, the trunk on 8 per rank" in out and "group 2: 4 x 16px crops per image, the trunk on 16 per rank" in out
+    assert f"group 1: {large} x 32px crops per image, the trunk on {4 * large} per rank" in out
+    assert "group 2: 4 x 16px crops per image, the trunk on 16 per rank" in out
     assert out.count("updates held until the last group's") == stepped
-    assert "input 8x3x32x32" in out and "input 16x3x16x16" in out
+    assert out.count("without a graph (a lone large crop") == (large == 1)
+    assert ("input 8x3x32x32" in out) == (large == 2) and "input 16x3x16x16" in out
     model, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path / "run"), *overrides]))
+    said = capsys.readouterr().out.split("trunk plan: ")[1].splitlines()[0]
+    assert ("group 1 (1 x 32px): without a graph; group 2 (4 x 16px): " in said) == (large == 1), said
     trained = sorted(model.trunk.plans.items(), key=lambda kv: -kv[0][0][0][0][-1])  # by crop size, largest first
     units = trained[0][1].units
     assert _printed_plans(out) == [[(units[s.start], units[s.stop - 1], s.checkpointed) for s in plan.segments] for _, plan in trained]

@@ -137,6 +137,7 @@ def test_a_lone_large_crops_group_is_predicted_as_it_runs_without_backward(stepp
     images = largest_fitting(lambda b: step.fits(b, LIMIT))
     budget = step.budget(images, LIMIT)
     assert abs(step.measured(images, budget) / step.total(images, budget) - 1) < 0.03
+    assert [key[0][0][0] for key in step.plans(images, budget)] == [(images * 4, 3, 16, 16)]  # the run's trunk plans the small crops alone
 
 
 def test_a_batch_no_trunk_budget_fits_by_prediction_is_checked_on_each_groups_lowest_peak_plan():

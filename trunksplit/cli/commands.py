@@ -20,8 +20,8 @@ from ..ssl.backbones import HF, build_backbone, build_hf_model, hf_is_chain
 from ..ssl.config import load_config
 from ..ssl.data import image_dataset
 from ..recompute.wrapper import checkpoint_wrapped_names
-from ..ssl.fit_step import crop_groups, fit_step
-from ..ssl.grouped import held_calls
+from ..ssl.fit_step import crop_groups, crop_shapes, fit_step
+from ..ssl.grouped import backward_calls, held_calls
 from ..ssl.loop import step_for_fit
 from ..ssl.model import budget_refused, build_trunk, feature_width
 from ..ssl.optim import optimizer_of
@@ -119,11 +119,14 @@ def _plan_config(args, device: str) -> int:
         if trunk.gradients == "in_backward":
             trunk.update_temporaries = update_temporaries(*optimizer_of(cfg), device)  # the run's optimizer, as it builds it
         batch, groups = cfg.TRAIN.BATCH_SIZE_PER_RANK, crop_groups(cfg)
-        held = held_calls(cfg, [torch.zeros(1, 1, size, size) for size, count in groups for _ in range(count)])
+        held, read = held_calls(cfg, crop_shapes(cfg)), backward_calls(cfg, crop_shapes(cfg))
         for k, (size, count) in enumerate(groups):
             shape = (batch * count, 3, size, size)
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank"
-                  + (", updates held until the last group's: its backward keeps every gradient" if held[k] else ""))
+                  + (", updates held until the last group's: its backward keeps every gradient" if held[k] else "")
+                  + ("" if read[k] else ", without a graph (a lone large crop, read by no loss term): nothing saved, no plan"))
+            if not read[k]:
+                continue
             try:
                 _print_plan(*_measured_plan(trunk, torch.randn(*shape, device=device), layout.world, held[k]), shape)
             except BudgetTooLowError as e:

@@ -119,6 +119,12 @@ def crop_groups(cfg) -> List[Tuple[int, int]]:
     return groups
 
 
+def crop_shapes(cfg) -> List[torch.Tensor]:
+    """One empty stand-in per crop of a step (1 x 1 x size x size), in step order: what ``grouped.held_calls`` and
+    ``backward_calls`` read of a step's crops (their sizes) when the config is all there is."""
+    return [torch.zeros(1, 1, size, size) for size, count in crop_groups(cfg) for _ in range(count)]
+
+
 class _StandInTrunk(nn.Module):
     """A trunk's outputs at a trunk's width that keeps next to nothing for backward: the rest of
     the step measured without the trunk."""
@@ -161,7 +167,10 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
         images, budget, measured = _checked(step, images, memory, say)
     plans = step.plans(images, budget)
     total, budget = step.total(images, budget), trunk_budget(budget, plans)
-    lines = [_group_line(k, s, n, images, plan, budget, held) for k, ((s, n), plan, held) in enumerate(zip(step.groups, plans.values(), step.held))]
+    planned = iter(plans.values())
+    lines = [_group_line(k, s, n, images, next(planned), budget, held) if read else
+             f"  group {k + 1}: {n} x {s}px crops per image, the trunk on {images * n}: without a graph (a lone large crop, read by no loss term)"
+             for k, ((s, n), held, read) in enumerate(zip(step.groups, step.held, step.backward))]
     return StepFit(images, budget, step.rank.resident, total, measured, memory, lines, plans)
 
 
@@ -180,7 +189,7 @@ class _StepPrediction:
         self.cfg, self.model, self.device, self.run_step, self.ranks = cfg, model, device, run_step, layout.ranks
         self.images_at_most = images_at_most
         self.groups = crop_groups(cfg)
-        sizes = [torch.zeros(1, 1, s, s) for s, n in self.groups for _ in range(n)]
+        sizes = crop_shapes(cfg)
         self.grouped, self.held = by_crop_group(cfg, sizes), held_calls(cfg, sizes)  # held: the trunk plans the call so
         self.backward = backward_calls(cfg, sizes)
         self.mode = mode = gradient_mode(cfg)
@@ -253,10 +262,11 @@ class _StepPrediction:
         return lo
 
     def plans(self, images: int, budget: int) -> Dict[tuple, SplitPlan]:
-        """The trunk's plan for each group's input (:func:`plan_key`) at ``images`` per rank."""
+        """The trunk's plan for each group's input (:func:`plan_key`) at ``images`` per rank; none for a group that
+        runs without a graph (a lone large crop's: its trunk plans nothing)."""
         with autocast_for(self.cfg, self.device):  # the key the run's trunk looks its plan up by, under the run's autocast
             return {plan_key([((images * n, 3, s, s), torch.get_default_dtype())], self.device, held): self.chains[s].plan(images * n, budget, held)
-                    for (s, n), held in zip(self.groups, self.held)}
+                    for (s, n), held, read in zip(self.groups, self.held, self.backward) if read}
 
     def measured(self, images: int, budget: int) -> int:
         """Everything resident during one real step at ``images`` per rank, the trunk planned as predicted (no profiling)."""

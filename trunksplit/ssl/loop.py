@@ -23,8 +23,8 @@ from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import check_images_a_step, image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor, evaluated_trunk
 from .dino import dino_step_loss, teacher_momentum, update_teacher
-from .fit_step import crop_groups, fitted_batch
-from .grouped import by_crop_group, grouped_step, held_calls
+from .fit_step import crop_groups, crop_shapes, fitted_batch
+from .grouped import backward_calls, by_crop_group, grouped_step, held_calls
 from .losses import chance_loss, nt_xent, swav_loss
 from .metrics_log import MetricsLog, check_tensorboard, images_per_second
 from .model import SSLModel, budget_refused, build_ssl_model, with_batch
@@ -230,9 +230,11 @@ def _plans_said(cfg, trunk, peaks: bool = False) -> str:
     # another batch, where a resumed run changed it; later ones win: this run's); vissl's: none stored
     by_shape = {(key[0][0][0][0], key[0][0][0][-1]): (p, key[3]) for key, p in trunk.plans.items()}  # (images, crop size): (plan, updates held)
     batch, groups = cfg.TRAIN.BATCH_SIZE_PER_RANK, crop_groups(cfg)
-    found = [(k, s, n, *by_shape[n * batch, s]) for k, (s, n) in enumerate(groups) if (n * batch, s) in by_shape]
+    read = backward_calls(cfg, crop_shapes(cfg))  # a lone large crop's group runs without a graph: no plan
+    found = [(k, s, n, *by_shape[n * batch, s]) for k, (s, n) in enumerate(groups) if read[k] and (n * batch, s) in by_shape]
     if len(groups) > 1 and found:
-        return "; ".join(f"group {k + 1} ({n} x {s}px{', updates held' if held else ''}): {said(plan)}" for k, s, n, plan, held in found)
+        return "; ".join([f"group {k + 1} ({n} x {s}px): without a graph" for k, (s, n) in enumerate(groups) if not read[k]]
+                         + [f"group {k + 1} ({n} x {s}px{', updates held' if held else ''}): {said(plan)}" for k, s, n, plan, held in found])
     return said(trunk.plan)
 
 
@@ -247,7 +249,7 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
             print("planning the trunk: its units profiled once at each crop size ...", flush=True)
         try:
             crops = [c.to(device) for c in step_views(dataset, cfg, start, rank, world)]
-            model.plan_for(crops, autocast, held_calls(cfg, crops))
+            model.plan_for(crops, autocast, held_calls(cfg, crops), backward_calls(cfg, crops))
         except BudgetTooLowError as e:
             raise ValueError(budget_refused(cfg, model.trunk, e)) from None
     optimizer.zero_grad(set_to_none=not kept)

@@ -159,10 +159,13 @@ class SSLModel(nn.Module):
             out += list(z.chunk(j - i))
         return (out, units) if embeddings else out
 
-    def plan_for(self, crops: List[torch.Tensor], autocast, held: Sequence[bool]) -> None:
+    def plan_for(self, crops: List[torch.Tensor], autocast, held: Sequence[bool], read: Sequence[bool]) -> None:
         """Make the trunk's cost-aware plans for these crops now (one per resolution), not in the first step;
-        ``held``: for each resolution, whether its call runs with the updates in backward held (``grouped.held_calls``)."""
-        for (i, j), holding in zip(same_size_runs(crops), held):
+        ``held``: for each resolution, whether its call runs with the updates in backward held (``grouped.held_calls``);
+        ``read``: whether a backward runs through it (``grouped.backward_calls``): one that runs without a graph is not planned."""
+        for (i, j), holding, planned in zip(same_size_runs(crops), held, read):
+            if not planned:
+                continue
             with holding_updates(self) if holding else contextlib.nullcontext(), autocast:
                 self.trunk.plan_for(torch.cat(crops[i:j]))
 
