@@ -29,7 +29,7 @@ from trunksplit.planning.memory import PeakMemory, _TensorAccounting  # the trac
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl.model import build_ssl_model
 from trunksplit.ssl.grouped import grouped_step
-from trunksplit.ssl.loop import whole_step_loss
+from trunksplit.ssl.loop import whole_step_forward
 from trunksplit.ssl.optim import optimizer_of
 from trunksplit.ssl.parallel import autocast_for
 from trunksplit.planning.timing import interleaved_medians
@@ -73,9 +73,7 @@ def _step(cfg, model, crops, grouped: bool) -> None:
     if grouped:
         grouped_step(cfg, model, model, crops, 0, autocast, lambda part: part.backward(), contextlib.nullcontext)
     else:
-        with autocast:
-            loss = whole_step_loss(cfg, model, model(crops), crops, 0)
-        loss.backward()
+        whole_step_forward(cfg, model, model, crops, 0, autocast).backward()
     model.zero_grad(set_to_none=True)
 
 

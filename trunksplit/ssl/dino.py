@@ -35,10 +35,19 @@ def teacher_momentum(cfg, step: int) -> float:
     return 1 - (1 - base) * (math.cos(math.pi * step / max(1, cfg.TRAIN.STEPS - 1)) + 1) / 2
 
 
-def dino_step_loss(cfg, model: SSLModel, student_out, global_crops, step: int) -> torch.Tensor:
-    """The step's DINO loss; moves the centre towards this step's teacher outputs (after the loss used it)."""
+def teacher_outputs(cfg, model: SSLModel, crops) -> list:
+    """The teacher's outputs of the step's global crops (the first ``DATA.CROP_COUNTS[0]``), without a graph.
+
+    Run before the student's forward, as DINO's own loop does: the teacher's forward then holds a unit's
+    input and output beside nothing of the student's; run after it, that sat on every activation the
+    student keeps for backward, above the whole step's peak at large batches (docs/planning.md, "Fit the whole SSL step")."""
     with torch.no_grad():
-        teacher_out = model.teacher(global_crops)
+        return model.teacher(crops[: cfg.DATA.CROP_COUNTS[0]])
+
+
+def dino_step_loss(cfg, model: SSLModel, student_out, teacher_out, step: int) -> torch.Tensor:
+    """The step's DINO loss against ``teacher_out`` (:func:`teacher_outputs`); moves the centre towards them
+    (after the loss used it)."""
     loss = dino_loss(student_out, teacher_out, model.center, cfg.METHOD.TEMPERATURE, teacher_temperature(cfg, step))
     update_center(model.center, teacher_out, cfg.METHOD.DINO.CENTER_MOMENTUM)
     return loss

@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, List
 import torch
 
 from ..in_backward import holding_updates
-from .dino import teacher_temperature, update_center
+from .dino import teacher_outputs, teacher_temperature, update_center
 from .losses import cross_entropy_terms, dino_targets, log_softmax_at
 from .model import SSLModel, same_size_runs
 from .swav import swav_codes
@@ -71,8 +71,8 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
     terms = num_targets * (len(crops) - 1)  # every (target crop, other crop) pair of the step
     targets, teacher_out = None, None
     if m.NAME == "dino":
-        with torch.no_grad(), autocast:
-            teacher_out = model.teacher(crops[:num_targets])
+        with autocast:
+            teacher_out = teacher_outputs(cfg, model, crops)
             targets = dict(enumerate(dino_targets(teacher_out, model.center, teacher_temperature(cfg, step))))
     groups = list(same_size_runs(crops))
     total = torch.zeros(())

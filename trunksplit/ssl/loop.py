@@ -22,7 +22,7 @@ from ..recompute.wrapper import checkpoint_wrapped_names
 from .cpu_bf16 import refuse_wrong_bf16_convolutions
 from .data import check_images_a_step, image_dataset, num_workers, step_loader, step_views
 from .knn import KnnMonitor, evaluated_trunk
-from .dino import dino_step_loss, teacher_momentum, update_teacher
+from .dino import dino_step_loss, teacher_momentum, teacher_outputs, update_teacher
 from .fit_step import crop_groups, crop_shapes, fitted_batch
 from .grouped import backward_calls, by_crop_group, grouped_step, held_calls
 from .losses import chance_loss, nt_xent, swav_loss
@@ -319,22 +319,31 @@ def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, a
     model.normalize_prototypes()
     if by_crop_group(cfg, crops):
         return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
-    with autocast:
-        outputs, embeddings = wrapped(crops, embeddings=True)
-        loss = whole_step_loss(cfg, model, outputs, crops, step, embeddings)
+    loss = whole_step_forward(cfg, wrapped, model, crops, step, autocast)
     scaler.scale(loss).backward()
     return loss.detach()
 
 
-def whole_step_loss(cfg, model, outputs, crops, step: int, embeddings=None) -> torch.Tensor:
+def whole_step_forward(cfg, wrapped, model, crops, step: int, autocast) -> torch.Tensor:
+    """The whole step's loss, before its one backward: DINO's teacher first (as DINO's own loop runs it: its
+    forward then holds nothing beside the student's activations), every crop's forward, the loss."""
+    with autocast:
+        teacher_out = teacher_outputs(cfg, model, crops) if cfg.METHOD.NAME == "dino" else None
+        outputs, embeddings = wrapped(crops, embeddings=True)
+        return whole_step_loss(cfg, model, outputs, crops, step, embeddings, teacher_out)
+
+
+def whole_step_loss(cfg, model, outputs, crops, step: int, embeddings=None, teacher_out=None) -> torch.Tensor:
     """The step's loss over every crop's outputs at once (the whole step: one backward); ``embeddings``: SwAV's
-    unit embeddings of the crops (``model(crops, embeddings=True)``), which its queue needs."""
+    unit embeddings of the crops (``model(crops, embeddings=True)``), which its queue needs; ``teacher_out``:
+    DINO's teacher outputs (:func:`~trunksplit.ssl.dino.teacher_outputs`, best before the student's forward;
+    None: computed here)."""
     m = cfg.METHOD
     if m.NAME == "simclr":
         return nt_xent(outputs[0], outputs[1], m.TEMPERATURE)
     if m.NAME == "swav":
         return swav_loss(outputs, swav_codes(cfg, model, outputs, embeddings, step), m.TEMPERATURE)
-    return dino_step_loss(cfg, model, outputs, crops[: cfg.DATA.CROP_COUNTS[0]], step)
+    return dino_step_loss(cfg, model, outputs, teacher_out if teacher_out is not None else teacher_outputs(cfg, model, crops), step)
 
 
 def _stop_unless_finite(cfg, loss: torch.Tensor, step: int, largest: Callable[[float], float], scaler) -> None:
