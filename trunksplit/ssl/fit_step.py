@@ -160,6 +160,10 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
                          f"{format_bytes(step.total(1))} ({gib(step.rank.resident)} resident and the step's peak)")
     say("searching the largest batch and the least recompute that fits")
     images = largest_fitting(lambda b: step.fits(b, memory))
+    if images > max(step.rest.measured):  # the rest's line through two small batches runs under it at larger ones
+        say(f"measuring the head, the loss and the teacher with a stand-in trunk at {images} images, then searching again")
+        step.rest.measure_at(images)
+        images = largest_fitting(lambda b: step.fits(b, memory))
     if images == images_at_most and step.total(images + 1) <= memory:
         say(f"the data set gives each rank {images} images a step: the batch stops there (the memory would hold more)")
     budget, measured = step.budget(images, memory), None
@@ -214,7 +218,7 @@ class _StepPrediction:
         # buffers until the first call's part arrives (whole)
         self.trunk_grads = sum(shard_bytes(p, world) for p in model.trunk.parameters() if p.requires_grad) if mode != "kept" else 0
         say("measuring the head, the loss and the teacher with a stand-in trunk, two small batches")
-        self.rest = _rest_of_step(model, run_step, self.groups, device, mode == "kept", layout.ranks)
+        self.rest = _RestOfStep(model, run_step, self.groups, device, mode == "kept", layout.ranks)
 
     def trunk_peak(self, images: int, budget: Optional[int]) -> int:
         """Grouped: each group's trunk alone, a later one finding the gradients the first one made.
@@ -329,22 +333,40 @@ def _crops(groups, images: int, device) -> List[torch.Tensor]:
     return [torch.randn(images, 3, s, s, generator=g).to(device) for s, n in groups for _ in range(n)]
 
 
-def _rest_of_step(model: SSLModel, run_step: RunStep, groups, device, kept: bool, ranks: int) -> Callable[[int], int]:
-    """Bytes of the step's peak outside the trunk, as a line in the images per rank: the step measured
-    with stand-in trunks at two batches (the crops counted too)."""
-    dim = next(m for m in model.head.modules() if isinstance(m, nn.Linear)).in_features
-    trunk, teacher = model.trunk, model.teacher
-    model.trunk = _StandInTrunk(dim).to(device)
-    if teacher is not None:
-        teacher_trunk, teacher.trunk = teacher.trunk, _StandInTrunk(dim).to(device).requires_grad_(False)
-    try:
-        figures = [_peak_of(model, run_step, _crops(groups, b, device), kept, ranks) for b in (2, 4)]
-    finally:
-        model.trunk = trunk
+class _RestOfStep:
+    """Bytes of the step's peak outside the trunk, in the images per rank: the launcher's own step with stand-in
+    trunks that keep next to nothing (head, loss, a teacher's targets, crops), measured at two small batches and
+    at any added (:meth:`measure_at`); between two of them their chord, beyond the last the last two's line.
+
+    Sharp edge: the peak is the largest of lines in the batch (the head's weight gradients lead at 2 and 4 images,
+    its activations at a hundred): beyond the batches measured it runs under, between them above (a chord)."""
+
+    def __init__(self, model: SSLModel, run_step: RunStep, groups, device, kept: bool, ranks: int):
+        self.model, self.run_step, self.groups, self.device, self.kept, self.ranks = model, run_step, groups, device, kept, ranks
+        self.measured: Dict[int, int] = {}
+        for images in (2, 4):
+            self.measure_at(images)
+
+    def measure_at(self, images: int) -> None:
+        """Measure the rest of the step at ``images`` per rank; the prediction passes through it from then on."""
+        model = self.model
+        dim = next(m for m in model.head.modules() if isinstance(m, nn.Linear)).in_features
+        trunk, teacher = model.trunk, model.teacher
+        model.trunk = _StandInTrunk(dim).to(self.device)
         if teacher is not None:
-            teacher.trunk = teacher_trunk
-    slope = (figures[1] - figures[0]) / 2
-    return lambda images: math.ceil(figures[0] + slope * (images - 2))
+            teacher_trunk, teacher.trunk = teacher.trunk, _StandInTrunk(dim).to(self.device).requires_grad_(False)
+        try:
+            self.measured[images] = _peak_of(model, self.run_step, _crops(self.groups, images, self.device), self.kept, self.ranks)
+        finally:
+            model.trunk = trunk
+            if teacher is not None:
+                teacher.trunk = teacher_trunk
+
+    def __call__(self, images: int) -> int:
+        batches = sorted(self.measured)
+        upper = next((k for k, b in enumerate(batches) if b >= images and k > 0), len(batches) - 1)
+        (b0, f0), (b1, f1) = [(b, self.measured[b]) for b in batches[upper - 1 : upper + 1]]
+        return math.ceil(f0 + (f1 - f0) * (images - b0) / (b1 - b0))
 
 
 def _peak_of(model: SSLModel, run_step: RunStep, crops, kept: bool, ranks: int) -> int:
