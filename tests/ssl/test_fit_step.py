@@ -140,13 +140,14 @@ def test_a_lone_large_crops_group_is_predicted_as_it_runs_without_backward(stepp
     assert [key[0][0][0] for key in step.plans(images, budget)] == [(images * 4, 3, 16, 16)]  # the run's trunk plans the small crops alone
 
 
-def test_dinos_teacher_adds_nothing_to_the_whole_steps_peak_and_fit_predicts_that_step_at_a_large_batch():
+@pytest.mark.parametrize("mode", [[], ["TRAIN.GRADIENTS", "kept"], ["OPTIM.IN_BACKWARD", "True"]], ids=["allocated", "kept", "in_backward"])
+def test_dinos_teacher_adds_nothing_to_the_whole_steps_peak_and_fit_predicts_that_step_at_a_large_batch(mode):
     """DINO's teacher runs before the student's forward, as DINO's own loop does, so its forward holds a unit's
     input and output beside nothing of the student's. Run after it (until 2026-12-04) it sat on every activation
     the student kept for backward: at 160 images of 2 x 32px 15.7 MiB over the step's peak, which fit did not
     count (4.6% under the measured step; 9.3% at 231 images). Against the same step with a stand-in teacher
     trunk that keeps nothing: the same peak; and fit's prediction within 1% of it."""
-    step = _prediction([*DINO[:4], "DATA.CROP_SIZES", "[32]", "DATA.CROP_COUNTS", "[2]", "DATA.CROP_SCALES", "[[0.4, 1.0]]", *DINO[10:]])
+    step = _prediction([*DINO[:4], "DATA.CROP_SIZES", "[32]", "DATA.CROP_COUNTS", "[2]", "DATA.CROP_SCALES", "[[0.4, 1.0]]", *DINO[10:], *mode])
     images, budget = 160, LIMIT  # a trunk budget above the unsplit step: the trunk's activations all held at once
     measured = step.measured(images, budget)
     teacher = step.model.teacher

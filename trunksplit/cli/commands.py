@@ -119,7 +119,8 @@ def _plan_config(args, device: str) -> int:
         if trunk.gradients == "in_backward":
             trunk.update_temporaries = update_temporaries(*optimizer_of(cfg), device)  # the run's optimizer, as it builds it
         batch, groups = cfg.TRAIN.BATCH_SIZE_PER_RANK, crop_groups(cfg)
-        held, read = held_calls(cfg, crop_shapes(cfg)), backward_calls(cfg, crop_shapes(cfg))
+        crops = crop_shapes(cfg)
+        held, read = held_calls(cfg, crops), backward_calls(cfg, crops)
         for k, (size, count) in enumerate(groups):
             shape = (batch * count, 3, size, size)
             print(f"{'' if k == 0 else chr(10)}group {k + 1}: {count} x {size}px crops per image, the trunk on {batch * count} per rank"
