@@ -161,19 +161,47 @@ def _two_ranks(rank, world_size, out, folders):
 
     torch.manual_seed(0)
     trunk = build_model(load_config(QUICK, SMALL)).trunk
+    held, real = [], knn.knn_accuracy
+    knn.knn_accuracy = lambda train_features, *args: held.append(train_features.shape) or real(train_features, *args)
     result = _monitor(folders).evaluate(trunk, torch.device("cpu"), rank=rank, world=world_size)
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    torch.save((result, held), os.path.join(out, f"rank{rank}.pt"))
 
 
-def test_two_ranks_share_the_images_and_read_what_one_process_reads(tmp_path, folders):
-    """27 validation images over 2 ranks: one rank's share padded; the gathered features in folder order."""
+def test_two_ranks_share_the_images_hold_half_the_train_features_and_read_what_one_process_reads(tmp_path, folders):
+    """42 train and 21 validation images over 2 ranks: the concatenated share of 63 padded on one rank.
+    Each rank keeps its 21 train features (a monitor of ImageNet's train set held 10 GB of ResNet-50
+    features on every GPU), the validation features travel; the figures are one process's."""
     run_processes(_two_ranks, 2, (str(tmp_path), folders))
     from trunksplit.ssl.model import build_model
 
     torch.manual_seed(0)
     alone = _monitor(folders).evaluate(build_model(load_config(QUICK, SMALL)).trunk, torch.device("cpu"))
+    train_images = sum(len(files) for _, _, files in os.walk(folders["train"]))
     for rank in range(2):
-        assert torch.load(tmp_path / f"rank{rank}.pt") == pytest.approx(alone)
+        result, held = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result == pytest.approx(alone)
+        assert held == [torch.Size([train_images // 2, 512])]  # ResNet-18's 512 features, half the images
+
+
+def _ranked_in_shares(rank, world_size, out, train, train_labels, val, val_labels, shares):
+    """Each split of the train rows into two shares (rank 0's first), kNN'd on two ranks."""
+    results = [knn_accuracy(train[:cut] if rank == 0 else train[cut:], train_labels[:cut] if rank == 0 else train_labels[cut:],
+                            val, val_labels, 8, k=7, temperature=0.5, world=world_size) for cut in shares]
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_knn_over_shares_of_the_train_features_equals_the_hand_written_knn_over_all(tmp_path):
+    """Uneven shares, a share short of k (3 rows for k = 7) and an empty one: the merged k best of
+    both ranks are the k best of all, on both ranks."""
+    g = torch.Generator().manual_seed(1)
+    train, val = (torch.nn.functional.normalize(torch.randn(n, 6, generator=g), dim=1) for n in (40, 25))
+    train_labels, val_labels = torch.randint(0, 8, (40,), generator=g), torch.randint(0, 8, (25,), generator=g)
+    top1, top5 = _reference_knn(train, train_labels, val, val_labels, 8, 7, 0.5)
+    shares = [20, 29, 3, 37, 0]
+    run_processes(_ranked_in_shares, 2, (str(tmp_path), train, train_labels, val, val_labels, shares))
+    for rank in range(2):
+        for got in torch.load(tmp_path / f"rank{rank}.pt"):
+            assert (got["knn_top1"], got["knn_top5"]) == pytest.approx((top1, top5))
 
 
 def test_unlabelled_empty_or_mismatched_folders_are_refused_before_anything_is_written(tmp_path, folders):

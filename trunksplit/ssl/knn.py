@@ -8,7 +8,10 @@ requested feature, flattened and L2-normalised, computed in eval mode without gr
 is checkpointed, BatchNorm uses its running statistics) from images read as training reads them
 (unreadable files skipped and named) and transformed for evaluation: the shorter side resized to
 ``crop / 0.875``, a centre crop of ``crop``, normalised. Each rank extracts its share of the
-images; every rank gathers all of them.
+images and keeps its share of the train features: every rank gathers the validation features and
+ranks them against its share, and the ``k`` best of every rank are gathered and merged, so a rank
+holds 1/world of the train features (DINO's ``eval_knn.py`` gathers all of them on rank 0) and every
+rank gets the figures one process holding all of them gets.
 
 The training loop runs it every ``EVAL.KNN.EVERY_STEPS`` (and at the end) without touching the
 run's random state: a run with the monitor trains the same weights as one without.
@@ -89,7 +92,8 @@ class RankShare:
     def __init__(self, dataset: torch.utils.data.Dataset, workers: int = 0, rank: int = 0, world: int = 1):
         self.size, self.world = len(dataset), world
         per_rank = math.ceil(self.size / world)
-        mine = [min(i, self.size - 1) for i in range(rank, per_rank * world, world)]
+        self.indices = torch.arange(rank, per_rank * world, world)  # the dataset's image of each row; from ``size`` on, padding
+        mine = self.indices.clamp(max=self.size - 1).tolist()
         self.loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=BATCH, num_workers=workers, persistent_workers=workers > 0,
                                                   worker_init_fn=ignore_interrupts, generator=torch.Generator().manual_seed(0))  # no draw from the global generator
 
@@ -97,9 +101,9 @@ class RankShare:
 @torch.no_grad()
 def extract_features(trunk: torch.nn.Module, share: RankShare, device: torch.device, autocast=None, progress: bool = False,
                      batches: Callable[[Iterable], Iterable] = iter) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(features, labels) of every image of the share's dataset, in its order, on every rank: the
-    trunk's last feature, flattened, L2-normalised, float32 on ``device``; the label -1 where the image
-    could not be read. ``trunk`` is run in eval mode and left in its mode. ``progress``: a bar on stderr
+    """(features, labels) of the share's images, a row for each of ``share.indices`` (its padding
+    included): the trunk's last feature, flattened, L2-normalised, float32 on ``device``; the label -1
+    where the image could not be read. ``trunk`` is run in eval mode and left in its mode. ``progress``: a bar on stderr
     (the offline command; the training loop has its own). ``batches`` turns the loader into the batches
     run (a training run's: until a stop signal, :func:`~trunksplit.ssl.stopping.until_stopped`)."""
     modes = [(m, m.training) for m in trunk.modules()]
@@ -115,31 +119,43 @@ def extract_features(trunk: torch.nn.Module, share: RankShare, device: torch.dev
     finally:
         for m, training in modes:
             m.training = training
-    features, labels = torch.cat(parts), torch.cat(labels)
-    if share.world > 1:
-        features, labels = _gathered(features, share.world), _gathered(labels, share.world)
-    return features[: share.size], labels[: share.size]  # interleaved back into the dataset's order, padding dropped
+    return torch.cat(parts), torch.cat(labels)
 
 
-def _gathered(local: torch.Tensor, world: int) -> torch.Tensor:
-    """Rank r's row j is image ``r + j * world``: gather every rank's rows and interleave them."""
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous())
-    return torch.stack(parts, dim=1).flatten(0, 1)
+def gathered(share: RankShare, local: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The dataset's rows from image ``start`` on, in its order, on every rank, from each rank's rows
+    of ``local`` (a row per ``share.indices``): only the rows from ``start`` travel."""
+    first = start // share.world  # rank r's row j is image r + j * world: rows from ``first`` on hold every image from ``start``
+    if share.world == 1:
+        return local[start : share.size]
+    parts = [torch.empty_like(local[first:]) for _ in range(share.world)]
+    dist.all_gather(parts, local[first:].contiguous())
+    every = torch.stack(parts, dim=1).flatten(0, 1)  # images first * world, first * world + 1, ...
+    return every[start - first * share.world : share.size - first * share.world]
 
 
 def knn_accuracy(train_features: torch.Tensor, train_labels: torch.Tensor, val_features: torch.Tensor, val_labels: torch.Tensor,
-                 num_classes: int, k: int = 20, temperature: float = 0.07) -> Dict[str, float]:
+                 num_classes: int, k: int = 20, temperature: float = 0.07, world: int = 1) -> Dict[str, float]:
     """DINO's weighted kNN: ``{"knn_top1": ..., "knn_top5": ...}`` (top-5 only with more than 5
     classes), fractions of the validation images. Features are L2-normalised rows. A class none of
-    the ``k`` neighbours voted for counts as no guess (DINO's sort would rank such ties arbitrarily)."""
-    k = min(k, len(train_features))
+    the ``k`` neighbours voted for counts as no guess (DINO's sort would rank such ties arbitrarily).
+    With ``world`` > 1 (a process group of that size), ``train_*`` are this rank's share of the train
+    images (any share, even none) and ``val_*`` every validation image on every rank: each rank ranks
+    its share and the ``k`` best of all ranks are merged, the figures of one process holding them all
+    (neighbours tied at the k-th place aside), the same on every rank."""
+    total = torch.tensor(len(train_features), device=train_features.device)
+    if world > 1:
+        dist.all_reduce(total)
+    k = min(k, int(total))
     correct1 = correct5 = 0
     for start in range(0, len(val_features), 256):  # a chunk of similarities at a time
         sims = val_features[start : start + 256] @ train_features.T
-        top, index = sims.topk(k, dim=1)
+        top, index = sims.topk(min(k, sims.shape[1]), dim=1)
+        top_labels = train_labels[index]
+        if world > 1:
+            top, top_labels = _best_of_ranks(top, top_labels, k, world)
         votes = torch.zeros(len(sims), num_classes, device=sims.device)
-        votes.scatter_add_(1, train_labels[index], (top / temperature).exp())
+        votes.scatter_add_(1, top_labels, (top / temperature).exp())
         weight, ranked = votes.topk(min(5, num_classes), dim=1)
         hit = (ranked == val_labels[start : start + 256, None]) & (weight > 0)  # a class no neighbour voted for is no guess
         correct1 += hit[:, 0].sum().item()
@@ -148,6 +164,20 @@ def knn_accuracy(train_features: torch.Tensor, train_labels: torch.Tensor, val_f
     if num_classes > 5:
         out["knn_top5"] = correct5 / len(val_features)
     return out
+
+
+def _best_of_ranks(top: torch.Tensor, labels: torch.Tensor, k: int, world: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most similar of every rank's ``top`` (similarities, best first, at most ``k`` a row)
+    and their labels: a rank short of ``k`` pads with -inf, which weighs nothing and which the merge
+    never picks (``k`` is at most the train images of all ranks)."""
+    short = k - top.shape[1]
+    top = F.pad(top, (0, short), value=-math.inf)
+    labels = F.pad(labels, (0, short))
+    every_top, every_label = [torch.empty_like(top) for _ in range(world)], [torch.empty_like(labels) for _ in range(world)]
+    dist.all_gather(every_top, top.contiguous())
+    dist.all_gather(every_label, labels.contiguous())
+    best, index = torch.cat(every_top, dim=1).topk(k, dim=1)
+    return best, torch.cat(every_label, dim=1).gather(1, index)
 
 
 def evaluated_trunk(model: torch.nn.Module) -> torch.nn.Module:
@@ -186,12 +216,13 @@ class KnnMonitor:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             features, labels = extract_features(trunk, self.share, device, autocast, progress, batches)
         samples = self.train.folder.samples + self.val.folder.samples
-        for i in (labels < 0).nonzero().flatten().tolist():
+        for i in (gathered(self.share, labels) < 0).nonzero().flatten().tolist():  # labels only: every rank names every unreadable image
             warnings.warn(f"kNN evaluation: skipping unreadable image {samples[i][0]}", UserWarning, stacklevel=2)
         split = len(self.train)
-        (tf, tl), (vf, vl) = (features[:split], labels[:split]), (features[split:], labels[split:])
-        keep_train, keep_val = tl >= 0, vl >= 0
-        return knn_accuracy(tf[keep_train], tl[keep_train], vf[keep_val], vl[keep_val], len(self.train.classes), self.k, self.temperature)
+        mine = (self.share.indices.to(labels.device) < split) & (labels >= 0)  # this rank's share of the train features: they stay here
+        val_features, val_labels = gathered(self.share, features, split), gathered(self.share, labels, split)
+        keep = val_labels >= 0
+        return knn_accuracy(features[mine], labels[mine], val_features[keep], val_labels[keep], len(self.train.classes), self.k, self.temperature, world)
 
 
 def _warn_if_trained_on(data_path: str, val: LabelledImages) -> None:
