@@ -270,6 +270,7 @@ def _conv_blocks():
                         ("conv2", torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)), ("bn2", torch.nn.BatchNorm2d(4))])
 
 
+@pytest.mark.slow  # inductor's code generation: 15-20 s with a cold cache (only inductor's units are timed)
 def test_trunk_compile_runs_eagerly_the_units_that_step_faster_eagerly(monkeypatch):
     """With inductor, trunk.compile() times each unit's step compiled and eagerly and runs eagerly the
     ones faster so (on this CPU most ResNet-50 bottlenecks: their budget-0.3 plan stepped 1.53x the

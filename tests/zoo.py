@@ -27,7 +27,7 @@ SMALL = {
     "mnasnet0_5": lambda: torchvision.models.mnasnet0_5(),
     "shufflenet_v2_x0_5": lambda: torchvision.models.shufflenet_v2_x0_5(),
     "densenet": lambda: torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16),
-    "vgg": lambda: vgg.VGG(vgg.make_layers([8, "M", 16, "M", 16, 16, "M", 32, "M", 32, "M"], batch_norm=True), num_classes=10),
+    "vgg": lambda: _narrow_vgg([8, "M", 16, "M", 16, 16, "M", 32, "M", 32, "M"]),
     "swin": lambda: swin.SwinTransformer([4, 4], 16, [1, 1, 2, 1], [1, 2, 2, 4], [2, 2], stochastic_depth_prob=0.3),
     "swin_v2": lambda: swin.SwinTransformer(
         [4, 4], 16, [1, 1, 2, 1], [1, 2, 2, 4], [2, 2], stochastic_depth_prob=0.3, block=swin.SwinTransformerBlockV2, downsample_layer=swin.PatchMergingV2
@@ -35,6 +35,24 @@ SMALL = {
     "maxvit": lambda: maxvit.MaxVit((64, 64), 16, 2, [16, 32, 32, 48], [1, 1, 2, 1], 8, stochastic_depth_prob=0.3, num_classes=10),
     "vit": lambda: vision_transformer.VisionTransformer(32, 8, 3, 2, 32, 64, dropout=0.1),
 }
+
+
+def _narrow_vgg(layers):
+    """torchvision's VGG class with narrow features and a classifier to match: its own classifier takes
+    512 x 7 x 7 inputs to 4096 whatever the features (120M parameters: a second to build and to copy)."""
+    with torch.device("meta"):  # the classifier built here is replaced below, never initialised
+        model = vgg.VGG(nn.Sequential(), num_classes=10, init_weights=False)
+    model.features = vgg.make_layers(layers, batch_norm=True)
+    width = next(c for c in reversed(layers) if c != "M")
+    model.classifier = nn.Sequential(nn.Linear(width * 7 * 7, 64), nn.ReLU(True), nn.Dropout(), nn.Linear(64, 64), nn.ReLU(True), nn.Dropout(), nn.Linear(64, 10))
+    for m in model.modules():  # VGG's own initialisation
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0, 0.01)
+            nn.init.zeros_(m.bias)
+    return model
 
 
 def small(name, seed=0):
