@@ -104,6 +104,21 @@ def test_a_grouped_run_trains_the_whole_step_runs_weights_in_less_memory(tmp_pat
     assert [g in grouped_row["plan"] for g in groups] == [True] * len(groups), grouped_row["plan"]
 
 
+@pytest.mark.parametrize("method, grouped", [("dino1", "True"), ("swav1", "True"), ("swav1", "False")])
+def test_one_image_per_rank_with_a_lone_large_crop_says_which_config_values_give_its_batchnorms_more(tmp_path, method, grouped):
+    """DINO and SwAV with one large crop (``CROP_COUNTS [1, ...]``) at one image per rank: its group runs the trunk on
+    one 32px image, 1x1 at ResNet's last stage, and SwAV's head on one embedding: torch's BatchNorm refuses one value per
+    channel, which the launcher printed as it came ("Expected more than 1 value per channel when training"), naming
+    no config value. Now it names them; two images per rank train."""
+    overrides = ["OUTPUT_DIR", str(tmp_path / "one"), "TRAIN.STEPS", "1", "TRAIN.BACKWARD_BY_CROP_GROUP", grouped, "TRAIN.BATCH_SIZE_PER_RANK", "1"]
+    with pytest.raises(ValueError, match=r"one value per channel .*at 1 image per rank the step runs the trunk and head on 1 x 32px and [23] x 16px crops.*"
+                                         r"TRAIN.BATCH_SIZE_PER_RANK.*DATA.CROP_SIZES.*DATA.CROP_COUNTS"):
+        train(_config(method, *overrides))
+    overrides[1], overrides[-1] = str(tmp_path / "two"), "2"
+    _, last = train(_config(method, *overrides))
+    assert last["step"] == 1 and torch.isfinite(torch.tensor(last["loss"]))
+
+
 def test_an_optimizer_stepped_in_backward_waits_for_the_last_groups_gradients():
     """``accumulating()``: a backward inside it updates nothing; the next one updates each parameter
     once, from the whole sum: the standard step on the same two backwards, bit for bit."""

@@ -247,9 +247,10 @@ def _set_up_before_timing(cfg, model, optimizer, dataset, start, rank, world, de
     if start < cfg.TRAIN.STEPS:
         if rank == 0 and model.trunk.cost_aware and not model.trunk.plans:
             print("planning the trunk: its units profiled once at each crop size ...", flush=True)
+        crops = [c.to(device) for c in step_views(dataset, cfg, start, rank, world)]
         try:
-            crops = [c.to(device) for c in step_views(dataset, cfg, start, rank, world)]
-            model.plan_for(crops, autocast, held_calls(cfg, crops), backward_calls(cfg, crops))
+            with batchnorm_refusal_said(cfg, crops):
+                model.plan_for(crops, autocast, held_calls(cfg, crops), backward_calls(cfg, crops))
         except BudgetTooLowError as e:
             raise ValueError(budget_refused(cfg, model.trunk, e)) from None
     optimizer.zero_grad(set_to_none=not kept)
@@ -317,11 +318,36 @@ def _forward_backward(cfg, wrapped, model, crops, step: int, autocast, scaler, a
     DINO and SwAV with several resolutions group by group (:mod:`trunksplit.ssl.grouped`), the
     earlier groups' gradients kept on this rank in ``accumulating()``."""
     model.normalize_prototypes()
-    if by_crop_group(cfg, crops):
-        return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
-    loss = whole_step_forward(cfg, wrapped, model, crops, step, autocast)
-    scaler.scale(loss).backward()
+    with batchnorm_refusal_said(cfg, crops):
+        if by_crop_group(cfg, crops):
+            return grouped_step(cfg, model, wrapped, crops, step, autocast, lambda part: scaler.scale(part).backward(), accumulating)
+        loss = whole_step_forward(cfg, wrapped, model, crops, step, autocast)
+        scaler.scale(loss).backward()
     return loss.detach()
+
+
+ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"  # torch's BatchNorm refusal (F.batch_norm, SyncBatchNorm)
+
+
+@contextlib.contextmanager
+def batchnorm_refusal_said(cfg, crops):
+    """torch's refusal of a BatchNorm that met one value per channel, in a step or a plan's profile of these
+    ``crops``, said in the config's terms: a crop group gives the trunk and head few images (a lone large crop
+    at one image per rank: a projection head's BatchNorm1d; a small crop whose last stage is 1x1: the trunk's)."""
+    try:
+        yield
+    except ValueError as e:
+        if not str(e).startswith(ONE_VALUE_PER_CHANNEL):
+            raise
+        raise ValueError(_one_value_per_channel(cfg, len(crops[0]), e)) from None
+
+
+def _one_value_per_channel(cfg, images: int, error: ValueError) -> str:
+    runs = " and ".join(f"{images * count} x {size}px" for size, count in crop_groups(cfg))
+    return (f"a BatchNorm in training met one value per channel ({error}): at {images} image{'s' if images > 1 else ''} per rank the step runs "
+            f"the trunk and head on {runs} crops, and a BatchNorm normalises each channel over a batch's images and positions (a ResNet's "
+            f"last stage is 1/32 of a crop: 1x1 at 32px; a projection head's BatchNorm1d has one position). Give each rank more images "
+            f"(TRAIN.BATCH_SIZE_PER_RANK, or more TRAIN.MEMORY_LIMIT where it is fitted), larger crops (DATA.CROP_SIZES), or more crops per image (DATA.CROP_COUNTS)")
 
 
 def whole_step_forward(cfg, wrapped, model, crops, step: int, autocast) -> torch.Tensor:
