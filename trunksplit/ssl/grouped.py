@@ -75,7 +75,7 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
             teacher_out = teacher_outputs(cfg, model, crops)
             targets = dict(enumerate(dino_targets(teacher_out, model.center, teacher_temperature(cfg, step))))
     groups = list(same_size_runs(crops))
-    total = torch.zeros(())
+    total = torch.zeros((), device=crops[0].device)  # made where the loss is: a host scalar moved there would wait for the GPU's queue
     # a lone large crop's group, read by no term, runs without a graph: for the BatchNorm statistics its forward
     # moves in the whole step too, and SwAV's codes
     for k, ((start, stop), read) in enumerate(zip(groups, backward_calls(cfg, crops))):
@@ -90,7 +90,7 @@ def grouped_step(cfg, model: SSLModel, wrapped, crops, step: int, autocast: Cont
                 part = cross_entropy_terms(targets, log_probs)[0] / terms
             if read:
                 backward(part)
-                total = total.to(part.device) + part.detach()
+                total = total + part.detach()
     if teacher_out is not None:
         update_center(model.center, teacher_out, m.DINO.CENTER_MOMENTUM)
     return total
