@@ -359,6 +359,35 @@ def test_a_grouped_step_makes_the_host_wait_for_the_gpu_no_more_often_than_the_w
     assert waits["grouped"] <= waits["whole"], waits
 
 
+def test_dinos_gradient_clipping_makes_the_host_wait_for_the_gpu_at_no_parameter():
+    """DINO's clip_gradients branches on each parameter's clip coefficient (``if clip_coef < 1``), a device value:
+    the host waited for the GPU at every parameter, after backward or, stepped in backward, inside it. The rule
+    scales by min(coefficient, 1) on the GPU: DINO's gradients (against its formula on the host), no wait."""
+    from trunksplit.ssl.config import load_config
+    from trunksplit.ssl.model import build_ssl_model
+    from trunksplit.ssl.optim import gradient_rule
+
+    cfg = load_config(str(ROOT / "configs" / "quickstart.yaml"), ["MODEL.TRUNK.NAME", "resnet18", "METHOD.NAME", "dino", "OPTIM.CLIP_GRAD", "0.5"])
+    torch.manual_seed(0)
+    model = build_ssl_model(cfg).to(CUDA)
+    g = torch.Generator().manual_seed(2)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=g) * torch.rand((), generator=g)).to(CUDA)  # some within the clip, some above
+    want, clipped = {}, set()
+    for name, p in model.named_parameters():
+        grad = p.grad.cpu()
+        coefficient = 0.5 / (torch.linalg.vector_norm(grad) + 1e-6)
+        want[name] = grad * coefficient if coefficient < 1 else grad
+        if coefficient < 1:
+            clipped.add(name)
+    assert 0 < len(clipped) < len(want)  # both cases met
+    rule = gradient_rule(cfg, model, step=10**6)  # past the last layer's frozen steps: clipping alone
+    assert _host_waits(lambda: [rule(p) for p in model.parameters()]) == 0
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad.cpu(), want[name], rtol=1e-6, atol=0), name
+        assert name in clipped or torch.equal(p.grad.cpu(), want[name]), name  # within the clip: untouched, bit for bit
+
+
 def test_bench_plans_budgets_as_a_trunk_on_the_gpu_does_by_default(tmp_path):
     """A trunk on a GPU prices its recompute in time (``objective="auto"``); bench's budget rows priced it in
     FLOPs whatever the device, plans no trunk there trained (ResNet-50 at budget 0.5: 3.65x the plain step

@@ -84,9 +84,9 @@ def gradient_rule(cfg, model: nn.Module, step: int) -> Optional[Callable[[torch.
         if clip and p.grad is not None:
             norm = torch.linalg.vector_norm(p.grad)
             sharded = isinstance(norm, DTensor)  # FSDP2: this rank's shard of the gradient; the whole one's norm, all-reduced
-            scale = clip / ((norm.full_tensor() if sharded else norm) + 1e-6)
-            if scale < 1:
-                p.grad.mul_(scale.item() if sharded else scale)
+            # at most 1, no branch: "if scale < 1" (DINO's) made the host wait for the GPU at every parameter, and x * 1 is x
+            scale = (clip / ((norm.full_tensor() if sharded else norm) + 1e-6)).clamp(max=1.0)
+            (p.grad.to_local() if sharded else p.grad).mul_(scale)
         return True
 
     return rule
