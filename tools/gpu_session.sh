@@ -4,7 +4,8 @@
 # prices against measured steps and DINO's multi-crop step whole against by crop group, each under its
 # own time limit, their logs and reports written to $OUT (default gpu_out/). Sized for a lease of 15
 # minutes on one H100 or H200, and for the device tool's 10 minutes a command: 585 s of limits in all
-# (on an H200, 2026-12-04, the first five took 384 s, the multi-crop step about 45).
+# (on an H200, 2026-12-04, the first five took 384 s, the CUDA tier 85 of them with 32 tests, the multi-crop
+# step about 45).
 #
 #     bash tools/gpu_session.sh                 # from the repository root, on the GPU machine
 #
@@ -21,10 +22,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/environment.txt"
 # the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them
-timeout 100 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
+timeout 110 python3 -m pytest -q -m cuda -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 215 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
 timeout 120 python3 tools/eager_overhead.py --device cuda --budgets 0.7 0.5 2>&1 | tee "$OUT/eager_overhead.md"
 timeout 50 python3 tools/eager_overhead.py --device cuda --models resnet50 --input 64x3x224x224 --budgets 0.5 --repeats 5 2>&1 | tee "$OUT/eager_overhead_b64.md"
 timeout 30 python3 tools/price_check.py --device cuda --input 4x3x224x224 --repeats 21 2>&1 | tee "$OUT/price_check.md"
-timeout 70 python3 tools/multicrop_benchmark.py --device cuda --batch 32 --repeats 5 --methods dino 2>&1 | tee "$OUT/multicrop_dino.md"
+timeout 60 python3 tools/multicrop_benchmark.py --device cuda --batch 32 --repeats 5 --methods dino 2>&1 | tee "$OUT/multicrop_dino.md"
 echo "gpu_session: done; files in $OUT"
