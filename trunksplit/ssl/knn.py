@@ -143,10 +143,12 @@ def knn_accuracy(train_features: torch.Tensor, train_labels: torch.Tensor, val_f
     images (any share, even none) and ``val_*`` every validation image on every rank: each rank ranks
     its share and the ``k`` best of all ranks are merged, the figures of one process holding them all
     (neighbours tied at the k-th place aside), the same on every rank."""
-    total = torch.tensor(len(train_features), device=train_features.device)
+    total = len(train_features)
     if world > 1:
-        dist.all_reduce(total)
-    k = min(k, int(total))
+        count = torch.tensor(total, device=train_features.device)
+        dist.all_reduce(count)
+        total = int(count)
+    k = min(k, total)
     correct1 = correct5 = 0
     for start in range(0, len(val_features), 256):  # a chunk of similarities at a time
         sims = val_features[start : start + 256] @ train_features.T
@@ -216,11 +218,12 @@ class KnnMonitor:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             features, labels = extract_features(trunk, self.share, device, autocast, progress, batches)
         samples = self.train.folder.samples + self.val.folder.samples
-        for i in (gathered(self.share, labels) < 0).nonzero().flatten().tolist():  # labels only: every rank names every unreadable image
+        every_label = gathered(self.share, labels)  # labels only, 8 bytes an image: every rank names every unreadable image
+        for i in (every_label < 0).nonzero().flatten().tolist():
             warnings.warn(f"kNN evaluation: skipping unreadable image {samples[i][0]}", UserWarning, stacklevel=2)
         split = len(self.train)
         mine = (self.share.indices.to(labels.device) < split) & (labels >= 0)  # this rank's share of the train features: they stay here
-        val_features, val_labels = gathered(self.share, features, split), gathered(self.share, labels, split)
+        val_features, val_labels = gathered(self.share, features, split), every_label[split:]
         keep = val_labels >= 0
         return knn_accuracy(features[mine], labels[mine], val_features[keep], val_labels[keep], len(self.train.classes), self.k, self.temperature, world)
 
