@@ -3,6 +3,7 @@ measuring every unit, which is the reference here (the key disabled), on every f
 and on units that differ only where the key has to look."""
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 import trunksplit.planning.profile as profile
@@ -151,3 +152,21 @@ def test_the_time_objective_times_units_and_spans_alike_once_on_either_meter(all
     assert costs.rerun_seconds[1] == costs.rerun_seconds[2] == costs.rerun_seconds[3] > 0
     for policy, under in costs.policies.items():
         assert under.again_seconds[1] == under.again_seconds[2] == under.again_seconds[3] > 0, policy
+
+
+def test_save_heavy_on_a_span_without_light_ops_gets_save_expensives_figures_as_measured(monkeypatch):
+    """A span none of whose expensive ops is light (ResNet-18's basic blocks, but the first of a stage with its 1x1
+    downsampling convolution) keeps under "save_heavy" what it keeps under "save_expensive", op for op: the profile
+    takes the one's figures for the other without running it. Against the profile that runs both on every span: the
+    same figures, every policy's, from fewer "save_heavy" runs."""
+    trunk = CheckpointedTrunk(torchvision.models.resnet18(), None, memory_budget=0.5)
+    x = torch.randn(2, 3, 64, 64)
+    runs, real_run, real_span = [], profile.measure_under, profile._measure_span
+    monkeypatch.setattr(profile, "measure_under", lambda members, h, needs_grad, policy, allocator=False: runs.append(policy) or real_run(members, h, needs_grad, policy, allocator))
+    shortcut = peak_model(trunk.plan_request(), x, regions=True).costs
+    taken = runs.count("save_heavy")
+    runs.clear()
+    monkeypatch.setattr(profile, "_measure_span", lambda *args: real_span(*args[:-1], True))  # light ops said in every span: each measured
+    measured = peak_model(trunk.plan_request(), x, regions=True).costs
+    assert shortcut == measured
+    assert 0 < taken < runs.count("save_heavy"), (taken, runs.count("save_heavy"))

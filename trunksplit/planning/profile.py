@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..chains.blocks import layer_splittable_before
 from ..recompute.checkpoint import map_tensors
-from ..recompute.policies import POLICIES
+from ..recompute.policies import POLICIES, SAVE_EXPENSIVE, SAVE_HEAVY
 from .memory import _TensorAccounting, measuring_alone, storage_bytes, tensors_in
 from .param_bytes import largest_param_bytes, unit_param_bytes
 from .same_units import measured_once, measurement_key
@@ -225,7 +225,7 @@ def profile_units(units: Sequence[Tuple[str, nn.Module]], x: torch.Tensor, spans
             if span is not None:
                 span[2].append(m)
                 if i + 1 == span_stop[span[0]]:
-                    _measure_span(span, under_policy, allocator, fields if timed else None, before)
+                    _measure_span(span, under_policy, allocator, fields if timed else None, before, sum(fields["light_flops"][span[0]:i + 1]) > 0)
                     span = None
             # a unit measured on a compact copy of a view returns a compact view: what the chain's holds is its base
             fields["output"][i] = max(fields["output"][i], storage_bytes(next_h))
@@ -272,15 +272,22 @@ def _unit_seconds(before: Dict[tuple, dict], m: nn.Module, h, input_needs_grad: 
     return measured_once(before, None if key is None else (key, "unit seconds"), timed)
 
 
-def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]], before: Dict[tuple, dict]) -> None:
+def _measure_span(span: tuple, under_policy: Dict[str, dict], allocator: bool, timings: Optional[Dict[str, list]], before: Dict[tuple, dict],
+                  light: bool) -> None:
     """Measure a span ``(start, its input, its units)`` under each region policy into
     ``under_policy`` (where a span alike was measured, ``before``, its figures), and where ``timings``
     (the units' ``forward_seconds`` and ``rerun_seconds`` so far) are given, time it (see
-    :func:`~trunksplit.planning.timing.time_span`)."""
+    :func:`~trunksplit.planning.timing.time_span`). ``light``: whether the span's forward runs a light
+    expensive op (``UnitCosts.light_flops``); where none, ``"save_heavy"`` keeps what ``"save_expensive"``
+    keeps, op for op, and gets its figures without running (a ResNet's basic block, but its first of a stage)."""
     start, span_input, members, input_needs_grad = span
     stop = start + len(members)
     alike = measurement_key(members, span_input, input_needs_grad)  # the span's, for every policy
     for policy, measured in under_policy.items():
+        same = under_policy[SAVE_EXPENSIVE.name].get((start, stop)) if policy == SAVE_HEAVY.name and not light else None
+        if same is not None:
+            measured[(start, stop)] = dict(same)
+            continue
         key = None if alike is None or allocator else (alike, policy)  # the allocator's figures depend on its cache
         measured[(start, stop)] = measured_once(before, key, lambda: measure_under(members, span_input, input_needs_grad, policy, allocator))
     if timings is not None:  # times alike on CUDA too (see _unit_seconds)
