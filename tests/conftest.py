@@ -6,10 +6,12 @@ import os
 import signal
 import sys
 
+import pytest
 import torch
 import torchvision
 
 sys.path.insert(0, os.path.dirname(__file__))
+import profile_memo  # noqa: E402  (tests/ on the path first)
 
 # Under pytest-xdist (pytest.ini runs one worker per core) each worker gets its share of the
 # cores: every worker taking all of them oversubscribes the machine, and OpenMP kernels then
@@ -57,6 +59,18 @@ def _remembered(builder):
 
 for _name in torchvision.models.list_models(module=torchvision.models):
     setattr(torchvision.models, _name, _remembered(getattr(torchvision.models, _name)))
+
+profile_memo.install()  # a chain profiled again gets its first profile's figures: tests/profile_memo.py
+
+
+@pytest.fixture(autouse=True)
+def _profiles_remembered_unless_the_test_is_of_profiling(request):
+    """See tests/profile_memo.py: what a test of profiling itself asserts must be what ran. Off between tests, so
+    that a module's fixture (set up before this) profiles for real whatever test ran before."""
+    profile_memo.memo_off[0] = ("monkeypatch" in request.fixturenames or request.node.get_closest_marker("fresh_profile") is not None
+                                or request.node.nodeid.startswith(profile_memo.OWN_TESTS))
+    yield
+    profile_memo.memo_off[0] = True
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -1,7 +1,10 @@
-"""The suite's own shortcut (``conftest.py``) changes nothing but time: a torchvision model built again
-from the same random state is the model a fresh build makes, and leaves the random state it would."""
+"""The suite's own shortcuts (``conftest.py``) change nothing but time: a torchvision model built again
+from the same random state is the model a fresh build makes, and leaves the random state it would; a chain
+profiled again (``profile_memo.py``) gets the figures profiling it gives."""
 import torch
 import torchvision
+
+import profile_memo
 
 
 def _fresh(seed):
@@ -28,3 +31,30 @@ def test_a_remembered_build_is_a_fresh_build_and_leaves_the_same_random_state():
     assert torch.equal(third.fc.weight, fresh.fc.weight)
     other, _ = _remembered(1)  # another seed: another model
     assert not torch.equal(other.conv1.weight, fresh.conv1.weight)
+
+
+def _chain(seed, inplace=False):
+    torch.manual_seed(seed)
+    return [("conv", torch.nn.Conv2d(3, 8, 3)), ("bn", torch.nn.BatchNorm2d(8)), ("relu", torch.nn.ReLU(inplace=inplace)), ("pool", torch.nn.AdaptiveAvgPool2d(1))]
+
+
+def test_a_remembered_profile_is_the_profile_and_a_changed_chain_or_setting_is_profiled_again():
+    x = torch.randn(2, 3, 16, 16)
+    profile_memo.memo_off[0] = False  # this file is one of the profiler's own: off unless a test says so
+    try:
+        first = profile_memo.profile_units(_chain(0), x, spans=[(0, 2)])
+        again = profile_memo.profile_units(_chain(1), x, spans=[(0, 2)])  # other weights, the same storages
+        assert again is first and again == profile_memo.REAL(_chain(1), x, spans=[(0, 2)])
+        changed = {"in place": lambda: profile_memo.profile_units(_chain(0, inplace=True), x, spans=[(0, 2)]),
+                   "another input": lambda: profile_memo.profile_units(_chain(0), torch.randn(4, 3, 16, 16), spans=[(0, 2)]),
+                   "no spans": lambda: profile_memo.profile_units(_chain(0), x),
+                   "progress said": lambda: profile_memo.profile_units(_chain(0), x, spans=[(0, 2)], progress=lambda name: None)}
+        for what, profiled in changed.items():
+            assert profiled() is not first, what
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = profile_memo.profile_units(_chain(0), x, spans=[(0, 2)])
+            assert under_autocast is not first and under_autocast == profile_memo.REAL(_chain(0), x, spans=[(0, 2)])
+        assert under_autocast.output != first.output  # bf16 activations: the figures did change
+    finally:
+        profile_memo.memo_off[0] = True
+    assert profile_memo.profile_units(_chain(1), x, spans=[(0, 2)]) is not first  # off: profiled for real

@@ -272,6 +272,7 @@ def test_planning_under_no_grad_measures_the_training_step(mode):
         loss_of(trunk(x)).backward()  # the cached plan trains
 
 
+@pytest.mark.fresh_profile  # no user hook fires: what ran, not a remembered figure
 def test_planning_does_not_run_the_users_hooks():
     model = build("resnet18")
     calls = []

@@ -1,0 +1,66 @@
+"""The suite's second shortcut (the first: ``conftest._remembered``): a chain profiled again in one test
+process, with the same units, input layout, arguments and torch settings, gets the figures its first
+profile gave. Only time differs, for the reason a profile measures a repeated block once
+(:mod:`trunksplit.planning.same_units`): the tracker counts storages, which follow shapes, strides, dtypes
+and the ops that run, never values. The suite profiles ResNet-18 at 2x3x64x64 a few hundred times (the
+same plan at each gradient mode, a budget ladder...): about a fifth of its time, half of it repeats.
+
+What a profile's figures can follow beyond its arguments is in the key: each unit's structure and layouts
+(``measurement_key``), and the settings that choose the ops a forward runs (autocast, SDPA's backends,
+deterministic algorithms, oneDNN, grad mode). A unit holding an object the key cannot compare by value
+(a ``torch.compile`` wrapper, a traced chain's tuple input) is profiled each time.
+
+Never remembered, so that what a test asserts of profiling itself is what ran (``memo_off``):
+tests that patch anything (the ``monkeypatch`` fixture), tests marked ``fresh_profile`` (profiling leaves
+the user's hooks, statistics and random state alone), the profiler's own files (``OWN_TESTS``), a
+profile that reports progress, and any process with a process group (FSDP2's sharded units).
+Checked by tests/test_conftest.py."""
+import functools
+from typing import Dict
+
+import torch
+
+from trunksplit.planning import profile, scaled, search
+from trunksplit.planning.same_units import measurement_key
+
+OWN_TESTS = ("tests/planning/test_memory.py", "tests/planning/test_same_units.py", "tests/planning/test_timing.py", "tests/test_conftest.py")
+REAL = profile.profile_units
+_FIGURES: Dict[tuple, object] = {}
+memo_off = [True]  # on for each test that may (conftest's autouse fixture), off between tests
+
+
+def settings() -> tuple:
+    """The torch settings that can change which ops a forward runs, or the tensors they make."""
+    return (tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+            torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+            torch.backends.mkldnn.enabled)
+
+
+def key(units, x, spans, timed, allocator, use_reentrant, features):
+    """What two profiles share where they give the same figures; None: profile it."""
+    if memo_off[0] or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    try:
+        return measurement_key([u for _, u in units], x, tuple(n for n, _ in units), tuple(map(tuple, spans)), timed, allocator, use_reentrant,
+                               tuple(features), settings())
+    except TypeError:  # spans or features not as the profiler documents them: let it say so
+        return None
+
+
+@functools.wraps(REAL)
+def profile_units(units, x, spans=(), timed=False, allocator=False, progress=None, use_reentrant=False, features=()):
+    k = None if progress is not None else key(units, x, spans, timed, allocator, use_reentrant, features)
+    if k is None:
+        return REAL(units, x, spans, timed, allocator, progress, use_reentrant, features)
+    if k not in _FIGURES:
+        _FIGURES[k] = REAL(units, x, spans, timed, allocator, progress, use_reentrant, features)
+        while len(_FIGURES) > 256:  # a few MiB at most: figures are tuples of ints
+            _FIGURES.pop(next(iter(_FIGURES)))
+    return _FIGURES[k]
+
+
+def install() -> None:
+    """Put the remembering profiler where the library calls it (each module imported it by name)."""
+    for module in (profile, search, scaled):
+        module.profile_units = profile_units
