@@ -63,14 +63,22 @@ for _name in torchvision.models.list_models(module=torchvision.models):
 profile_memo.install()  # a chain profiled again gets its first profile's figures: tests/profile_memo.py
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _profiles_remembered_in_a_modules_fixtures_unless_it_is_of_profiling(request):
+    """See tests/profile_memo.py: set up before a module's own fixtures, whatever test ran before."""
+    profile_memo.memo_off[0] = request.node.nodeid.startswith(profile_memo.OWN_TESTS)
+    yield
+    profile_memo.memo_off[0] = True
+
+
 @pytest.fixture(autouse=True)
 def _profiles_remembered_unless_the_test_is_of_profiling(request):
-    """See tests/profile_memo.py: what a test of profiling itself asserts must be what ran. Off between tests, so
-    that a module's fixture (set up before this) profiles for real whatever test ran before."""
+    """See tests/profile_memo.py: what a test of profiling itself asserts must be what ran."""
+    module_setting = profile_memo.memo_off[0]
     profile_memo.memo_off[0] = ("monkeypatch" in request.fixturenames or request.node.get_closest_marker("fresh_profile") is not None
                                 or request.node.nodeid.startswith(profile_memo.OWN_TESTS))
     yield
-    profile_memo.memo_off[0] = True
+    profile_memo.memo_off[0] = module_setting
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -14,7 +14,7 @@ deterministic algorithms, oneDNN, grad mode). A unit holding an object the key c
 Never remembered, so that what a test asserts of profiling itself is what ran (``memo_off``):
 tests that patch anything (the ``monkeypatch`` fixture), tests marked ``fresh_profile`` (profiling leaves
 the user's hooks, statistics and random state alone), the profiler's own files (``OWN_TESTS``), a
-profile that reports progress, and any process with a process group (FSDP2's sharded units).
+profile that reports progress or is the allocator's, and any process with a process group (FSDP2's sharded units).
 Checked by tests/test_conftest.py."""
 import functools
 from typing import Dict
@@ -27,7 +27,7 @@ from trunksplit.planning.same_units import measurement_key
 OWN_TESTS = ("tests/planning/test_memory.py", "tests/planning/test_same_units.py", "tests/planning/test_timing.py", "tests/test_conftest.py")
 REAL = profile.profile_units
 _FIGURES: Dict[tuple, object] = {}
-memo_off = [True]  # on for each test that may (conftest's autouse fixture), off between tests
+memo_off = [True]  # set for each module and each test (conftest's autouse fixtures), off outside them
 
 
 def settings() -> tuple:
@@ -40,8 +40,8 @@ def settings() -> tuple:
 
 def key(units, x, spans, timed, allocator, use_reentrant, features):
     """What two profiles share where they give the same figures; None: profile it."""
-    if memo_off[0] or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
+    if memo_off[0] or allocator or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None  # the allocator's figures depend on what its cache holds, as same_units says: measured each time
     try:
         return measurement_key([u for _, u in units], x, tuple(n for n, _ in units), tuple(map(tuple, spans)), timed, allocator, use_reentrant,
                                tuple(features), settings())

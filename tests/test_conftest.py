@@ -51,6 +51,8 @@ def test_a_remembered_profile_is_the_profile_and_a_changed_chain_or_setting_is_p
                    "progress said": lambda: profile_memo.profile_units(_chain(0), x, spans=[(0, 2)], progress=lambda name: None)}
         for what, profiled in changed.items():
             assert profiled() is not first, what
+        by_allocator = profile_memo.profile_units(_chain(0), x, allocator=True)
+        assert profile_memo.profile_units(_chain(0), x, allocator=True) is not by_allocator  # its figures follow its cache: each measured
         with torch.autocast("cpu", dtype=torch.bfloat16):
             under_autocast = profile_memo.profile_units(_chain(0), x, spans=[(0, 2)])
             assert under_autocast is not first and under_autocast == profile_memo.REAL(_chain(0), x, spans=[(0, 2)])
