@@ -59,8 +59,12 @@ def _remembered(builder):
 
 for _name in torchvision.models.list_models(module=torchvision.models):
     setattr(torchvision.models, _name, _remembered(getattr(torchvision.models, _name)))
+# the launcher builds its trunk by name (trunksplit/ssl/backbones.py), through torchvision's registry, which
+# holds the builders themselves, not the names above
+torchvision.models.get_model = _remembered(torchvision.models.get_model)
 
 profile_memo.install()  # a chain profiled again gets its first profile's figures: tests/profile_memo.py
+_SHARED_PROFILES = profile_memo.share_between_processes()  # by this process and the workers it starts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,6 +83,10 @@ def _profiles_remembered_unless_the_test_is_of_profiling(request):
                                 or request.node.nodeid.startswith(profile_memo.OWN_TESTS))
     yield
     profile_memo.memo_off[0] = module_setting
+
+
+def pytest_unconfigure(config):
+    profile_memo.stop_sharing(_SHARED_PROFILES)
 
 
 def pytest_xdist_auto_num_workers(config):

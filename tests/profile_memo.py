@@ -4,7 +4,9 @@ profile gave. Only time differs, for the reason a profile measures a repeated bl
 (:mod:`trunksplit.planning.same_units`): the tracker counts storages, which follow shapes, strides, dtypes
 and the ops that run, never values. The suite profiles ResNet-18 at 2x3x64x64 a few hundred times (the
 same plan at each gradient mode, a budget ladder...): profiling was a quarter of its time (2026-12-05), 44% of that
-repeats, and the suite went from 434 to 375-392 s on 2 cores.
+repeats, and the suite went from 434 to 375-392 s on 2 cores. The figures go to a folder the test processes share
+(``SHARED_ENV``, made by the first of them, pytest-xdist's controller): of the profiles left, a fifth of the time went
+to chains the other worker had profiled already (2026-12-05: 19.5 of 87 s).
 
 What a profile's figures can follow beyond its arguments is in the key: each unit's structure and layouts
 (``measurement_key``), and the settings that choose the ops a forward runs (autocast, SDPA's backends,
@@ -17,7 +19,12 @@ the user's hooks, statistics and random state alone), the profiler's own files (
 profile that reports progress or is the allocator's, and any process with a process group (FSDP2's sharded units).
 Checked by tests/test_conftest.py."""
 import functools
-from typing import Dict
+import hashlib
+import os
+import pickle
+import shutil
+import tempfile
+from typing import Dict, Optional
 
 import torch
 
@@ -28,6 +35,7 @@ OWN_TESTS = ("tests/planning/test_memory.py", "tests/planning/test_same_units.py
 REAL = profile.profile_units
 _FIGURES: Dict[tuple, object] = {}
 memo_off = [True]  # set for each module and each test (conftest's autouse fixtures), off outside them
+SHARED_ENV = "TRUNKSPLIT_SUITE_PROFILES"  # the folder the controller makes and its workers inherit (they start after conftest is imported)
 
 
 def settings() -> tuple:
@@ -55,10 +63,63 @@ def profile_units(units, x, spans=(), timed=False, allocator=False, progress=Non
     if k is None:
         return REAL(units, x, spans, timed, allocator, progress, use_reentrant, features)
     if k not in _FIGURES:
-        _FIGURES[k] = REAL(units, x, spans, timed, allocator, progress, use_reentrant, features)
+        path = _shared_path(k)
+        figures = _read(path)
+        if figures is None:
+            figures = REAL(units, x, spans, timed, allocator, progress, use_reentrant, features)
+            _write(path, figures)
+        _FIGURES[k] = figures
         while len(_FIGURES) > 256:  # a few MiB at most: figures are tuples of ints
             _FIGURES.pop(next(iter(_FIGURES)))
     return _FIGURES[k]
+
+
+def _shared_path(k) -> Optional[str]:
+    """Where another test process keeps the figures of key ``k``: its pickle's digest (equal bytes, equal keys; a key
+    pickled in another order, a frozenset's, only misses). None: no shared folder, or a key that does not pickle."""
+    folder = os.environ.get(SHARED_ENV)
+    if not folder or not os.path.isdir(folder):
+        return None
+    try:
+        return os.path.join(folder, hashlib.sha1(pickle.dumps(k, protocol=4)).hexdigest())
+    except (pickle.PicklingError, TypeError, AttributeError):  # a class defined in a function, a lambda
+        return None
+
+
+def _read(path: Optional[str]):
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (TypeError, OSError, EOFError, pickle.UnpicklingError):
+        return None
+
+
+def _write(path: Optional[str], figures) -> None:
+    """Written whole under another name, then renamed: a reader never sees half a file."""
+    if path is None:
+        return
+    tmp = f"{path}.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump(figures, f, protocol=4)
+        os.replace(tmp, path)
+    except (pickle.PicklingError, TypeError, AttributeError, OSError):
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def share_between_processes() -> Optional[str]:
+    """The first test process (the controller, or the only one) makes the shared folder; it returns it to remove at the end."""
+    if os.environ.get(SHARED_ENV):
+        return None
+    os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="trunksplit-suite-profiles-")
+    return os.environ[SHARED_ENV]
+
+
+def stop_sharing(folder: Optional[str]) -> None:
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(SHARED_ENV, None)
 
 
 def install() -> None:

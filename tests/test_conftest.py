@@ -1,6 +1,8 @@
 """The suite's own shortcuts (``conftest.py``) change nothing but time: a torchvision model built again
 from the same random state is the model a fresh build makes, and leaves the random state it would; a chain
 profiled again (``profile_memo.py``) gets the figures profiling it gives."""
+import os
+
 import torch
 import torchvision
 
@@ -33,6 +35,22 @@ def test_a_remembered_build_is_a_fresh_build_and_leaves_the_same_random_state():
     assert not torch.equal(other.conv1.weight, fresh.conv1.weight)
 
 
+
+def test_a_model_built_by_name_as_the_launcher_builds_it_is_a_fresh_build_too():
+    """``torchvision.models.get_model`` (trunksplit/ssl/backbones.py's path) is remembered as the builders are."""
+    def by_name(seed, name="resnet18"):
+        torch.manual_seed(seed)
+        return torchvision.models.get_model(name, num_classes=10), torch.rand(3)
+
+    first, after_first = by_name(0)
+    first.fc.weight.data.zero_()
+    again, after_again = by_name(0)
+    fresh, after_fresh = _fresh(0)
+    assert torch.equal(after_again, after_fresh) and torch.equal(after_first, after_fresh)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), fresh.state_dict().values()))
+    assert torchvision.models.get_model.__wrapped__ is not None  # and it is the remembering builder that served them
+    assert type(by_name(0, "resnet34")[0].layer1[2]).__name__ == "BasicBlock"  # another name: another model
+
 def _chain(seed, inplace=False):
     torch.manual_seed(seed)
     return [("conv", torch.nn.Conv2d(3, 8, 3)), ("bn", torch.nn.BatchNorm2d(8)), ("relu", torch.nn.ReLU(inplace=inplace)), ("pool", torch.nn.AdaptiveAvgPool2d(1))]
@@ -60,3 +78,20 @@ def test_a_remembered_profile_is_the_profile_and_a_changed_chain_or_setting_is_p
     finally:
         profile_memo.memo_off[0] = True
     assert profile_memo.profile_units(_chain(1), x, spans=[(0, 2)]) is not first  # off: profiled for real
+
+
+def test_a_profile_another_test_process_made_is_read_from_the_shared_folder_as_it_was_measured():
+    """Two xdist workers profile many of the same chains: the second reads the first's figures (``SHARED_ENV``)."""
+    x, spans = torch.randn(2, 3, 12, 12), [(1, 3)]
+    measured = profile_memo.REAL(_chain(2), x, spans=spans)
+    profile_memo.memo_off[0] = False
+    real = profile_memo.REAL
+    try:
+        profile_memo.profile_units(_chain(2), x, spans=spans)  # this process profiles it, or reads what another wrote
+        profile_memo._FIGURES.clear()  # as if another process: only the folder remembers it
+        profile_memo.REAL = None  # it must not profile again
+        assert profile_memo.profile_units(_chain(3), x, spans=spans) == measured
+    finally:
+        profile_memo.REAL = real
+        profile_memo.memo_off[0] = True
+    assert os.path.isdir(os.environ[profile_memo.SHARED_ENV])
