@@ -130,7 +130,8 @@ def _prediction(method_overrides):
                                            step_for_fit(cfg, contextlib.nullcontext()), lambda line: None, None)
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["allocated", "in_backward"])
+# in_backward (6 s) in the slow tier; the fit of a step stepped in backward stays fast in test_dinos_teacher_adds_nothing_...[in_backward]
+@pytest.mark.parametrize("stepped", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["allocated", "in_backward"])
 def test_a_lone_large_crops_group_is_predicted_as_it_runs_without_backward(stepped):
     """DINO with one global crop (DATA.CROP_COUNTS [1, 4]), grouped: no term reads that crop, so its group runs
     without a graph, and the next group finds no gradients; stepped in backward, the next group's is the step's
