@@ -1256,7 +1256,7 @@ def _early_feature_cases():
                 yield pytest.param(keys, shape, gradients, how, id=f"{how_id}-{gradients}-{request_id}", marks=[pytest.mark.slow] if slow else [])
 
 
-@pytest.mark.parametrize("keys, shape, gradients, how", _early_feature_cases())
+@pytest.mark.parametrize("keys, shape, gradients, how", list(_early_feature_cases()))  # a list: pytest 9.2 refuses a generator
 def test_a_trunk_returning_early_features_is_predicted_with_their_gradients_and_what_the_caller_holds(keys, shape, gradients, how):
     """vissl's evaluation configs ask a trunk for early features beside its last (conv1, res4). The loss's gradient of
     an early feature is made as backward starts and waits until backward reaches it, and the caller holds the feature
