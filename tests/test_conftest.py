@@ -35,7 +35,6 @@ def test_a_remembered_build_is_a_fresh_build_and_leaves_the_same_random_state():
     assert not torch.equal(other.conv1.weight, fresh.conv1.weight)
 
 
-
 def test_a_model_built_by_name_as_the_launcher_builds_it_is_a_fresh_build_too():
     """``torchvision.models.get_model`` (trunksplit/ssl/backbones.py's path) is remembered as the builders are."""
     def by_name(seed, name="resnet18"):
@@ -50,6 +49,7 @@ def test_a_model_built_by_name_as_the_launcher_builds_it_is_a_fresh_build_too():
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), fresh.state_dict().values()))
     assert torchvision.models.get_model.__wrapped__ is not None  # and it is the remembering builder that served them
     assert type(by_name(0, "resnet34")[0].layer1[2]).__name__ == "BasicBlock"  # another name: another model
+
 
 def _chain(seed, inplace=False):
     torch.manual_seed(seed)
