@@ -87,10 +87,13 @@ def _shared_path(k) -> Optional[str]:
 
 
 def _read(path: Optional[str]):
+    """The figures another process wrote at ``path``; None where none are (yet)."""
+    if path is None:
+        return None
     try:
         with open(path, "rb") as f:
             return pickle.load(f)
-    except (TypeError, OSError, EOFError, pickle.UnpicklingError):
+    except (OSError, EOFError, pickle.UnpicklingError):
         return None
 
 
