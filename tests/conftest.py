@@ -7,19 +7,9 @@ import signal
 import sys
 
 import pytest
-import torch
-import torchvision
 
 sys.path.insert(0, os.path.dirname(__file__))
-import profile_memo  # noqa: E402  (tests/ on the path first)
-
-# Under pytest-xdist (pytest.ini runs one worker per core) each worker gets its share of the
-# cores: every worker taking all of them oversubscribes the machine, and OpenMP kernels then
-# run several times slower. Results do not depend on it: every comparison in the suite runs
-# its reference in the same process, with the same thread count.
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _workers > 1:
-    torch.set_num_threads(max(1, torch.get_num_threads() // _workers))
+import profile_memo  # noqa: E402  (tests/ on the path first; imports no torch until installed)
 
 # The stop tests test a command a terminal runs: SIGINT handled by Python. A suite started from a
 # script with `&` (no job control) inherits SIGINT ignored, as do its workers and their children,
@@ -36,6 +26,8 @@ _BUILT = collections.OrderedDict()  # the last few models built, oldest first; b
 
 
 def _remembered(builder):
+    import torch  # in a process that runs tests (see pytest_configure)
+
     @functools.wraps(builder)
     def build(*args, **kwargs):
         key = (builder.__name__, args, tuple(sorted(kwargs.items())), torch.get_default_dtype(), str(torch.get_default_device()),
@@ -57,13 +49,34 @@ def _remembered(builder):
     return build
 
 
-for _name in torchvision.models.list_models(module=torchvision.models):
-    setattr(torchvision.models, _name, _remembered(getattr(torchvision.models, _name)))
-# the launcher builds its trunk by name (trunksplit/ssl/backbones.py), through torchvision's registry, which
-# holds the builders themselves, not the names above
-torchvision.models.get_model = _remembered(torchvision.models.get_model)
+def _set_up_a_test_process() -> None:
+    """What a process that runs tests needs: its share of the cores, the builders remembered, the profiles too."""
+    import torch
+    import torchvision
 
-profile_memo.install()  # a chain profiled again gets its first profile's figures: tests/profile_memo.py
+    # Under pytest-xdist (pytest.ini runs one worker per core) each worker gets its share of the
+    # cores: every worker taking all of them oversubscribes the machine, and OpenMP kernels then
+    # run several times slower. Results do not depend on it: every comparison in the suite runs
+    # its reference in the same process, with the same thread count.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+    for name in torchvision.models.list_models(module=torchvision.models):
+        setattr(torchvision.models, name, _remembered(getattr(torchvision.models, name)))
+    # the launcher builds its trunk by name (trunksplit/ssl/backbones.py), through torchvision's registry, which
+    # holds the builders themselves, not the names above
+    torchvision.models.get_model = _remembered(torchvision.models.get_model)
+    profile_memo.install()  # a chain profiled again gets its first profile's figures: tests/profile_memo.py
+
+
+def pytest_configure(config):
+    """Set up a process that runs tests, before it collects any. pytest-xdist's controller only hands tests
+    out to its workers, which it starts once configured: importing torch there (2.8 s) delayed them all."""
+    hands_tests_out = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no" and not config.getoption("collectonly")
+    if not hands_tests_out:
+        _set_up_a_test_process()
+
+
 _SHARED_PROFILES = profile_memo.share_between_processes()  # by this process and the workers it starts
 
 
@@ -89,6 +102,7 @@ def pytest_unconfigure(config):
     profile_memo.stop_sharing(_SHARED_PROFILES)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: a run without it (-p no:xdist) still starts
 def pytest_xdist_auto_num_workers(config):
     """One worker for the CUDA tier (``-m cuda``): the tests share one GPU and read its allocator's peaks."""
     marks = config.getoption("markexpr", "") or ""

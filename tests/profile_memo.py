@@ -26,13 +26,8 @@ import shutil
 import tempfile
 from typing import Dict, Optional
 
-import torch
-
-from trunksplit.planning import profile, scaled, search
-from trunksplit.planning.same_units import measurement_key
-
 OWN_TESTS = ("tests/planning/test_memory.py", "tests/planning/test_same_units.py", "tests/planning/test_timing.py", "tests/test_conftest.py")
-REAL = profile.profile_units
+REAL = None  # the library's profile_units, once installed
 _FIGURES: Dict[tuple, object] = {}
 memo_off = [True]  # set for each module and each test (conftest's autouse fixtures), off outside them
 SHARED_ENV = "TRUNKSPLIT_SUITE_PROFILES"  # the folder the controller makes and its workers inherit (they start after conftest is imported)
@@ -40,6 +35,8 @@ SHARED_ENV = "TRUNKSPLIT_SUITE_PROFILES"  # the folder the controller makes and 
 
 def settings() -> tuple:
     """The torch settings that can change which ops a forward runs, or the tensors they make."""
+    import torch  # not at the top: see install
+
     return (tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
             torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
@@ -48,6 +45,9 @@ def settings() -> tuple:
 
 def key(units, x, spans, timed, allocator, use_reentrant, features):
     """What two profiles share where they give the same figures; None: profile it."""
+    import torch  # not at the top: see install
+    from trunksplit.planning.same_units import measurement_key
+
     if memo_off[0] or allocator or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None  # the allocator's figures depend on what its cache holds, as same_units says: measured each time
     try:
@@ -57,7 +57,6 @@ def key(units, x, spans, timed, allocator, use_reentrant, features):
         return None
 
 
-@functools.wraps(REAL)
 def profile_units(units, x, spans=(), timed=False, allocator=False, progress=None, use_reentrant=False, features=()):
     k = None if progress is not None else key(units, x, spans, timed, allocator, use_reentrant, features)
     if k is None:
@@ -126,6 +125,15 @@ def stop_sharing(folder: Optional[str]) -> None:
 
 
 def install() -> None:
-    """Put the remembering profiler where the library calls it (each module imported it by name)."""
+    """Put the remembering profiler where the library calls it (each module imported it by name). Imported
+    here, not at the top: pytest-xdist's controller imports this module for the shared folder alone and runs
+    no test, so it imports no torch (what its workers wait for)."""
+    global REAL
+    from trunksplit.planning import profile, scaled, search
+
+    if REAL is not None:  # installed already: the library's names hold this module's profile_units
+        return
+    REAL = profile.profile_units
+    functools.update_wrapper(profile_units, REAL)  # its name and docstring
     for module in (profile, search, scaled):
         module.profile_units = profile_units

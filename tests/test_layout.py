@@ -5,6 +5,7 @@ new module that imports back up a layer, or hides an import inside a function to
 circle, fails here with the arrow named.
 """
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -25,6 +26,12 @@ def _modules():
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         yield name, path
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: pathlib.Path) -> ast.Module:
+    """A module's syntax tree, parsed once per test process (every check here walks every module; none changes a tree)."""
+    return ast.parse(path.read_text())
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list:
@@ -58,7 +65,7 @@ def _loaded_by_name(module: str, is_package: bool, tree):
 def _imports():
     """(importer, imported, line, at module level) for every trunksplit import in the package."""
     for module, path in _modules():
-        tree = ast.parse(path.read_text())
+        tree = _parsed(path)
         typing_only = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "").lstrip("_") == "TYPE_CHECKING"]
         top = set(map(id, tree.body + [s for n in typing_only for s in n.body]))  # what editors read is imported at the top too
         is_package = path.name == "__init__.py"
@@ -125,7 +132,7 @@ def test_modules_and_functions_fit_a_reader():
         source = path.read_text()
         if source.count("\n") > MAX_MODULE_LINES:
             too_long.append(f"{module}: {source.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(_parsed(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body[1:] if ast.get_docstring(node) is not None else node.body
                 length = body[-1].end_lineno - body[0].lineno + 1 if body else 0
@@ -137,7 +144,7 @@ def test_modules_and_functions_fit_a_reader():
 def test_classes_fit_a_reader_and_the_trunk_only_runs_its_plan():
     too_long = []
     for module, path in _modules():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 too_long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert too_long == [], "split these classes:\n" + "\n".join(too_long)
@@ -147,7 +154,7 @@ def test_classes_fit_a_reader_and_the_trunk_only_runs_its_plan():
 
 def _trunk_private_names() -> set:
     """The private attributes and methods of ``CheckpointedTrunk``, read from trunk.py."""
-    tree = ast.parse((PACKAGE / "trunk.py").read_text())
+    tree = _parsed(PACKAGE / "trunk.py")
     trunk = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CheckpointedTrunk")
     names = set()
     for node in ast.walk(trunk):
@@ -167,7 +174,7 @@ def test_no_module_but_the_trunk_reads_the_trunks_private_names():
     reads = []
     paths = [p for _, p in _modules() if p.name != "trunk.py"] + sorted(TOOLS.glob("*.py"))
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)):
             if isinstance(node, ast.Attribute) and node.attr in private and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
                 reads.append(f"{path.relative_to(PACKAGE.parent)} line {node.lineno}: .{node.attr}")
     assert reads == [], "private names of CheckpointedTrunk read outside trunk.py:\n" + "\n".join(reads)
@@ -186,7 +193,7 @@ def test_no_test_module_imports_another_test_modules_names():
     tests = pathlib.Path(__file__).parent
     found = []
     for path in sorted(tests.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1].startswith("test_"):
                 found.append(f"{path.relative_to(tests)}: from {node.module} import ...")
     assert found == []
@@ -207,6 +214,6 @@ def test_only_the_policy_registry_spells_a_policys_name_as_code():
     """A policy is a type chosen by name in one place (trunksplit/recompute/policies.py): what it keeps,
     how it nests and how it is priced are its attributes, so no other module decides by its name."""
     spelled = {name: found for name, path in _modules() if name != "trunksplit.recompute.policies"
-               for found in [_policy_names_spelled(ast.parse(path.read_text()))] if found}
+               for found in [_policy_names_spelled(_parsed(path))] if found}
     assert spelled == {}
     assert _policy_names_spelled(ast.parse('def f(p):\n    """a "recompute" region"""\n    return p == "recompute"\n')) == [(3, "recompute")]

@@ -48,10 +48,13 @@ _KINETO_LINE = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.
 def test_profiled_peak_keeps_the_profilers_log_lines_off_stderr_unless_the_user_set_a_level():
     """Planning FSDP2 ranks profiles thousands of times: kineto's start/stop lines buried the launcher's output."""
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    quiet = subprocess.run([sys.executable, "-c", _PROFILE_TWICE], env=env, capture_output=True, text=True, check=True)
-    assert quiet.stdout == "measured\n" and not _KINETO_LINE.search(quiet.stderr), quiet.stderr
-    chatty = subprocess.run([sys.executable, "-c", _PROFILE_TWICE], env={**env, "KINETO_LOG_LEVEL": "0"}, capture_output=True, text=True, check=True)
-    assert chatty.stderr.count("Completed Stage: Warm Up") == 2, chatty.stderr  # the user's own level is kept: one profile, one warm-up
+    # both at once: each process mostly waits for the profiler to start
+    runs = [subprocess.Popen([sys.executable, "-c", _PROFILE_TWICE], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for e in (env, {**env, "KINETO_LOG_LEVEL": "0"})]
+    (quiet, quiet_err), (_, chatty_err) = (run.communicate(timeout=120) for run in runs)
+    assert [run.returncode for run in runs] == [0, 0], quiet_err + chatty_err
+    assert quiet == "measured\n" and not _KINETO_LINE.search(quiet_err), quiet_err
+    assert chatty_err.count("Completed Stage: Warm Up") == 2, chatty_err  # the user's own level is kept: one profile, one warm-up
 
 
 def _reduce_scatter_readings(rank, world_size, n, reps, out):
