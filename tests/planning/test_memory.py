@@ -51,7 +51,11 @@ def test_profiled_peak_keeps_the_profilers_log_lines_off_stderr_unless_the_user_
     # both at once: each process mostly waits for the profiler to start
     runs = [subprocess.Popen([sys.executable, "-c", _PROFILE_TWICE], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for e in (env, {**env, "KINETO_LOG_LEVEL": "0"})]
-    (quiet, quiet_err), (_, chatty_err) = (run.communicate(timeout=120) for run in runs)
+    try:
+        (quiet, quiet_err), (_, chatty_err) = [run.communicate(timeout=120) for run in runs]
+    finally:  # one timed out: the other goes too
+        for run in runs:
+            run.kill()
     assert [run.returncode for run in runs] == [0, 0], quiet_err + chatty_err
     assert quiet == "measured\n" and not _KINETO_LINE.search(quiet_err), quiet_err
     assert chatty_err.count("Completed Stage: Warm Up") == 2, chatty_err  # the user's own level is kept: one profile, one warm-up
