@@ -5,6 +5,7 @@
     python tools/eager_overhead.py --device cpu --models resnet18 --input 4x3x64x64 --budgets 0.7 --repeats 2
     python tools/eager_overhead.py --device cpu --models resnet50 --narrow 16 --input 4x3x64x64 --budgets 0.7 0.5   # dispatch-bound
     python tools/eager_overhead.py --device cuda --budgets 0.5 --switch                 # and against timm's switch
+    python tools/eager_overhead.py --device cuda --models vit_b_16 --budgets 0.5 --gradients kept   # a budget of activations alone
 
 For each model and budget, eight or nine steps run interleaved (median of ``--repeats``): the plain trunk;
 the budget plan priced in FLOPs (``objective="flops"``, the default on a CPU); the same plan with its
@@ -24,7 +25,10 @@ cuts-only step less the plain step less that recompute; of it, what non-reentran
 hooks cost against the same cuts reentrant, and what torch's checkpoint costs beyond ours), and the
 regions (the plan less its cuts); then the
 selective policy against the same regions recomputed whole: above 0 its per-op dispatch costs more
-than the convolutions it keeps from rerunning (a GPU), below 0 less (a CPU).
+than the convolutions it keeps from rerunning (a GPU), below 0 less (a CPU). Every step and plan runs in
+one gradient mode (``--gradients``): allocated, torch's default, each step's gradients freed after it (a
+ViT-B/16 at 4 images cannot go below 0.69 of its step so: the gradients), or kept, zeroed in place, the
+budget then a fraction of a step that holds them beforehand.
 """
 import argparse
 import copy
@@ -67,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--narrow", type=int, default=1, metavar="D",
                    help="ResNets and ViTs: every width divided by D (16: a ResNet whose step costs its ops' dispatch, "
                         "a CPU stand-in for a GPU's launch-bound step; see build)")
+    p.add_argument("--gradients", choices=["allocated", "kept"], default="allocated",
+                   help="the loop's gradient mode every step and plan runs in: allocated (torch's default, freed after each step) "
+                        "or kept (zeroed in place: a budget is then of activations alone, which a ViT at a few images needs to reach 0.5)")
     return p
 
 
@@ -82,8 +89,17 @@ class _OpCount(TorchDispatchMode):
 
 def _step(trunk, x):
     sum(f.float().mean() for f in trunk(x)).backward()
+    _clear_gradients(trunk)
+
+
+def _clear_gradients(trunk) -> None:
+    """As a loop clears them in the trunk's gradient mode: freed (``zero_grad()``), or kept and zeroed in place
+    (``zero_grad(set_to_none=False)``: every step then starts with them alive, as ``gradients="kept"`` plans)."""
     for p in trunk.parameters():
-        p.grad = None
+        if trunk.gradients == "kept" and p.grad is not None:
+            p.grad.zero_()
+        else:
+            p.grad = None
 
 
 def _peak(trunk, x):
@@ -95,7 +111,8 @@ def _peak(trunk, x):
 
 def _ops(trunk, x):
     with _OpCount() as count:
-        _step(trunk, x)
+        sum(f.float().mean() for f in trunk(x)).backward()
+    _clear_gradients(trunk)  # not counted: the same in every row
     return count.ops
 
 
@@ -131,8 +148,8 @@ class UnderTorchsCheckpoint(CheckpointedTrunk):
             return super().forward(*args, **kwargs)
 
 
-def _with_plan(model, x, plan, use_reentrant=False, trunk_class=CheckpointedTrunk):
-    trunk = trunk_class(copy.deepcopy(model), memory_budget=1.0, use_reentrant=use_reentrant)
+def _with_plan(model, x, plan, gradients, use_reentrant=False, trunk_class=CheckpointedTrunk):
+    trunk = trunk_class(copy.deepcopy(model), memory_budget=1.0, use_reentrant=use_reentrant, gradients=gradients)
     trunk.store_plan(trunk.key_for(x), plan)
     return trunk
 
@@ -143,15 +160,15 @@ def _reason(refusal: ValueError) -> str:
     return next((c for c in clauses if "smallest feasible" in c), clauses[0]).strip().split(". ")[0][:120]
 
 
-def variants(model, x, budget: float):
+def variants(model, x, budget: float, gradients: str = "allocated"):
     """(label -> trunk, the flops plan, label -> why that step is not run) or (None, the planner's reason, {}) where
-    the budget does not fit."""
-    planned = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="flops")
+    the budget does not fit; every trunk in the gradient mode ``gradients``."""
+    planned = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="flops", gradients=gradients)
     try:
         plan = planned.plan_for(x)
     except ValueError as e:
         return None, _reason(e), {}
-    timed = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time")
+    timed = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time", gradients=gradients)
     request = timed.plan_request()
     measured = peak_model(request, x, regions=True)
     timed.store_plan(timed.key_for(x), plan_trunk(request, x, measured))
@@ -161,12 +178,13 @@ def variants(model, x, budget: float):
     cuts = replace(plan, segments=tuple(replace(s, regions=()) for s in plan.segments))
     whole = replace(plan, segments=tuple(replace(s, regions=tuple((a, b, RECOMPUTE.name if POLICIES[p].selective else p) for a, b, p in s.regions))
                                          for s in plan.segments))
-    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), f"budget {budget}, objective flops": planned, "its cuts only": _with_plan(model, x, cuts),
-             "its cuts only, torch's checkpoint": _with_plan(model, x, cuts, trunk_class=UnderTorchsCheckpoint),
-             "its cuts only, reentrant": _with_plan(model, x, cuts, use_reentrant=True),
-             "selective regions run whole": _with_plan(model, x, whole), "objective time": timed,
-             "objective time, cuts priced by their forward (before)": _with_plan(model, x, plan_trunk(request, x, by_forward))}
-    reentrant, unreached = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time", use_reentrant=True), {}
+    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model), gradients=gradients), f"budget {budget}, objective flops": planned,
+             "its cuts only": _with_plan(model, x, cuts, gradients),
+             "its cuts only, torch's checkpoint": _with_plan(model, x, cuts, gradients, trunk_class=UnderTorchsCheckpoint),
+             "its cuts only, reentrant": _with_plan(model, x, cuts, gradients, use_reentrant=True),
+             "selective regions run whole": _with_plan(model, x, whole, gradients), "objective time": timed,
+             "objective time, cuts priced by their forward (before)": _with_plan(model, x, plan_trunk(request, x, by_forward), gradients)}
+    reentrant, unreached = CheckpointedTrunk(copy.deepcopy(model), memory_budget=budget, objective="time", use_reentrant=True, gradients=gradients), {}
     try:  # cuts alone (a reentrant trunk has no regions): none may reach the budget
         reentrant.plan_for(x)
         steps["objective time, reentrant"] = reentrant
@@ -242,14 +260,14 @@ def every_block_checkpointed(model: nn.Module) -> nn.Module:
     return model
 
 
-def switch_rows(name: str, model: nn.Module, x, repeats: int) -> list:
+def switch_rows(name: str, model: nn.Module, x, repeats: int, gradients: str = "allocated") -> list:
     """The plain step, timm's switch, and the time plans (non-reentrant and reentrant) at the
     switch's measured peak: what issue 49's "10% faster than timm's switch" compares."""
     switch = "timm's switch (every block checkpointed)"
-    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model)), switch: CheckpointedTrunk(every_block_checkpointed(model))}
+    steps = {"plain": CheckpointedTrunk(copy.deepcopy(model), gradients=gradients), switch: CheckpointedTrunk(every_block_checkpointed(model), gradients=gradients)}
     peaks = {k: _peak(t, x) for k, t in steps.items()}
     for label, reentrant in (("objective time at its peak", False), ("objective time, reentrant, at its peak", True)):
-        trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=peaks[switch], objective="time", use_reentrant=reentrant)
+        trunk = CheckpointedTrunk(copy.deepcopy(model), memory_budget=peaks[switch], objective="time", use_reentrant=reentrant, gradients=gradients)
         try:
             trunk.plan_for(x)
         except ValueError as e:
@@ -267,8 +285,8 @@ def _regions(plan) -> str:
     return ", ".join(f"{n} {p}" for p, n in counts.items()) or "none"
 
 
-def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int):
-    steps, plan, unreached = variants(model, x, budget)
+def rows_for(name: str, model: nn.Module, x, budget: float, repeats: int, gradients: str = "allocated"):
+    steps, plan, unreached = variants(model, x, budget, gradients)
     if steps is None:
         return [[name, budget, "-", plan, "-", "-", "-", "-", "-", "-"]], []
     ms = _median_ms(steps, x, repeats)
@@ -314,16 +332,16 @@ def main(argv=None) -> int:
     for name, model in models.items():
         for budget in args.budgets:
             print(f"eager_overhead: {name} budget {budget} ...", file=sys.stderr, flush=True)
-            t, a = rows_for(name, model, x, budget, args.repeats)
+            t, a = rows_for(name, model, x, budget, args.repeats, args.gradients)
             print(tabulate(t, headers=STEP_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)  # kept should a time limit cut the run
             tables += t
             attributions += a
         if args.switch:
             print(f"eager_overhead: {name} against timm's switch ...", file=sys.stderr, flush=True)
-            switched += switch_rows(name, model, x, args.repeats)
+            switched += switch_rows(name, model, x, args.repeats, args.gradients)
             print(tabulate(switched, headers=SWITCH_HEADERS, tablefmt="github"), file=sys.stderr, flush=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"### Eager steps, {shape_text(args.input)}, {where}, torch {torch.__version__}, median of {args.repeats}, interleaved\n")
+    print(f"### Eager steps, {shape_text(args.input)}, {where}, torch {torch.__version__}, gradients {args.gradients}, median of {args.repeats}, interleaved\n")
     if tables:
         print(tabulate(tables, headers=STEP_HEADERS, tablefmt="github"))
         print("\n### The plan's extra time, attributed (ms per step, share of the plan's extra time)\n")
