@@ -113,6 +113,51 @@ def test_a_checkpointed_step_trains_the_plain_models_weights_on_cuda(gradients, 
         _close(a.float(), b.float(), name)
 
 
+class _Outputs(nn.Module):
+    """A whole model as a trunk is called: its output in a list."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return [self.model(x)]
+
+
+@pytest.mark.parametrize("plan", [dict(num_splits=4, strategy="balanced"), dict(memory_budget=0.5, gradients="kept"), "checkpoint_wrapper"],
+                         ids=["balanced4", "budget0.5", "checkpoint_wrapper"])
+def test_a_recompute_draws_the_forwards_random_masks_on_the_gpus_generator(plan):
+    """Stochastic depth (ConvNeXt-T's, here 0.5 in every block) draws its masks from the GPU's generator: each
+    recompute restores that generator's state (cuts and ``checkpoint_wrapper``: trunksplit's own checkpoint,
+    ``recompute/hooked.py``, whose GPU path the CPU tests cannot reach; a budget's selective regions: torch's), so
+    the step has the gradients of the plain step with the same seed. Another seed gives other gradients: the masks
+    matter. (Checked on the CPU with the device swapped: with the CPU generator's restore taken out of
+    ``hooked.py`` the cut and wrapper cases fail.)"""
+    torch.manual_seed(0)
+    model = torchvision.models.convnext_tiny().to(CUDA)
+    for m in model.modules():
+        if isinstance(m, torchvision.ops.StochasticDepth):
+            m.p = 0.5  # torchvision's rises from 0 at the first block: a mask drawn again wrongly would often match
+    x = _images(8, 96)
+    if plan == "checkpoint_wrapper":
+        plain, checkpointed = _Outputs(copy.deepcopy(model)), _Outputs(copy.deepcopy(model))
+        for i, stage in enumerate(checkpointed.model.features):
+            checkpointed.model.features[i] = checkpoint_wrapper(stage)
+    else:
+        plain, checkpointed = CheckpointedTrunk(copy.deepcopy(model)), CheckpointedTrunk(copy.deepcopy(model), **plan)
+        assert len(checkpointed.plan_for(x).segments) > 1 or checkpointed.plan_for(x).regions  # something is checkpointed
+    weights = _weights(plain, x)
+    grads = []
+    for trunk, seed in ((plain, 7), (checkpointed, 7), (plain, 8)):
+        torch.manual_seed(seed)  # the GPU's generator too
+        trunk.zero_grad(set_to_none=True)
+        _step(trunk, x, weights)
+        grads.append([p.grad.clone() for p in trunk.parameters()])
+    for (name, _), a, b in zip(plain.named_parameters(), grads[0], grads[1]):
+        _close(a, b, name)
+    assert any(not torch.equal(a, c) for a, c in zip(grads[0], grads[2]))
+
+
 def _second_step_peak(trunk, x, weights) -> int:
     _step(trunk, x, weights)
     for p in trunk.parameters():
