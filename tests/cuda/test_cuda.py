@@ -158,6 +158,37 @@ def test_a_recompute_draws_the_forwards_random_masks_on_the_gpus_generator(plan)
     assert any(not torch.equal(a, c) for a, c in zip(grads[0], grads[2]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("plan", ["balanced4", "checkpoint_wrapper"])
+def test_a_recompute_under_the_gpus_autocast_runs_in_the_forwards_precision(plan, dtype):
+    """Under ``torch.autocast("cuda")`` a recompute re-enters the forward's autocast (trunksplit's own checkpoint
+    keeps the GPU's autocast state and the CPU's; the CPU tests reach only the CPU's): the checkpointed step,
+    cut or every ResNet-50 stage under ``checkpoint_wrapper``, has the plain autocast step's gradients. A
+    recompute in float32 would save tensors of another dtype than the forward's, which the checkpoint refuses. (Checked on
+    the CPU with the device swapped: with the autocast restore taken out of ``hooked.py`` both cases fail.)"""
+    x = _images(8, 96)
+    model = _model("resnet50")
+    plain = _Outputs(copy.deepcopy(model))
+    if plan == "checkpoint_wrapper":
+        checkpointed = _Outputs(copy.deepcopy(model))
+        for stage in ("layer1", "layer2", "layer3", "layer4"):
+            setattr(checkpointed.model, stage, checkpoint_wrapper(getattr(checkpointed.model, stage)))
+    else:
+        checkpointed = CheckpointedTrunk(copy.deepcopy(model), ["flatten"], num_splits=4, strategy="balanced")
+        plain = CheckpointedTrunk(copy.deepcopy(model), ["flatten"])
+        with torch.autocast("cuda", dtype=dtype):
+            assert len(checkpointed.plan_for(x).segments) == 4
+    weights = _weights(plain, x)
+    grads = []
+    for trunk in (plain, checkpointed):
+        with torch.autocast("cuda", dtype=dtype):
+            outputs = trunk(x)
+        sum((f.float() * w).sum() for f, w in zip(outputs, weights)).backward()
+        grads.append([p.grad for p in trunk.parameters()])
+    for (name, _), a, b in zip(plain.named_parameters(), grads[0], grads[1]):
+        _close(a, b, name)
+
+
 def _second_step_peak(trunk, x, weights) -> int:
     _step(trunk, x, weights)
     for p in trunk.parameters():
