@@ -310,6 +310,24 @@ def test_trunk_compile_trains_as_the_compiled_plain_model_on_cuda():
         assert (a.grad - b.grad).norm() <= 1e-4 * a.grad.norm(), name
 
 
+def test_a_budget_wrapping_of_a_model_without_buffers_leaves_the_gpus_generator_where_it_was():
+    """``apply_activation_checkpointing(memory_budget=...)`` measures training steps (dropout draws in them) and
+    puts the random state back: a ViT has no buffers, by which the GPUs to fork were found, so its steps moved
+    the GPU's generator, and the user's next masks were not those of the same seed without the wrapping."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    from trunksplit import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = VisionTransformer(32, 8, num_layers=4, num_heads=2, hidden_dim=64, mlp_dim=128, dropout=0.1).to(CUDA)
+    assert not list(model.buffers())
+    x = _images(4, 32)
+    gpu, cpu = torch.cuda.get_rng_state(), torch.get_rng_state()
+    plan = apply_activation_checkpointing(model, memory_budget=0.7, example_inputs=(x,), gradients="kept")
+    assert plan.names, plan  # measured steps ran, dropout in each
+    assert torch.equal(torch.cuda.get_rng_state(), gpu) and torch.equal(torch.get_rng_state(), cpu)
+
+
 def _run_on_the_gpu(out, seed: int = 0, stop_at: int = 0) -> dict:
     """The launcher's run of EfficientNet-B0 (stochastic depth 0.2) under fp16 autocast on the GPU, 4 steps, checkpointed
     every 2; ``stop_at``: stopped as that step begins (as a killed run would be), then resumed. The last checkpoint."""

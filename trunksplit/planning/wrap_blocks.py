@@ -168,7 +168,9 @@ class kept_as_it_was:
         self.grads = [(p, p.grad) for p in m.parameters()]
         self.buffers = [(b, b.detach().clone()) for b in m.buffers()]
         self.modes = [(sub, sub.training) for sub in m.modules()]
-        devices = [b.device for b in m.buffers() if b.device.type == "cuda"][:1]
+        # every GPU the model is on, found by its parameters too: a model without buffers (a ViT) kept none, and its
+        # measured steps' dropout moved the GPU's generator
+        devices = sorted({t.device.index for t in [*m.parameters(), *m.buffers()] if t.device.type == "cuda"})
         self.rng = torch.random.fork_rng(devices=devices)
         self.rng.__enter__()
         return self
