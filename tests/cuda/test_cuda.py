@@ -328,14 +328,14 @@ def test_a_budget_wrapping_of_a_model_without_buffers_leaves_the_gpus_generator_
     assert torch.equal(torch.cuda.get_rng_state(), gpu) and torch.equal(torch.get_rng_state(), cpu)
 
 
-def _run_on_the_gpu(out, seed: int = 0, stop_at: int = 0) -> dict:
+def _run_on_the_gpu(out, stop_at: int = 0) -> dict:
     """The launcher's run of EfficientNet-B0 (stochastic depth 0.2) under fp16 autocast on the GPU, 4 steps, checkpointed
     every 2; ``stop_at``: stopped as that step begins (as a killed run would be), then resumed. The last checkpoint."""
     from trunksplit.ssl import loop
     from trunksplit.ssl.config import load_config
 
     cfg = load_config(str(ROOT / "configs" / "quickstart.yaml"), [
-        "OUTPUT_DIR", str(out), "SEED", str(seed), "TRAIN.DEVICE", "cuda", "TRAIN.AUTOCAST", "fp16", "MODEL.TRUNK.NAME", "efficientnet_b0",
+        "OUTPUT_DIR", str(out), "TRAIN.DEVICE", "cuda", "TRAIN.AUTOCAST", "fp16", "MODEL.TRUNK.NAME", "efficientnet_b0",
         "DATA.CROP_SIZES", "[64]", "DATA.IMAGE_SIZE", "72", "TRAIN.BATCH_SIZE_PER_RANK", "8", "MODEL.HEAD.HIDDEN_DIM", "64",
         "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "4", "TRAIN.CHECKPOINT_EVERY", "2"])
     real = loop.set_schedules  # called as each step begins
@@ -353,13 +353,13 @@ def _run_on_the_gpu(out, seed: int = 0, stop_at: int = 0) -> dict:
 def test_a_gpu_run_resumed_takes_up_the_gpus_generator_and_the_grad_scaler(tmp_path):
     """Stochastic depth draws on the GPU's generator, and fp16's grad scaler moves its scale: a run stopped
     after step 2 and resumed ends with the uninterrupted run's weights and scaler (the checkpoint carries
-    ``torch.cuda.get_rng_state()``; the CPU tests cannot reach it). Another seed ends elsewhere: the masks matter."""
-    straight, resumed, other = _run_on_the_gpu(tmp_path / "a"), _run_on_the_gpu(tmp_path / "b", stop_at=2), _run_on_the_gpu(tmp_path / "c", seed=1)
+    ``torch.cuda.get_rng_state()``; the CPU tests cannot reach it). (Checked on the CPU with the device swapped:
+    with the CPU generator's restore taken out of ``run_dir._restore_rng`` it fails.)"""
+    straight, resumed = _run_on_the_gpu(tmp_path / "a"), _run_on_the_gpu(tmp_path / "b", stop_at=2)
     assert straight["scaler"] == resumed["scaler"]
-    weights = [n for n, v in straight["model"].items() if v.is_floating_point() and "running" not in n]
-    for name in weights:
-        _close(straight["model"][name], resumed["model"][name], name)
-    assert any(not torch.allclose(straight["model"][n], other["model"][n], rtol=1e-3, atol=0) for n in weights)
+    for name, value in straight["model"].items():
+        if value.is_floating_point() and "running" not in name:
+            _close(value, resumed["model"][name], name)
 
 
 def _colour_folder(root, per_class: int, seed: int) -> str:
