@@ -150,6 +150,19 @@ def test_a_checked_fit_larger_than_the_host_can_give_on_cpu_is_refused_before_pr
     assert "trunksplit fit --no-verify" in capsys.readouterr().err
 
 
+def test_a_checked_fit_larger_than_a_gpu_can_give_is_refused_naming_the_gpu(monkeypatch):
+    """On a GPU the checking step ran out of memory after the profiling, with the allocator's error: refused up front
+    as on the host (what the GPU can give is read from the driver in the CUDA tier, tests/cuda; here it is set)."""
+    fit_module = importlib.import_module("trunksplit.fit")
+
+    monkeypatch.setattr(fit_module, "gpu_bytes_available", lambda device: 200 * 2**20)
+    monkeypatch.setattr(fit_module, "host_bytes_available", lambda: 2**50)  # the host has room: the GPU is what is checked
+    with pytest.raises(ValueError, match=r"memory 300.0 MiB .* is more than cuda:1 can give \(free, and held by this process's allocator\) "
+                                         r"\(200.0 MiB .*on the GPU would run out of GPU memory.*predict only"):
+        fit_module.check_room(300 * 2**20, torch.device("cuda", 1), "memory", "predict only")
+    fit_module.check_room(200 * 2**20, torch.device("cuda", 1), "memory", "predict only")  # what it can give: no error
+
+
 def test_fit_command_can_predict_without_the_checking_step(capsys):
     assert main(["fit", "--arch", "resnet18", "--input", "3x32x32", "--memory", "1TiB", "--no-verify"]) == 0
     out = capsys.readouterr().out

@@ -32,7 +32,7 @@ from .chains import feature_blocks
 from .in_backward import optimizer_in_backward, update_temporaries
 from .lars import LARS
 from .planning.budget import format_bytes, parse_memory_size
-from .planning.memory import PeakMemory, host_bytes_available, measuring_alone
+from .planning.memory import PeakMemory, gpu_bytes_available, host_bytes_available, measuring_alone
 from .planning.scaled import ScaledChain
 from .planning.sharding import RankMemory, gib, rank_memory
 from .planning.plan import SplitPlan
@@ -121,7 +121,7 @@ def fit(
     memory = parse_memory_size(memory)
     device = next(model.parameters()).device
     if verify and world_size == 1:
-        check_host_room(memory, device, "memory", "predict only (verify=False; trunksplit fit --no-verify)")
+        check_room(memory, device, "memory", "predict only (verify=False; trunksplit fit --no-verify)")
 
     trunk = trunk_maker(feature_blocks(model), out_feat_keys, num_splits, gradients, use_reentrant, priced := named_optimizer(optimizer), device)
     chain = ScaledChain((profiled := trunk()).plan_request(), input_shape, device, world_size, progress)
@@ -204,13 +204,20 @@ def scaling(model: nn.Module, input_shape: Sequence[int], memory: Union[int, str
     return rows
 
 
-def check_host_room(memory: int, device: torch.device, what: str, instead: str) -> None:
-    """A step run on the CPU at ``memory`` allocates it on the host: refused up front (``ValueError``) where the
-    host has less available, which the kernel answers by killing the process mid-step, saying nothing."""
-    available = host_bytes_available() if torch.device(device).type == "cpu" else None
+def check_room(memory: int, device: torch.device, what: str, instead: str) -> None:
+    """A step that fills ``memory`` on ``device`` must find it there: refused up front (``ValueError``) where the
+    device has less available. On the CPU the kernel answers by killing the process mid-step, saying nothing; on a
+    GPU the checking step ran out of memory after the profiling, with the allocator's error."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        available, where, would = host_bytes_available(), "this machine has available", "run the machine out of memory"
+    elif device.type == "cuda":
+        available, where, would = gpu_bytes_available(device), f"{device} can give (free, and held by this process's allocator)", "run out of GPU memory"
+    else:
+        return
     if available is not None and memory > available:
-        raise ValueError(f"{what} {format_bytes(memory)} is more than this machine has available ({format_bytes(available)}): a step that "
-                         f"fills it on the CPU would run the machine out of memory. Fit on the device it is for, or {instead}")
+        raise ValueError(f"{what} {format_bytes(memory)} is more than {where} ({format_bytes(available)}): a step that fills it on "
+                         f"the {'CPU' if device.type == 'cpu' else 'GPU'} would {would}. Fit on the device it is for, or {instead}")
 
 
 def trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[OptimizerSpec], device) -> Callable[..., CheckpointedTrunk]:

@@ -249,6 +249,26 @@ def test_fit_finds_a_batch_whose_real_step_fits_on_cuda():
     assert found.predicted_total_bytes >= found.measured_total_bytes * 0.98
 
 
+def test_a_fit_or_a_run_larger_than_the_gpu_can_give_is_refused_before_profiling(tmp_path):
+    """``fit``'s checking step, and the launcher's fitted batch (``TRAIN.MEMORY_LIMIT``), fill the memory asked on the
+    GPU: past what it can give, the step ran out of memory after the profiling. Refused up front, the figure read from
+    the driver (free memory, and what this process's allocator holds), before the launcher writes anything."""
+    from trunksplit.planning.memory import gpu_bytes_available
+    from trunksplit.ssl.config import load_config
+    from trunksplit.ssl.loop import train
+
+    free, total = torch.cuda.mem_get_info(CUDA)
+    assert free <= gpu_bytes_available(CUDA) <= total
+    with pytest.raises(ValueError, match=r"is more than cuda:0 can give .*predict only \(verify=False"):
+        fit(_model("resnet50"), (3, 224, 224), 2 * total)
+    out = tmp_path / "run"
+    cfg = load_config(str(ROOT / "configs" / "quickstart.yaml"), ["OUTPUT_DIR", str(out), "TRAIN.DEVICE", "cuda", "TRAIN.BATCH_SIZE_PER_RANK", "0",
+                                                                   "TRAIN.MEMORY_LIMIT", str(float(2 * total))])
+    with pytest.raises(ValueError, match=r"TRAIN.MEMORY_LIMIT .* is more than cuda:0 can give .*set TRAIN.BATCH_SIZE_PER_RANK yourself"):
+        train(cfg)
+    assert not out.exists()
+
+
 def test_checkpoint_wrapper_offloaded_to_the_host_is_exact_and_frees_the_gpu():
     """Each ResNet-50 stage wrapped with ``offload_to_cpu=True``: the same gradients as the plain
     model, and the stages' inputs (what the checkpoints keep) held in pinned host memory, not on

@@ -235,6 +235,13 @@ def host_bytes_available() -> Optional[int]:
     return None
 
 
+def gpu_bytes_available(device: Union[str, torch.device]) -> int:
+    """Bytes a step on the GPU ``device`` can still be given: its free memory (``torch.cuda.mem_get_info``) and what
+    this process's caching allocator holds, which it hands out again (the model's own tensors among it)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
 def meter_name(device: Union[str, torch.device], allocator: bool) -> str:
     """What a figure measured on ``device`` counts, as a plan says it: tensor storages (the tracker of
     :class:`PeakMemory` on CPU), the caching allocator (CUDA), or torch.profiler's allocation events."""

@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..fit import OptimizerSpec, check_host_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
+from ..fit import OptimizerSpec, check_room, largest_fitting, optimizer_step_peak, optimizer_step_transient, trunk_maker
 from ..in_backward import optimizer_in_backward
 from ..planning.budget import format_bytes
 from ..planning.memory import PeakMemory
@@ -151,7 +151,7 @@ def fit_step(cfg, device: torch.device, run_step: RunStep, layout: RankLayout = 
     memory, world = int(cfg.TRAIN.MEMORY_LIMIT), layout.world
     # checked by real steps (one rank's FSDP2 step cannot be) and trained at that size: on every rank of this host at once
     host = "TRAIN.MEMORY_LIMIT" if layout.host_ranks == 1 else f"TRAIN.MEMORY_LIMIT for each of this host's {layout.host_ranks} ranks, in all"
-    check_host_room(memory * layout.host_ranks, device, host, "set TRAIN.BATCH_SIZE_PER_RANK yourself")
+    check_room(memory * layout.host_ranks, device, host, "set TRAIN.BATCH_SIZE_PER_RANK yourself")
     torch.manual_seed(cfg.SEED)
     # a SwAV queue full, as a run's steps use it once it is: the queue's scores and its Sinkhorn are in the step measured
     step = _StepPrediction(cfg, fill_queue(build_ssl_model(cfg).to(device)), device, layout, run_step, say, images_at_most)
