@@ -21,7 +21,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/environment.txt"
-# the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them (six: its 44
+# the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them (six: its 45
 # tests; 32 took 85 s with four on the H200)
 timeout 125 python3 -m pytest -q -m cuda -n 6 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 215 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"

@@ -269,6 +269,28 @@ def test_a_fit_or_a_run_larger_than_the_gpu_can_give_is_refused_before_profiling
     assert not out.exists()
 
 
+def test_the_launchers_fitted_batch_fills_its_memory_limit_as_the_gpus_allocator_measures_the_step(tmp_path):
+    """``TRAIN.BATCH_SIZE_PER_RANK 0``: multi-crop DINO's whole step (teacher, head, loss, each crop group's
+    backward, AdamW's state) fitted to ``TRAIN.MEMORY_LIMIT`` on the GPU. Its step, as the allocator measures it,
+    and what is resident beside it (counted here by hand) land in 0.85-1.00 of the limit: above it, a run given a
+    GPU's memory as its limit would run out of it; well below, it would leave memory idle. (The CPU tests check the
+    same fit against the tensor tracker, not against the allocator, which also counts cuDNN's workspaces.)"""
+    from trunksplit.ssl.config import load_config
+    from trunksplit.ssl.loop import train
+
+    limit, device = 2 * 2**30, "cuda"
+    overrides = ["OUTPUT_DIR", str(tmp_path / "run"), "TRAIN.DEVICE", device, "MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "72",
+                 "MODEL.HEAD.HIDDEN_DIM", "256", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1", "DATA.NUM_IMAGES", "8192", "METHOD.NAME", "dino",
+                 "METHOD.NUM_PROTOTYPES", "4096", "DATA.CROP_SIZES", "[64, 32]", "DATA.CROP_COUNTS", "[2, 4]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]",
+                 "OPTIM.NAME", "adamw", "OPTIM.LR", "0.0005", "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(limit))]
+    model, last = train(load_config(str(ROOT / "configs" / "quickstart.yaml"), overrides))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    resident = (sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+                + 2 * sum(p.numel() * p.element_size() for p in trainable))  # AdamW's two moments (its step counts are on the host)
+    batch = load_config(str(tmp_path / "run" / "config.yaml")).TRAIN.BATCH_SIZE_PER_RANK
+    assert batch >= 2 and 0.85 * limit <= resident + last["peak_memory_bytes"] <= limit, (batch, (resident + last["peak_memory_bytes"]) / limit)
+
+
 def test_checkpoint_wrapper_offloaded_to_the_host_is_exact_and_frees_the_gpu():
     """Each ResNet-50 stage wrapped with ``offload_to_cpu=True``: the same gradients as the plain
     model, and the stages' inputs (what the checkpoints keep) held in pinned host memory, not on
