@@ -23,7 +23,8 @@ fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/environment.txt"
 # the tier's tests read each process's own allocator peaks: workers sharing the GPU do not disturb them (six: its 45
 # tests; 32 took 85 s with four on the H200)
-timeout 125 python3 -m pytest -q -m cuda -n 6 -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log"
+# -v: each test's result as it ends, kept should the limit cut the tier; --durations: for the next sizing
+timeout 125 python3 -m pytest -v -m cuda -n 6 -p no:cacheprovider --durations=20 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 215 python3 tools/gpu_check.py --report "$OUT/gpu_report.md" 2>&1 | tee "$OUT/gpu_check.log"
 timeout 65 python3 tools/eager_overhead.py --device cuda --models resnet50 --budgets 0.5 0.7 2>&1 | tee "$OUT/eager_overhead.md"
 # ViT-B/16 at 4 images reaches 0.5 only with its gradients kept (allocated, they are 0.69 of its step); 0.5 first, issue 49's
