@@ -87,8 +87,12 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(trunk, x):
+def _forward_backward(trunk, x):
     sum(f.float().mean() for f in trunk(x)).backward()
+
+
+def _step(trunk, x):
+    _forward_backward(trunk, x)
     _clear_gradients(trunk)
 
 
@@ -111,7 +115,7 @@ def _peak(trunk, x):
 
 def _ops(trunk, x):
     with _OpCount() as count:
-        sum(f.float().mean() for f in trunk(x)).backward()
+        _forward_backward(trunk, x)
     _clear_gradients(trunk)  # not counted: the same in every row
     return count.ops
 
@@ -148,7 +152,7 @@ class UnderTorchsCheckpoint(CheckpointedTrunk):
             return super().forward(*args, **kwargs)
 
 
-def _with_plan(model, x, plan, gradients, use_reentrant=False, trunk_class=CheckpointedTrunk):
+def _with_plan(model, x, plan, gradients="allocated", use_reentrant=False, trunk_class=CheckpointedTrunk):
     trunk = trunk_class(copy.deepcopy(model), memory_budget=1.0, use_reentrant=use_reentrant, gradients=gradients)
     trunk.store_plan(trunk.key_for(x), plan)
     return trunk

@@ -210,14 +210,14 @@ def check_room(memory: int, device: torch.device, what: str, instead: str) -> No
     GPU the checking step ran out of memory after the profiling, with the allocator's error."""
     device = torch.device(device)
     if device.type == "cpu":
-        available, where, would = host_bytes_available(), "this machine has available", "run the machine out of memory"
+        available, where, outcome = host_bytes_available(), "this machine has available", "on the CPU would run the machine out of memory"
     elif device.type == "cuda":
-        available, where, would = gpu_bytes_available(device), f"{device} can give (free, and held by this process's allocator)", "run out of GPU memory"
+        available, where, outcome = gpu_bytes_available(device), f"{device} can give (free, and held by this process's allocator)", "on the GPU would run out of GPU memory"
     else:
         return
     if available is not None and memory > available:
-        raise ValueError(f"{what} {format_bytes(memory)} is more than {where} ({format_bytes(available)}): a step that fills it on "
-                         f"the {'CPU' if device.type == 'cpu' else 'GPU'} would {would}. Fit on the device it is for, or {instead}")
+        raise ValueError(f"{what} {format_bytes(memory)} is more than {where} ({format_bytes(available)}): a step that fills it "
+                         f"{outcome}. Fit on the device it is for, or {instead}")
 
 
 def trunk_maker(blocks, out_feat_keys, num_splits, gradients: str, use_reentrant: bool, optimizer: Optional[OptimizerSpec], device) -> Callable[..., CheckpointedTrunk]:
