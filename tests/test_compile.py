@@ -22,8 +22,10 @@ from zoo import SMALL, ResidualNet, TinyViT, input_for, small
 PLANS = {"vissl": dict(num_splits=3), "balanced": dict(num_splits=3, strategy="balanced"), "budget_regions": dict(memory_budget=0.8, gradients="kept")}
 
 
-# slow: vissl's cuts, which compile as balanced's do (checkpointed segments, no regions) at other places
-CASES = [pytest.param(name, plan, marks=[pytest.mark.slow] if plan == "vissl" else []) for name in ("resnet18", "vit") for plan in PLANS]
+# slow: vissl's cuts, which compile as balanced's do (checkpointed segments, no regions) at other places; and
+# each model's second plan (ResNet-18's cuts and ViT's regions fast: each plan kind, and each model, once)
+FAST = {("resnet18", "balanced"), ("vit", "budget_regions")}
+CASES = [pytest.param(name, plan, marks=[] if (name, plan) in FAST else [pytest.mark.slow]) for name in ("resnet18", "vit") for plan in PLANS]
 
 
 @pytest.mark.parametrize("name,plan", CASES)

@@ -1136,48 +1136,6 @@ def _fsdp_two_steps(rank, world_size, out):
     train(load_config(QUICK, ["OUTPUT_DIR", out, *FSDP, "TRAIN.STEPS", "2"]))
 
 
-def test_an_fsdp_run_goes_on_in_one_process_from_its_shards_read_whole(tmp_path, monkeypatch):
-    """A sharded (FSDP2) checkpoint resumed in one process (or under DDP) is read whole: DCP reshards on
-    load. It was refused ("resume with the DISTRIBUTED.STRATEGY it was trained with", which needs two or
-    more processes), so a run that lost its second GPU could not go on. The model and optimizer state
-    loaded are the shards as torch's own converter reads them; the run trains on, and its whole
-    checkpoint replaces the shards."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from trunksplit.in_backward import standard_optimizer
-
-    out = tmp_path / "run"
-    out.mkdir()
-    run_processes(_fsdp_two_steps, 2, (str(out),))
-    dcp_to_torch_save(out / "sharded" / "step_2", tmp_path / "shards.pt")
-    want = torch.load(tmp_path / "shards.pt", weights_only=False)
-    # the trained trunk, gathered whole from the shards at the end, under torchvision's names
-    plain = torchvision.models.resnet18()
-    plain.fc = torch.nn.Identity()
-    plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict
-    gathered = CheckpointedTrunk(plain).state_dict()
-    assert all(torch.equal(v, want["model"][f"trunk.{k}"]) for k, v in gathered.items())
-    loaded, real = {}, strategy.Strategy.load
-
-    def load_and_keep(self, cfg, state, model, optimizer):
-        real(self, cfg, state, model, optimizer)
-        slots = get_optimizer_state_dict(model, standard_optimizer(optimizer))["state"]  # the live tensors: the next step updates them
-        loaded.update(model={k: v.clone() for k, v in model.state_dict().items()},
-                      optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
-
-    monkeypatch.setattr(strategy.Strategy, "load", load_and_keep)
-    with pytest.warns(UserWarning, match="saved by 2 processes and resumes on 1"), pytest.warns(UserWarning, match=r"TRAIN.STEPS \(2 then, 3 now\) changed"):
-        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "3", *SMALL]), resume=True)
-    assert loaded["model"].keys() == want["model"].keys()
-    for name, value in want["model"].items():
-        assert torch.equal(loaded["model"][name], value), name
-    assert want["optimizer"]["state"] and loaded["optimizer"].keys() == want["optimizer"]["state"].keys()
-    for name, slots in want["optimizer"]["state"].items():
-        assert all(torch.equal(loaded["optimizer"][name][slot], value) for slot, value in slots.items()), name
-    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3 and not (out / "sharded").exists()
-
-
 def _fsdp_from_a_whole_checkpoint(rank, world_size, out):
     """Resume a one-process run under FSDP2; rank 0 keeps the state loaded, gathered whole by torch."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -1197,32 +1155,64 @@ def _fsdp_from_a_whole_checkpoint(rank, world_size, out):
     train(load_config(QUICK, ["OUTPUT_DIR", out, "DISTRIBUTED.STRATEGY", "fsdp", "TRAIN.STEPS", "3", *SMALL]), resume=True)
 
 
-def test_a_one_process_run_goes_on_under_fsdp_its_whole_checkpoint_sharded_on_load(tmp_path, monkeypatch):
-    """A whole checkpoint (one process or DDP) resumed under FSDP2: every rank reads it and keeps its
-    shards. It was refused, so a run could not move to FSDP2 as its model outgrew one device. The state
-    loaded, gathered whole, is the one process's as torch names it; the run trains on, sharded."""
+def _equal_states(got: dict, want: dict) -> None:
+    """The model's and the optimizer's state of ``got`` are ``want``'s, by torch's names, bit for bit."""
+    assert got["model"].keys() == want["model"].keys()
+    for name, value in want["model"].items():
+        assert torch.equal(got["model"][name], value), name
+    assert want["optimizer"] and got["optimizer"].keys() == want["optimizer"].keys()
+    for name, slots in want["optimizer"].items():
+        assert all(torch.equal(got["optimizer"][name][slot], value) for slot, value in slots.items()), name
+
+
+def test_a_run_moves_from_one_process_to_fsdp_and_back_its_checkpoint_resharded_on_load(tmp_path, monkeypatch):
+    """A whole checkpoint (one process or DDP) resumed under FSDP2: every rank reads it and keeps its shards;
+    a sharded one resumed in one process (or under DDP) is read whole, DCP resharding on load. Both were
+    refused ("resume with the DISTRIBUTED.STRATEGY it was trained with"), so a run could neither move to FSDP2
+    as its model outgrew one device nor go on after losing its second GPU. Each way, the state loaded is the
+    state saved as torch names it (gathered whole under FSDP2; the shards as torch's own converter reads
+    them), and the run trains on: sharded, then whole, its whole checkpoint replacing the shards."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    out, saved = tmp_path / "run", {}
-    real = strategy.Strategy.save
+    from trunksplit.in_backward import standard_optimizer
+
+    out, saved, loaded = tmp_path / "run", {}, {}
+    real_save, real_load = strategy.Strategy.save, strategy.Strategy.load
 
     def save_and_keep(self, cfg, model, optimizer, meta):
-        real(self, cfg, model, optimizer, meta)
+        real_save(self, cfg, model, optimizer, meta)
         slots = get_optimizer_state_dict(model, optimizer)["state"]  # torch's names for torch.optim's places
         saved.update(model={k: v.clone() for k, v in model.state_dict().items()},
                      optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
 
     monkeypatch.setattr(strategy.Strategy, "save", save_and_keep)
     train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL]))
-    run_processes(_fsdp_from_a_whole_checkpoint, 2, (str(out),))
-    loaded = torch.load(out / "loaded.pt", weights_only=False)
-    assert loaded["model"].keys() == saved["model"].keys()
-    for name, value in saved["model"].items():
-        assert torch.equal(loaded["model"][name], value), name
-    assert saved["optimizer"] and loaded["optimizer"].keys() == saved["optimizer"].keys()
-    for name, slots in saved["optimizer"].items():
-        assert all(torch.equal(loaded["optimizer"][name][slot], value) for slot, value in slots.items()), name
+    run_processes(_fsdp_from_a_whole_checkpoint, 2, (str(out),))  # started from a fork server: unpatched
+    _equal_states(torch.load(out / "loaded.pt", weights_only=False), saved)
     assert torch.load(out / "checkpoint.pt", weights_only=True)["sharded"] == os.path.join("sharded", "step_3")
+
+    dcp_to_torch_save(out / "sharded" / "step_3", tmp_path / "shards.pt")
+    want = torch.load(tmp_path / "shards.pt", weights_only=False)
+    # the trained trunk, gathered whole from the shards at the end, under torchvision's names
+    plain = torchvision.models.resnet18()
+    plain.fc = torch.nn.Identity()
+    plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict
+    gathered = CheckpointedTrunk(plain).state_dict()
+    assert all(torch.equal(v, want["model"][f"trunk.{k}"]) for k, v in gathered.items())
+
+    def load_and_keep(self, cfg, state, model, optimizer):
+        real_load(self, cfg, state, model, optimizer)
+        slots = get_optimizer_state_dict(model, standard_optimizer(optimizer))["state"]  # the live tensors: the next step updates them
+        loaded.update(model={k: v.clone() for k, v in model.state_dict().items()},
+                      optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
+
+    monkeypatch.setattr(strategy.Strategy, "save", real_save)
+    monkeypatch.setattr(strategy.Strategy, "load", load_and_keep)
+    with pytest.warns(UserWarning, match="saved by 2 processes and resumes on 1"), pytest.warns(UserWarning, match=r"TRAIN.STEPS \(3 then, 4 now\) changed"):
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "4", *SMALL]), resume=True)
+    _equal_states(loaded, {"model": want["model"], "optimizer": want["optimizer"]["state"]})
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 4 and not (out / "sharded").exists()
 
 
 def test_a_whole_checkpoint_whose_optimizer_groups_differ_is_refused_before_anything_loads():
