@@ -1155,6 +1155,12 @@ def _fsdp_from_a_whole_checkpoint(rank, world_size, out):
     train(load_config(QUICK, ["OUTPUT_DIR", out, "DISTRIBUTED.STRATEGY", "fsdp", "TRAIN.STEPS", "3", *SMALL]), resume=True)
 
 
+def _state_of(model, slots: dict) -> dict:
+    """The model's state and the optimizer's ``slots`` (by torch's names), cloned: the next step updates them in place."""
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": {name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()}}
+
+
 def _equal_states(got: dict, want: dict) -> None:
     """The model's and the optimizer's state of ``got`` are ``want``'s, by torch's names, bit for bit."""
     assert got["model"].keys() == want["model"].keys()
@@ -1182,9 +1188,7 @@ def test_a_run_moves_from_one_process_to_fsdp_and_back_its_checkpoint_resharded_
 
     def save_and_keep(self, cfg, model, optimizer, meta):
         real_save(self, cfg, model, optimizer, meta)
-        slots = get_optimizer_state_dict(model, optimizer)["state"]  # torch's names for torch.optim's places
-        saved.update(model={k: v.clone() for k, v in model.state_dict().items()},
-                     optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
+        saved.update(_state_of(model, get_optimizer_state_dict(model, optimizer)["state"]))  # torch's names for torch.optim's places
 
     monkeypatch.setattr(strategy.Strategy, "save", save_and_keep)
     train(load_config(QUICK, ["OUTPUT_DIR", str(out), "TRAIN.STEPS", "2", *SMALL]))
@@ -1203,9 +1207,7 @@ def test_a_run_moves_from_one_process_to_fsdp_and_back_its_checkpoint_resharded_
 
     def load_and_keep(self, cfg, state, model, optimizer):
         real_load(self, cfg, state, model, optimizer)
-        slots = get_optimizer_state_dict(model, standard_optimizer(optimizer))["state"]  # the live tensors: the next step updates them
-        loaded.update(model={k: v.clone() for k, v in model.state_dict().items()},
-                      optimizer={name: {slot: v.clone() for slot, v in kept.items()} for name, kept in slots.items()})
+        loaded.update(_state_of(model, get_optimizer_state_dict(model, standard_optimizer(optimizer))["state"]))
 
     monkeypatch.setattr(strategy.Strategy, "save", real_save)
     monkeypatch.setattr(strategy.Strategy, "load", load_and_keep)
