@@ -25,6 +25,7 @@ import yaml
 from torch.multiprocessing.reductions import StorageWeakRef  # private, as trunksplit.planning.memory imports it: a storage's liveness
 
 from trunksplit.cli import main as cli_main
+from trunksplit.ssl.backbones import resnet_of_width
 from trunksplit.ssl.config import load_config
 from trunksplit.ssl import loop, side_by_side
 from trunksplit import CheckpointedTrunk
@@ -40,8 +41,11 @@ from distributed_harness import run_processes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
 # small and quick; loader workers are tested in test_data.py, so these runs build views in-process
-SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4", "MODEL.HEAD.HIDDEN_DIM", "64",
+# ResNet-18 a quarter as wide (16 channels in the stem): vissl's blocks and every code path of the full width, for
+# a fraction of its compute and a fourteenth of its weights (docs/architecture.md); ANY_WIDTH with another trunk
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4", "MODEL.HEAD.HIDDEN_DIM", "64",
          "DATA.NUM_WORKERS", "0"]
+ANY_WIDTH = ["MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "1"]
 
 
 def _script(*args):
@@ -334,7 +338,7 @@ def test_the_side_by_side_line_says_why_it_reads_below_a_step_that_holds_a_teach
 
 
 def _two_rank_run(rank, world_size, out, manual):
-    overrides = ["OUTPUT_DIR", out, "TRAIN.STEPS", "2", *SMALL]
+    overrides = ["OUTPUT_DIR", out, "TRAIN.STEPS", "2", *SMALL, *ANY_WIDTH]  # full width: its gradients, flattened at once by vissl's all-reduce, make the peak
     if manual:
         overrides += ["DISTRIBUTED.MANUAL_GRADIENT_REDUCTION", "True", "MODEL.ACTIVATION_CHECKPOINTING.USE_REENTRANT", "True"]
     model, last = train(load_config(QUICK, overrides))
@@ -401,7 +405,7 @@ def test_two_processes_end_with_identical_weights_equal_to_the_saved_ones(tmp_pa
     run_processes(_two_rank_run, 2, (str(tmp_path), manual))
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["model"]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    initial = load_config(QUICK, SMALL)  # weights moved away from a fresh init
+    initial = load_config(QUICK, [*SMALL, *ANY_WIDTH])  # weights moved away from a fresh init
     for name, value in saved.items():
         assert torch.equal(ranks[0][name], value) and torch.equal(ranks[1][name], value), name
     assert any(not torch.equal(v, ranks[0][k]) for k, v in _fresh_state(initial).items() if v.is_floating_point())
@@ -415,7 +419,7 @@ def test_two_processes_end_with_identical_weights_equal_to_the_saved_ones(tmp_pa
         with pytest.warns(UserWarning, match=r"saved by 2 processes and resumes on 1: each step's batch is 1 x TRAIN.BATCH_SIZE_PER_RANK where it was 2 x \(and OPTIM.LR with it"), \
                 pytest.warns(UserWarning, match=r"TRAIN.STEPS \(2 then, 3 now\) changed"), \
                 pytest.warns(UserWarning, match=r"TRAIN.GRADIENTS \(kept then, allocated now\) changed .* the trunk plans again"):  # DDP kept them
-            _, resumed = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path), "TRAIN.STEPS", "3", *SMALL]), resume=True)
+            _, resumed = train(load_config(QUICK, ["OUTPUT_DIR", str(tmp_path), "TRAIN.STEPS", "3", *SMALL, *ANY_WIDTH]), resume=True)
         assert resumed["step"] == 3 and math.isfinite(resumed["loss"])
 
 
@@ -634,7 +638,7 @@ def test_a_crop_size_the_trunk_cannot_run_is_refused_in_the_configs_terms_before
     """A ViT cuts whole patches: 24px crops of a 16px-patch ViT are refused as the run starts, naming the
     size and the key, rather than deep inside the first step's trunk call."""
     out = tmp_path / "run"
-    overrides = ["OUTPUT_DIR", str(out), *SMALL, "MODEL.TRUNK.NAME", "vit_s_16", "METHOD.NAME", "dino", "DATA.CROP_SIZES", "[32, 24]",
+    overrides = ["OUTPUT_DIR", str(out), *SMALL, "MODEL.TRUNK.NAME", "vit_s_16", *ANY_WIDTH, "METHOD.NAME", "dino", "DATA.CROP_SIZES", "[32, 24]",
                  "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "TRAIN.AUTOCAST", autocast]
     with pytest.raises(ValueError, match=re.escape("MODEL.TRUNK.NAME vit_s_16 cannot run the 24px crops of DATA.CROP_SIZES [32, 24]: "
                                                    "this ViT cuts 16x16 patches")):
@@ -647,10 +651,10 @@ def test_a_last_feature_the_head_cannot_take_is_refused_naming_it(tmp_path):
     step failed in a matrix product. Refused as the model is built; a feature map (res5) is averaged, and trains."""
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=re.escape("MODEL.TRUNK.OUT_FEAT_KEYS: the head takes the last feature, encoder, of shape (1, 5, 384)")):
-        train(load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, "MODEL.TRUNK.NAME", "vit_s_16", "MODEL.TRUNK.OUT_FEAT_KEYS", "[encoder]"]))
+        train(load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, "MODEL.TRUNK.NAME", "vit_s_16", *ANY_WIDTH, "MODEL.TRUNK.OUT_FEAT_KEYS", "[encoder]"]))
     assert not out.exists()
     model, _ = train(load_config(QUICK, ["OUTPUT_DIR", str(out), *SMALL, "TRAIN.STEPS", "1", "MODEL.TRUNK.OUT_FEAT_KEYS", "[res4, res5]"]))
-    assert model.head[0].in_features == 512  # ResNet-18's res5 channels
+    assert model.head[0].in_features == 128  # res5 channels of SMALL's ResNet-18, a quarter of 512
 
 
 def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key(tmp_path):
@@ -660,7 +664,7 @@ def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key
     timm = pytest.importorskip("timm")
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     for name in ("convnext_atto", "vit_tiny_patch16_224"):  # the ViT's patch embedding has an op named flatten
-        cfg_args = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", f"timm:{name}", "TRAIN.STEPS", "1"]
+        cfg_args = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", f"timm:{name}", *ANY_WIDTH, "TRAIN.STEPS", "1"]
         trunk = build_trunk(load_config(QUICK, cfg_args))
         reference = timm.create_model(name, pretrained=False, img_size=32) if "vit" in name else timm.create_model(name, pretrained=False)
         reference.load_state_dict(trunk.model_state_dict(reference))  # its classifier kept: loaded from the trunk's weights
@@ -668,7 +672,7 @@ def test_a_timm_trunk_trains_on_its_pooled_features_with_the_default_feature_key
             pooled = reference.eval().forward_head(reference.forward_features(x), pre_logits=True)
             assert torch.equal(trunk.eval()(x)[-1], pooled), name
     # the fit's trunk too (before: refused as above), its batch found for a memory size
-    fitted = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", "TRAIN.STEPS", "1",
+    fitted = ["OUTPUT_DIR", str(tmp_path / "run"), *SMALL, "MODEL.TRUNK.NAME", "timm:convnext_atto", *ANY_WIDTH, "TRAIN.STEPS", "1",
               "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", "60MiB", "DATA.NUM_IMAGES", "512"]
     model, last = train(load_config(QUICK, fitted))
     assert model.head[0].in_features == 320 and math.isfinite(last["loss"])  # ConvNeXt-atto's pooled width
@@ -1010,8 +1014,8 @@ def test_launcher_mistakes_are_clear_errors_and_write_nothing(tmp_path, setup, o
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-@pytest.mark.parametrize("key,value,saved", [("MODEL.TRUNK.NAME", "resnet34", "resnet18"), ("OPTIM.NAME", "adamw", "sgd"),
-                                             ("METHOD.NAME", "swav", "simclr")])
+@pytest.mark.parametrize("key,value,saved", [("MODEL.TRUNK.NAME", "resnet34", "resnet18"), ("MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.5", "0.25"),
+                                             ("OPTIM.NAME", "adamw", "sgd"), ("METHOD.NAME", "swav", "simclr")])
 def test_resume_with_another_architecture_method_or_optimizer_is_refused(tmp_path, key, value, saved):
     """Another optimizer's state fails deep in torch (AdamW's load_state_dict: KeyError 'step'), another head
     with a size mismatch: refused first, naming the key, nothing written."""
@@ -1062,7 +1066,7 @@ def test_a_stopped_runs_trunk_is_written_by_resuming_it_at_its_own_step_without_
     assert said == [f"--resume: {out / 'checkpoint.pt'} is at step 2 and TRAIN.STEPS is 2: nothing is left to train (raise TRAIN.STEPS "
                     "to go on); its trunk's weights as they are go to trunk.pt"], said
     saved = torch.load(out / "checkpoint.pt", weights_only=True)["model"]
-    plain = torchvision.models.resnet18()
+    plain = resnet_of_width("resnet18", 0.25)  # SMALL's trunk
     plain.fc = torch.nn.Identity()
     plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict: every entry, torchvision's names
     assert all(torch.equal(v, saved[f"trunk.{k}"]) for k, v in CheckpointedTrunk(plain).state_dict().items())
@@ -1199,7 +1203,7 @@ def test_a_run_moves_from_one_process_to_fsdp_and_back_its_checkpoint_resharded_
     dcp_to_torch_save(out / "sharded" / "step_3", tmp_path / "shards.pt")
     want = torch.load(tmp_path / "shards.pt", weights_only=False)
     # the trained trunk, gathered whole from the shards at the end, under torchvision's names
-    plain = torchvision.models.resnet18()
+    plain = resnet_of_width("resnet18", 0.25)  # SMALL's trunk
     plain.fc = torch.nn.Identity()
     plain.load_state_dict(torch.load(out / "trunk.pt", weights_only=True))  # strict
     gathered = CheckpointedTrunk(plain).state_dict()
@@ -1316,7 +1320,7 @@ def test_an_fsdp_run_saved_on_two_ranks_resumes_on_four(tmp_path):
 
 def test_batch_size_zero_under_fsdp_fits_one_rank_of_the_world():
     # fitted_batch predicts per rank: sharded weights, gradients and momentum leave room for more images
-    overrides = [*SMALL, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(200 * 2**20))]
+    overrides = [*SMALL, *ANY_WIDTH, "TRAIN.BATCH_SIZE_PER_RANK", "0", "TRAIN.MEMORY_LIMIT", str(float(200 * 2**20))]  # its weights matter
     cpu = torch.device("cpu")
     one, one_budget, _ = fitted_batch(load_config(QUICK, overrides), cpu, loop.step_for_fit(load_config(QUICK, overrides), contextlib.nullcontext()))
     fsdp, ddp = (load_config(QUICK, [*overrides, "DISTRIBUTED.STRATEGY", name]) for name in ("fsdp", "ddp"))

@@ -6,8 +6,10 @@ import importlib.util
 import re
 from typing import List, Optional
 
+import torch
 import torchvision
 from torch import nn
+from torchvision.models.resnet import ResNet, conv1x1
 from torchvision.models.vision_transformer import VisionTransformer
 
 from ..chains import feature_blocks
@@ -89,15 +91,18 @@ def fixed_resolution(name: str) -> bool:
     return name.startswith("maxvit")
 
 
-def build_backbone(name: str, image_size: Optional[int] = None) -> nn.Module:
+def build_backbone(name: str, image_size: Optional[int] = None, width: float = 1.0) -> nn.Module:
     """A randomly initialised classification model (nothing is downloaded) that trunksplit can cut:
     torchvision's by name, timm's as ``timm:NAME``, transformers' as ``hf:TYPE`` (:func:`hf_is_chain`).
 
     ``image_size`` builds ViT and MaxViT (timm's ViTs too) for that resolution (the zoo's default is 224); a ViT
-    trunk takes other sizes too (see ``trunksplit.chains.families.VitEmbedding``)."""
+    trunk takes other sizes too (see ``trunksplit.chains.families.VitEmbedding``). ``width`` other than 1
+    widens or narrows a torchvision ResNet (:func:`resnet_of_width`)."""
     check_backbone_name(name)
     try:
-        if name.startswith(HF):
+        if width != 1:
+            model = resnet_of_width(name, width)
+        elif name.startswith(HF):
             model = build_hf_model(name, image_size)
         else:
             model = _timm_model(name[len(TIMM):], image_size) if name.startswith(TIMM) else _torchvision_model(name, image_size)
@@ -117,6 +122,66 @@ def _torchvision_model(name: str, image_size: Optional[int]) -> nn.Module:
     elif image_size is not None and fixed_resolution(name):
         kwargs = {"input_size": (image_size, image_size)}
     return EXTRA_BACKBONES[name](**kwargs) if name in EXTRA_BACKBONES else torchvision.models.get_model(name, **kwargs)
+
+
+WIDTH_KEY = "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER"
+
+
+def resnet_of_width(name: str, width: float) -> ResNet:
+    """torchvision's ResNet ``name`` with every stage ``width`` times as wide, as vissl's ``WIDTH_MULTIPLIER``
+    builds it: a stem of ``64 * width`` channels, stages of 64, 128, 256 and 512 times ``width`` planes (a
+    bottleneck's 4x expansion, a ResNeXt's groups and a Wide-ResNet's inner width scale with them), the
+    classifier on the wider features; initialised as torchvision initialises a ResNet.
+
+    2 and 4 make SimCLR's ResNet-50 (2x) and (4x); a fraction narrows a ResNet for quick runs on a CPU.
+    Sharp edge: ``64 * width`` must be a whole number of channels (0.25 gives 16; 0.3 is refused).
+
+        resnet_of_width("resnet50", 2)   # SimCLR's ResNet-50 (2x): 94M parameters without the classifier
+    """
+    model = _resnet_layout(name, width)
+    block, stem = type(model.layer1[0]), int(64 * width)
+    inplanes = stem
+    model.conv1 = nn.Conv2d(3, inplanes, kernel_size=7, stride=2, padding=3, bias=False)
+    model.bn1 = nn.BatchNorm2d(inplanes)
+    for k, name_k in enumerate(("layer1", "layer2", "layer3", "layer4")):
+        planes = stem * 2**k
+        stage = _resnet_stage(block, inplanes, planes, len(getattr(model, name_k)), 1 if k == 0 else 2, model.groups, model.base_width)
+        setattr(model, name_k, stage)
+        inplanes = planes * block.expansion
+    model.fc = nn.Linear(inplanes, model.fc.out_features)
+    for m in model.modules():  # torchvision's ResNet init (BatchNorm's own is its ones and zeros)
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    return model
+
+
+def check_resnet_width(name: str, width: float) -> None:
+    """Refuse a width multiplier :func:`resnet_of_width` cannot build, naming the key and what to change."""
+    if width != 1:
+        _resnet_layout(name, width)
+
+
+def _resnet_layout(name: str, width: float) -> ResNet:
+    """torchvision's ResNet ``name`` on the meta device (its layout, no memory), where ``width`` can widen it."""
+    if not (width > 0 and 64 * width == int(64 * width)):
+        raise ValueError(f"{WIDTH_KEY} must be > 0 with 64 x it a whole number of channels (2 and 4: SimCLR's wide ResNets, 0.25: "
+                         f"16 channels), got {width}")
+    with torch.device("meta"):
+        model = torchvision.models.get_model(name) if name in torchvision.models.list_models(module=torchvision.models) else None
+    if not isinstance(model, ResNet):
+        raise ValueError(f"{WIDTH_KEY} {width} sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); "
+                         f"MODEL.TRUNK.NAME {name} is not one: leave the multiplier at 1")
+    return model
+
+
+def _resnet_stage(block, inplanes: int, planes: int, blocks: int, stride: int, groups: int, base_width: int) -> nn.Sequential:
+    """One stage of ``blocks`` residual blocks, as torchvision's ResNet makes its ``layer1``..``layer4``."""
+    downsample = None
+    if stride != 1 or inplanes != planes * block.expansion:
+        downsample = nn.Sequential(conv1x1(inplanes, planes * block.expansion, stride), nn.BatchNorm2d(planes * block.expansion))
+    layers = [block(inplanes, planes, stride, downsample, groups, base_width)]
+    layers += [block(planes * block.expansion, planes, groups=groups, base_width=base_width) for _ in range(1, blocks)]
+    return nn.Sequential(*layers)
 
 
 def feature_key(name: str, key: str) -> str:

@@ -24,6 +24,9 @@ _C.MODEL = CN()
 _C.MODEL.TRUNK = CN()
 _C.MODEL.TRUNK.NAME = "resnet50"  # a torchvision classification model (ResNet to ViT, Swin, MaxViT), timm:NAME or hf:TYPE: docs/backbones.md
 _C.MODEL.TRUNK.OUT_FEAT_KEYS = ["flatten"]
+_C.MODEL.TRUNK.RESNETS = CN()
+# vissl's: a torchvision ResNet's stages this many times as wide (2, 4: SimCLR's ResNet-50 (2x), (4x)); a fraction narrows it (0.25: 16 channels in the stem)
+_C.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER = 1.0
 _C.MODEL.ACTIVATION_CHECKPOINTING = CN()
 _C.MODEL.ACTIVATION_CHECKPOINTING.USE_ACTIVATION_CHECKPOINTING = True
 _C.MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS = 2

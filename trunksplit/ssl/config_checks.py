@@ -9,7 +9,7 @@ from fvcore.common.config import CfgNode as CN
 
 from ..planning.budget import MemoryBudget
 from ..recompute.select import condition_from_config
-from .backbones import check_backbone_name, fixed_resolution
+from .backbones import check_backbone_name, check_resnet_width, fixed_resolution
 from .data import SYNTHETIC_KINDS
 from .optim import OPTIMIZERS
 from .strategy import check_strategy
@@ -57,6 +57,7 @@ def check_config(cfg: CN, defaults: CN) -> None:
     """Refuse a loaded config whose values would fail later or train nonsense, naming what to change."""
     _check_types(cfg, defaults)
     check_backbone_name(cfg.MODEL.TRUNK.NAME)
+    check_resnet_width(cfg.MODEL.TRUNK.NAME, cfg.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER)
     if fixed_resolution(cfg.MODEL.TRUNK.NAME) and len(set(cfg.DATA.CROP_SIZES)) > 1:
         raise ValueError(f"{cfg.MODEL.TRUNK.NAME} is built for one resolution; DATA.CROP_SIZES {list(cfg.DATA.CROP_SIZES)} asks for several")
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING

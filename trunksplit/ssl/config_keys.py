@@ -21,6 +21,7 @@ RENAMED = {
                               "crop_scales), and DATA.AUG.* for the rest (configs/recipes/ holds SimCLR's, SwAV's and DINO's)"),
     "MODEL.TRUNK.RESNETS.DEPTH": "MODEL.TRUNK.NAME, a torchvision model's name (resnet50 for vissl's resnet of depth 50)",
     "MODEL.TRUNK.TRUNK_PARAMS.RESNETS.DEPTH": "MODEL.TRUNK.NAME, a torchvision model's name (resnet50 for vissl's resnet of depth 50)",
+    "MODEL.TRUNK.TRUNK_PARAMS.RESNETS.WIDTH_MULTIPLIER": "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER",
     "MODEL.WEIGHTS_INIT.STATE_DICT_KEY_NAME": ("nothing: the trunk's weights are found in the file, nested or not (vissl's, trunksplit's, a state_dict); "
                                               "where MODEL.WEIGHTS_INIT.REMOVE_PREFIX is needed, it is the whole dotted path (state_dict.module.)"),
     "MODEL.WEIGHTS_INIT.APPEND_PREFIX": "nothing: the trunk's names, its model's (torchvision's, timm's) and vissl's _feature_blocks. ones all load",

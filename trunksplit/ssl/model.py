@@ -23,7 +23,7 @@ from .optim import gradient_mode
 
 def build_trunk(cfg) -> CheckpointedTrunk:
     """The trunk the config asks for, checkpointed as it says (splits, a budget, or selective wrapping)."""
-    model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0])
+    model = build_backbone(cfg.MODEL.TRUNK.NAME, cfg.DATA.CROP_SIZES[0], cfg.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER)
     model = with_global_norms(cfg, model)  # before the trunk is built from the model's modules
     keys = [feature_key(cfg.MODEL.TRUNK.NAME, key) for key in cfg.MODEL.TRUNK.OUT_FEAT_KEYS]
     ac = cfg.MODEL.ACTIVATION_CHECKPOINTING

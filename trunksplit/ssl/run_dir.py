@@ -119,7 +119,7 @@ def _metrics_before(path: str, step: int) -> list:
 
 
 # what a checkpoint's state is made of: another value would not load, or would load into another run
-SAME_ON_RESUME = ("MODEL.TRUNK.NAME", "METHOD.NAME", "OPTIM.NAME")
+SAME_ON_RESUME = ("MODEL.TRUNK.NAME", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "METHOD.NAME", "OPTIM.NAME")
 # what the trunk's saved plans were made for: another value plans again
 PLANNED_FOR = ("MODEL.ACTIVATION_CHECKPOINTING", "TRAIN.GRADIENTS", "OPTIM.IN_BACKWARD")
 # what leaves the weights as they would be (checkpointing is exact; where files go, how often they are
