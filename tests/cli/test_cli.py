@@ -438,7 +438,7 @@ def test_plan_wraps_a_transformers_model_type_to_a_budget_as_measured(capsys):
 
 
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-SMALL_RUN = ["MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1",
+SMALL_RUN = ["MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1",
              "TRAIN.BATCH_SIZE_PER_RANK", "4"]
 MULTI_CROP = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "32", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 4]",
               "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]"]

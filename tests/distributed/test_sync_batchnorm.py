@@ -18,7 +18,7 @@ from plans import _with_plan
 from reference import build, loss_of, plain_features
 
 QUICK = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "quickstart.yaml")
-SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0",
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0",
          "TRAIN.BATCH_SIZE_PER_RANK", "4"]
 KEYS = ["flatten"]  # alone, the trunk is one unsplit segment by default: the plain step
 # cuts and regions of every policy, in a checkpointed segment and in the last one (as test_ddp's)
@@ -225,7 +225,7 @@ def _groups_of(rank, world_size, out):
             continue
         norm = model.trunk.get_submodule("bn1")
         assert all(m.process_group is norm.process_group for m in model.modules() if isinstance(m, SyncBatchNorm))  # the head's too
-        norm(torch.randn(2, 64, 4, 4, generator=torch.Generator().manual_seed(rank)))
+        norm(torch.randn(2, norm.num_features, 4, 4, generator=torch.Generator().manual_seed(rank)))
         spans = dist.get_world_size(norm.process_group) if norm.process_group is not None else world_size
         results[size, machine] = (spans, norm.running_mean.clone())
     torch.save(results, f"{out}/groups{rank}.pt")

@@ -17,7 +17,7 @@ from trunksplit.ssl.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-DINO_BF16 = ["MODEL.TRUNK.NAME", "resnet18", "METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.HEAD.HIDDEN_DIM", "32", "DATA.IMAGE_SIZE", "40",
+DINO_BF16 = ["MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.HEAD.HIDDEN_DIM", "32", "DATA.IMAGE_SIZE", "40",
              "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]", "TRAIN.BATCH_SIZE_PER_RANK", "4",
              "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1", "TRAIN.AUTOCAST", "bf16"]
 
@@ -109,7 +109,7 @@ def test_the_slowdown_check_runs_both_ways_on_this_cpu_and_leaves_the_runs_rando
 def test_the_launcher_says_it_once_before_training_from_rank_0(tmp_path, monkeypatch):
     """Said by the launcher before the first step, once; a run in the precision measured fast hears nothing."""
     monkeypatch.setattr(parallel, "convolution_slowdown", lambda dtype: {torch.float16: 7.0, torch.bfloat16: 1.2}[dtype])
-    small = ["OUTPUT_DIR", str(tmp_path / "fp16"), "MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40",
+    small = ["OUTPUT_DIR", str(tmp_path / "fp16"), "MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40",
              "TRAIN.BATCH_SIZE_PER_RANK", "2", "MODEL.HEAD.HIDDEN_DIM", "16", "DATA.NUM_WORKERS", "0", "TRAIN.STEPS", "1", "TRAIN.AUTOCAST", "fp16"]
     with pytest.warns(UserWarning, match=r"TRAIN.AUTOCAST fp16 on this CPU: its fp16 convolutions ran 7x") as said:
         train(load_config(QUICK, small))

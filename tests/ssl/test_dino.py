@@ -19,7 +19,7 @@ from trunksplit.ssl.optim import gradient_rule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-DINO = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.TRUNK.NAME", "resnet18", "MODEL.HEAD.HIDDEN_DIM", "32", "MODEL.HEAD.OUTPUT_DIM", "16",
+DINO = ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", "MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "MODEL.HEAD.HIDDEN_DIM", "32", "MODEL.HEAD.OUTPUT_DIM", "16",
         "DATA.IMAGE_SIZE", "40", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]",
         "TRAIN.BATCH_SIZE_PER_RANK", "4", "DATA.NUM_WORKERS", "0", "OPTIM.NAME", "adamw", "OPTIM.LR", "0.001"]
 

@@ -21,7 +21,7 @@ from distributed_harness import run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4", "MODEL.HEAD.HIDDEN_DIM", "64",
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4", "MODEL.HEAD.HIDDEN_DIM", "64",
          "DATA.NUM_WORKERS", "0", "METHOD.NUM_PROTOTYPES", "32"]
 DINO = ["METHOD.NAME", "dino", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]",
         "OPTIM.NAME", "adamw", "OPTIM.LR", "0.0005"]
@@ -140,7 +140,7 @@ def test_an_optimizer_stepped_in_backward_waits_for_the_last_groups_gradients():
 
 
 # a small trunk at larger crops: activations outweigh the gradients, which both steps hold whole at their peak
-STEPPED = ["OPTIM.IN_BACKWARD", "True", "MODEL.TRUNK.NAME", "mobilenet_v3_small", "DATA.IMAGE_SIZE", "64", "DATA.CROP_SIZES", "[64, 48]",
+STEPPED = ["OPTIM.IN_BACKWARD", "True", "MODEL.TRUNK.NAME", "mobilenet_v3_small", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "1", "DATA.IMAGE_SIZE", "64", "DATA.CROP_SIZES", "[64, 48]",
            "DATA.CROP_COUNTS", "[2, 4]"]
 
 

@@ -23,7 +23,7 @@ from distributed_harness import run_processes, threads_of_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-SMALL = ["MODEL.TRUNK.NAME", "resnet18", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4",
+SMALL = ["MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "DATA.CROP_SIZES", "[32]", "DATA.IMAGE_SIZE", "40", "TRAIN.BATCH_SIZE_PER_RANK", "4",
          "MODEL.HEAD.HIDDEN_DIM", "64", "DATA.NUM_WORKERS", "0"]
 COLOURS = [(230, 30, 30), (30, 200, 40), (40, 60, 230), (240, 220, 30), (200, 40, 220), (40, 220, 220), (20, 20, 20)]
 
@@ -180,7 +180,7 @@ def test_two_ranks_share_the_images_hold_half_the_train_features_and_read_what_o
     for rank in range(2):
         result, held = torch.load(tmp_path / f"rank{rank}.pt")
         assert result == pytest.approx(alone)
-        assert held == [torch.Size([train_images // 2, 512])]  # ResNet-18's 512 features, half the images
+        assert held == [torch.Size([train_images // 2, 128])]  # SMALL's quarter-width ResNet-18: 128 features, half the images
 
 
 def _ranked_in_shares(rank, world_size, out, train, train_labels, val, val_labels, shares):

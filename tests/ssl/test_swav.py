@@ -19,7 +19,7 @@ from trunksplit.ssl.swav import check_queue_shares, fill_queue, swav_codes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.path.join(ROOT, "configs", "quickstart.yaml")
-SWAV = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "10", "MODEL.TRUNK.NAME", "resnet18", "MODEL.HEAD.HIDDEN_DIM", "32", "MODEL.HEAD.OUTPUT_DIM", "8",
+SWAV = ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "10", "MODEL.TRUNK.NAME", "resnet18", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.25", "MODEL.HEAD.HIDDEN_DIM", "32", "MODEL.HEAD.OUTPUT_DIM", "8",
         "DATA.IMAGE_SIZE", "40", "DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA.CROP_SCALES", "[[0.4, 1.0], [0.05, 0.4]]",
         "TRAIN.BATCH_SIZE_PER_RANK", "4", "DATA.NUM_WORKERS", "0", "OPTIM.LR", "0.05", "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "vissl"]
 DIM, PROTOTYPES, LARGE = 8, 10, 2
