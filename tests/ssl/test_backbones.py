@@ -22,7 +22,7 @@ def _trunk_parameters(model) -> int:
 
 @pytest.mark.parametrize("width, millions", [(1, 24), (2, 94), (4, 375)])
 def test_wide_resnet50s_have_the_parameters_simclr_gives_them(width, millions):
-    """SimCLR's Table (Chen et al. 2020, Figure 7 and Table 6): ResNet-50 24M, (2x) 94M, (4x) 375M, the classifier left out."""
+    """SimCLR's Table 6 (Chen et al. 2020): ResNet-50 24M parameters, (2x) 94M, (4x) 375M, the classifier left out."""
     with torch.device("meta"):  # its shapes only: the 4x model holds 1.5 GB
         model = resnet_of_width("resnet50", width)
     assert round(_trunk_parameters(model) / 1e6) == millions

@@ -99,10 +99,10 @@ def build_backbone(name: str, image_size: Optional[int] = None, width: float = 1
     trunk takes other sizes too (see ``trunksplit.chains.families.VitEmbedding``). ``width`` other than 1
     widens or narrows a torchvision ResNet (:func:`resnet_of_width`)."""
     check_backbone_name(name)
+    if width != 1:  # a ResNet (feature_blocks cuts any), its own refusals naming the key
+        return resnet_of_width(name, width)
     try:
-        if width != 1:
-            model = resnet_of_width(name, width)
-        elif name.startswith(HF):
+        if name.startswith(HF):
             model = build_hf_model(name, image_size)
         else:
             model = _timm_model(name[len(TIMM):], image_size) if name.startswith(TIMM) else _torchvision_model(name, image_size)
