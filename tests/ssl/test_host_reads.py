@@ -20,6 +20,7 @@ MULTI_CROP = ["DATA.CROP_SIZES", "[32, 16]", "DATA.CROP_COUNTS", "[2, 2]", "DATA
 CASES = {
     "simclr": [],
     "dino grouped, clipped": ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", *MULTI_CROP, "OPTIM.CLIP_GRAD", "3.0"],
+    "swav, its queue used": ["METHOD.NAME", "swav", "METHOD.NUM_PROTOTYPES", "16", *MULTI_CROP, "METHOD.SWAV.QUEUE_LENGTH", "4"],  # full after step 1
     "dino whole, clipped, stepped in backward": ["METHOD.NAME", "dino", "METHOD.NUM_PROTOTYPES", "32", *MULTI_CROP, "OPTIM.CLIP_GRAD", "3.0",
                                                  "TRAIN.BACKWARD_BY_CROP_GROUP", "False", "OPTIM.IN_BACKWARD", "True"],
 }

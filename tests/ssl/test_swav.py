@@ -47,10 +47,10 @@ def _step_inputs(steps, batch, seed=0):
 
 
 def _model(prototypes, length):
-    """What ``swav_codes`` reads of a model: its prototypes and its queue."""
+    """What ``swav_codes`` reads of a model: its prototypes, its queue and how many of its rows are filled (none)."""
     layer = torch.nn.Linear(DIM, PROTOTYPES, bias=False)
     layer.weight.data.copy_(prototypes)
-    return types.SimpleNamespace(prototypes=layer, queue=torch.zeros(LARGE, length, DIM) if length else None)
+    return types.SimpleNamespace(prototypes=layer, queue=torch.zeros(LARGE, length, DIM) if length else None, queue_rows=0)
 
 
 def _queued(length, start):

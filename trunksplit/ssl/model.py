@@ -142,6 +142,7 @@ class SSLModel(nn.Module):
         self.prototypes = nn.Linear(head[-1].out_features, num_prototypes, bias=False) if num_prototypes else None
         self.teacher = None
         self.register_buffer("queue", None)  # SwAV's queue of earlier embeddings, where the config keeps one: trunksplit/ssl/swav.py
+        self.queue_rows = 0  # how many of its rows hold one, counted on the host: a step never reads the queue to know
 
     def forward(self, crops: List[torch.Tensor], embeddings: bool = False):
         """Embeddings (SimCLR) or prototype scores (SwAV), one tensor per crop. With ``embeddings``, also
@@ -210,7 +211,13 @@ def add_queue(model: SSLModel, cfg) -> SSLModel:
     length = cfg.METHOD.SWAV.QUEUE_LENGTH
     if cfg.METHOD.NAME == "swav" and length:
         model.queue = torch.zeros(cfg.DATA.CROP_COUNTS[0], length, model.prototypes.in_features, device=model.prototypes.weight.device)
+        model.register_load_state_dict_post_hook(_count_queue_rows)
     return model
+
+
+def _count_queue_rows(model: SSLModel, incompatible_keys) -> None:
+    """A queue loaded (a resumed run's): its filled rows counted once, here (the newest first, none of them zero)."""
+    model.queue_rows = int(model.queue[0].any(dim=-1).sum())
 
 
 def build_model(cfg) -> SSLModel:

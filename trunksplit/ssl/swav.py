@@ -34,8 +34,9 @@ def check_queue_shares(cfg, world: int) -> None:
 
 
 def queue_is_full(model: SSLModel) -> bool:
-    """Whether the model has a queue and every row of it holds an embedding (a unit vector, never zero): then it is used."""
-    return model.queue is not None and bool(model.queue[:, -1].any())
+    """Whether the model has a queue and every row of it holds an embedding: then it is used. Counted on the
+    host (``model.queue_rows``), not read from the queue: on a GPU a read waits for every kernel queued."""
+    return model.queue is not None and model.queue_rows >= model.queue.shape[1]
 
 
 @torch.no_grad()
@@ -59,7 +60,9 @@ def swav_codes(cfg, model: SSLModel, scores: List[torch.Tensor], embeddings: Opt
         codes[i] = sinkhorn(both, m.SINKHORN_ITERATIONS, m.SINKHORN_EPSILON)[-batch.shape[0]:]
     if queue is not None and step >= m.SWAV.QUEUE_START_STEP:
         for i in range(large):
-            _push(queue[i], gather_with_grad(embeddings[i]))
+            rows = gather_with_grad(embeddings[i])
+            _push(queue[i], rows)
+        model.queue_rows = min(model.queue_rows + rows.shape[0], queue.shape[1])
     return codes
 
 
@@ -78,4 +81,5 @@ def fill_queue(model: SSLModel) -> SSLModel:
     if model.queue is not None:
         rows = torch.randn(model.queue.shape, generator=torch.Generator().manual_seed(0))
         model.queue.copy_(torch.nn.functional.normalize(rows, dim=-1))
+        model.queue_rows = model.queue.shape[1]
     return model
