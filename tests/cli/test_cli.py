@@ -1,6 +1,7 @@
 """The trunksplit command: plan and bench."""
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -568,3 +569,26 @@ def test_plan_flags_a_config_sets_are_refused_with_the_key_to_set(args, message,
 def test_plan_of_a_config_that_cannot_be_planned_says_why(args, message, capsys):
     assert main(["plan", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_and_fit_build_the_resnet_width_asked_and_refuse_one_no_resnet_takes(capsys):
+    """``--width``: vissl's WIDTH_MULTIPLIER for the commands that take ``--arch`` (SimCLR's ResNet-50 (2x) planned
+    or fitted without a config). The trunk planned is the narrow one (its parameters as the model built so holds
+    them); 64 MiB fits hundreds of its images where the full width cannot hold one; a width no ResNet takes, or
+    one beside ``--config-file`` (whose key says it), is refused."""
+    from trunksplit.planning.sharding import gib
+    from trunksplit.ssl.backbones import resnet_of_width
+
+    assert main(["plan", "--arch", "resnet18", "--width", "0.25", "--input", "2x3x64x64"]) == 0
+    trained = sum(p.numel() * 4 for n, p in resnet_of_width("resnet18", 0.25).named_parameters() if not n.startswith("fc."))
+    assert f"parameters {gib(trained)}," in capsys.readouterr().out
+    fit = ["fit", "--arch", "resnet18", "--input", "3x32x32", "--memory", "64MiB", "--no-verify"]
+    assert main([*fit, "--width", "0.25"]) == 0
+    assert int(re.search(r"^batch (\d+) fits 64.0 MiB", capsys.readouterr().out, re.M).group(1)) > 100
+    assert main(fit) == 2 and "too small for a batch of 1" in capsys.readouterr().err
+    for command in (["plan", "--arch", "vit_b_16", "--width", "2"], [*fit, "--arch", "vit_b_16", "--width", "2"]):
+        assert main(command) == 2
+        assert "error: --width 2.0 sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); vit_b_16 is not one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--config-file", QUICK, "--width", "2"])
+    assert "set MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER after it" in capsys.readouterr().err

@@ -61,8 +61,8 @@ def test_a_narrow_resnet_is_cut_into_vissls_blocks_and_its_checkpointed_step_is_
     (["MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0.3"], "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER must be > 0 with 64 x it a whole number of channels"),
     (["MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "0"], "must be > 0"),
     (["MODEL.TRUNK.NAME", "vit_b_16", "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "2"],
-     "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER 2.0 sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); MODEL.TRUNK.NAME "
-     "vit_b_16 is not one: leave the multiplier at 1"),
+     "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER 2.0 sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); "
+     "vit_b_16 is not one: leave it at 1"),
     (["MODEL.TRUNK.TRUNK_PARAMS.RESNETS.WIDTH_MULTIPLIER", "2"], "that is vissl's key: here, MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER"),
 ])
 def test_a_width_no_resnet_can_take_is_refused_naming_the_key(overrides, message):

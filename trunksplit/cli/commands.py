@@ -16,7 +16,7 @@ from ..planning.budget import BudgetTooLowError
 from ..planning.search import annotate, peak_model, plan_trunk
 from ..planning.sharding import rank_memory
 from ..planning.wrap import apply_activation_checkpointing
-from ..ssl.backbones import HF, build_backbone, build_hf_model, hf_is_chain
+from ..ssl.backbones import HF, build_backbone, build_hf_model, check_resnet_width, hf_is_chain
 from ..ssl.config import load_config
 from ..ssl.data import image_dataset
 from ..recompute.wrapper import checkpoint_wrapped_names
@@ -59,12 +59,17 @@ def run_plan(args) -> int:
         return 2
     if args.config_file:
         return _plan_config(args, device)
+    try:
+        check_resnet_width(args.arch, args.width, "--width")  # before a transformers type is wrapped without it
+    except ValueError as e:
+        _library_error(e)
+        return 2
     if _wrapped_only(args.arch):
         return _plan_wrapped(args, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            model = build_backbone(args.arch, args.input[-1]).to(device)
+            model = build_backbone(args.arch, args.input[-1], args.width).to(device)
             trunk = CheckpointedTrunk(model, args.features or list(feature_blocks(model))[-1:], num_splits=args.splits, strategy=args.strategy, memory_budget=args.budget, gradients=args.gradients,
                                      objective=args.objective)
             if args.gradients == "in_backward":
@@ -202,7 +207,8 @@ def run_fit(args) -> int:
         return _fit_config(args)
     try:
         device = device_of(args.device)  # before the model: a missing GPU is no fault of its input
-        model = build_backbone(args.arch, args.input[-1]).to(device)
+        check_resnet_width(args.arch, args.width, "--width")
+        model = build_backbone(args.arch, args.input[-1], args.width).to(device)
         _phase(f"fitting: profiling, then searching the largest batch{'' if args.no_verify else ', then one real step checks it'}")
         with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
             found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,

@@ -36,6 +36,8 @@ ARCH_HELP = ("a torchvision classification model name (resnet50), timm:NAME (tim
 BENCH_ARCH_HELP = ("models, one table row group each: torchvision names (resnet50 vit_b_16), timm:NAME where timm is installed, "
                    "hf:TYPE (hf:vit, hf:resnet, ...: a transformers type trunksplit cuts)")
 PLAN_ARCH_HELP = ARCH_HELP + "; another transformers type (hf:swin) is wrapped to --budget"
+WIDTH_HELP = ("a torchvision ResNet's stages this many times as wide, as vissl's WIDTH_MULTIPLIER builds them: 2 and 4 are SimCLR's "
+              "ResNet-50 (2x) and (4x); a fraction narrows it (0.25: 16 channels in the stem)")
 OVERRIDES_HELP = "with --config-file: config overrides, KEY VALUE ..., before or after the flags"
 DEVICE_HELP = "cpu, cuda, cuda:N, or auto: cuda where there is one, else cpu"
 PLAN_WORLD_HELP = ("plan for one of N FSDP2 ranks (--input is one rank's batch); with --config-file, one of N ranks of its "
@@ -111,7 +113,7 @@ def warnings_as_lines():
 
 
 # plan's and fit's flags that a config file sets instead: given with --config-file, they would be ignored
-CONFIG_SAYS = {"arch": "MODEL.TRUNK.NAME", "input": "DATA.CROP_SIZES", "optimizer": "OPTIM.NAME",
+CONFIG_SAYS = {"arch": "MODEL.TRUNK.NAME", "width": "MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER", "input": "DATA.CROP_SIZES", "optimizer": "OPTIM.NAME",
                "splits": "MODEL.ACTIVATION_CHECKPOINTING.NUM_ACTIVATION_CHECKPOINTING_SPLITS", "gradients": "TRAIN.GRADIENTS",
                "strategy": "MODEL.ACTIVATION_CHECKPOINTING.STRATEGY", "budget": "MODEL.ACTIVATION_CHECKPOINTING.MEMORY_BUDGET",
                "features": "MODEL.TRUNK.OUT_FEAT_KEYS", "objective": None}  # the launcher plans with objective="auto"
@@ -174,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--objective", choices=OBJECTIVES, nargs="+", default=["auto"], help=OBJECTIVE_HELP + " (the trunk's default); several: budget rows for each")
     f = sub.add_parser("fit", help="the largest batch whose whole training step fits a memory size, with its plan")
     f.add_argument("--arch", default="resnet50", help=ARCH_HELP)
+    f.add_argument("--width", type=float, default=1.0, help=WIDTH_HELP)
     f.add_argument("--input", type=image_shape, default=(3, 224, 224), help="one image, CxHxW")
     f.add_argument("--memory", type=_memory, required=True, help="everything resident during a step: 16GiB, 500MiB, 2e9")
     f.add_argument("--optimizer", choices=["sgd", "lars", "adamw", "none"], default="sgd", help="whose state is resident (sgd, lars: one buffer per parameter; adamw: two)")
@@ -193,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="print how a trunk (torchvision, timm:, hf:) would be cut, with predicted memory")
     p.add_argument("--arch", default="resnet50", help=PLAN_ARCH_HELP)
+    p.add_argument("--width", type=float, default=1.0, help=WIDTH_HELP)
     p.add_argument("--splits", type=_positive, default=None, help="checkpoint segments to make (an upper bound with --budget); none: cut after the features only")
     p.add_argument("--strategy", choices=["vissl", "balanced"], default="vissl", help="vissl: cut by module count, as vissl did; balanced: cut where the memory is")
     p.add_argument("--budget", type=_budget, default=None, help="the least recompute whose peak fits: a fraction of the unsplit peak (0.5), bytes (2e9) or a size (2GiB)")

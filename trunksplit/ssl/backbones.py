@@ -155,22 +155,23 @@ def resnet_of_width(name: str, width: float) -> ResNet:
     return model
 
 
-def check_resnet_width(name: str, width: float) -> None:
-    """Refuse a width multiplier :func:`resnet_of_width` cannot build, naming the key and what to change."""
+def check_resnet_width(name: str, width: float, said_as: str = WIDTH_KEY) -> None:
+    """Refuse a width multiplier :func:`resnet_of_width` cannot build, naming it as the user gave it
+    (``said_as``: the config's key, or a command's flag) and what to change."""
     if width != 1:
-        _resnet_layout(name, width)
+        _resnet_layout(name, width, said_as)
 
 
-def _resnet_layout(name: str, width: float) -> ResNet:
+def _resnet_layout(name: str, width: float, said_as: str = WIDTH_KEY) -> ResNet:
     """torchvision's ResNet ``name`` on the meta device (its layout, no memory), where ``width`` can widen it."""
     if not (width > 0 and 64 * width == int(64 * width)):
-        raise ValueError(f"{WIDTH_KEY} must be > 0 with 64 x it a whole number of channels (2 and 4: SimCLR's wide ResNets, 0.25: "
+        raise ValueError(f"{said_as} must be > 0 with 64 x it a whole number of channels (2 and 4: SimCLR's wide ResNets, 0.25: "
                          f"16 channels), got {width}")
     with torch.device("meta"):
         model = torchvision.models.get_model(name) if name in torchvision.models.list_models(module=torchvision.models) else None
     if not isinstance(model, ResNet):
-        raise ValueError(f"{WIDTH_KEY} {width} sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); "
-                         f"MODEL.TRUNK.NAME {name} is not one: leave the multiplier at 1")
+        raise ValueError(f"{said_as} {width} sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); "
+                         f"{name} is not one: leave it at 1")
     return model
 
 
