@@ -68,3 +68,18 @@ def test_a_narrow_resnet_is_cut_into_vissls_blocks_and_its_checkpointed_step_is_
 def test_a_width_no_resnet_can_take_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(QUICK, overrides)
+
+
+def test_a_config_file_gives_the_multiplier_as_vissls_files_do_a_whole_number(tmp_path):
+    """vissl's files say ``WIDTH_MULTIPLIER: 2``; yacs refused an int for a float key ("Type mismatch"), as it did
+    ``LR: 1``. A file's whole number for a float key is read as the command line reads it; a bool is still refused."""
+    wide = tmp_path / "wide.yaml"
+    wide.write_text(f"_BASE_: {QUICK}\nMODEL:\n  TRUNK:\n    RESNETS:\n      WIDTH_MULTIPLIER: 2\nOPTIM:\n  LR: 1\n")
+    cfg = load_config(str(wide))
+    assert cfg.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER == 2.0 and cfg.OPTIM.LR == 1.0 and isinstance(cfg.OPTIM.LR, float)
+    with torch.device("meta"):
+        assert round(_trunk_parameters(resnet_of_width(cfg.MODEL.TRUNK.NAME, cfg.MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER)) / 1e6) == 94
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("OPTIM:\n  LR: true\n")
+    with pytest.raises(ValueError, match="Type mismatch"):
+        load_config(str(wrong))

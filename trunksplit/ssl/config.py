@@ -259,6 +259,7 @@ def _merge_file(cfg: CN, path: str) -> None:
                 node = node.get(part, {}) if isinstance(node, dict) else {}
             if isinstance(node, dict) and isinstance(node.get(name), str):
                 node[name] = _size_as_float(key, node[name])
+        _whole_numbers_as_floats(loaded, cfg)
         cfg.merge_from_other_cfg(CN(loaded))
     except KeyError as e:  # fvcore: "Non-existent config key: A.B"
         key = str(e.args[0]).split(": ")[-1]
@@ -269,6 +270,17 @@ def _merge_file(cfg: CN, path: str) -> None:
         raise ValueError(f"{path} is not valid YAML: {e}") from None
     except (ValueError, AssertionError, TypeError) as e:  # yacs: a value of the wrong type
         raise ValueError(f"{path}: {e}") from None
+
+
+def _whole_numbers_as_floats(loaded: dict, defaults: CN) -> None:
+    """``WIDTH_MULTIPLIER: 2`` or ``LR: 1`` in a file, for a key whose default is a float: read as 2.0, as the
+    command line reads it (yacs refuses an int for a float key: "Type mismatch")."""
+    for key, value in loaded.items():
+        default = defaults.get(key) if isinstance(defaults, CN) else None
+        if isinstance(value, dict) and isinstance(default, CN):
+            _whole_numbers_as_floats(value, default)
+        elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            loaded[key] = float(value)
 
 
 def _set_select(cfg: CN, sub: str, text: str) -> None:
