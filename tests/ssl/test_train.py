@@ -19,7 +19,6 @@ import warnings
 
 import pytest
 import torch
-import torchvision
 import torch.distributed as dist
 import yaml
 from torch.multiprocessing.reductions import StorageWeakRef  # private, as trunksplit.planning.memory imports it: a storage's liveness
