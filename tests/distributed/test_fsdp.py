@@ -16,6 +16,7 @@ from torch import nn
 from trunksplit import CheckpointedTrunk, shard_trunk
 from trunksplit.planning.memory import profiled_peak
 from trunksplit.planning.sharding import rank_memory
+from trunksplit.ssl.backbones import resnet_of_width
 
 from distributed_harness import run_processes, threads_of_workers
 from reference import loss_of
@@ -54,6 +55,9 @@ def _model(name):
     if name == "traced":
         torch.manual_seed(0)
         return Traced()
+    if name == "resnet18":  # a quarter as wide: vissl's blocks, a fourteenth of the weights to shard and compare
+        torch.manual_seed(0)
+        return resnet_of_width("resnet18", 0.25)
     return small(name)
 
 
