@@ -276,7 +276,7 @@ def _whole_numbers_as_floats(loaded: dict, defaults: CN) -> None:
     """``WIDTH_MULTIPLIER: 2`` or ``LR: 1`` in a file, for a key whose default is a float: read as 2.0, as the
     command line reads it (yacs refuses an int for a float key: "Type mismatch")."""
     for key, value in loaded.items():
-        default = defaults.get(key) if isinstance(defaults, CN) else None
+        default = defaults.get(key)
         if isinstance(value, dict) and isinstance(default, CN):
             _whole_numbers_as_floats(value, default)
         elif isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):

@@ -62,7 +62,7 @@ def swav_codes(cfg, model: SSLModel, scores: List[torch.Tensor], embeddings: Opt
         for i in range(large):
             rows = gather_with_grad(embeddings[i])
             _push(queue[i], rows)
-        model.queue_rows = min(model.queue_rows + rows.shape[0], queue.shape[1])
+        model.queue_rows = min(model.queue_rows + rows.shape[0], queue.shape[1])  # every large crop's queue took as many rows
     return codes
 
 
