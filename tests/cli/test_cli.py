@@ -592,3 +592,26 @@ def test_plan_and_fit_build_the_resnet_width_asked_and_refuse_one_no_resnet_take
     with pytest.raises(SystemExit):
         main(["plan", "--config-file", QUICK, "--width", "2"])
     assert "set MODEL.TRUNK.RESNETS.WIDTH_MULTIPLIER after it" in capsys.readouterr().err
+
+
+def test_bench_steps_the_resnet_width_asked_and_names_it_and_refuses_one_of_its_models_no_width_takes(tmp_path, capsys):
+    """``bench --width`` (SimCLR's ResNet-50 (2x) benchmarked as it trains): every row steps the model of that width.
+    Its plain step (gradients allocated) holds at least the narrow trunk's gradients, counted here from the model
+    built so, and less than the full width's gradients alone; the table names the width. A width one of several
+    ``--arch`` cannot take is refused before any is measured, nothing written."""
+    from trunksplit.ssl.backbones import resnet_of_width
+
+    out = tmp_path / "bench"
+    assert main(["bench", "--arch", "resnet18", "--width", "0.25", "--input", "2x3x32x32", "--splits", "2", "--budgets", "--repeats", "1",
+                 "--no-selective", "--out", str(out)]) == 0
+    table = (out / "benchmark.md").read_text()
+    assert table.startswith("### resnet18 (0.25x), input (2, 3, 32, 32), cpu,")
+
+    def gradients(model):
+        return sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("fc.")) / 2**20
+
+    plain = float(re.search(r"^\| plain +\| +([\d.]+) ", table, re.M).group(1))
+    assert gradients(resnet_of_width("resnet18", 0.25)) <= plain + 0.05 < gradients(resnet_of_width("resnet18", 1)), table
+    assert main(["bench", "--arch", "resnet18", "vit_b_16", "--width", "2", "--out", str(tmp_path / "refused")]) == 2
+    assert "error: --width 2.0 sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); vit_b_16 is not one" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "refused") == []

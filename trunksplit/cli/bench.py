@@ -57,9 +57,10 @@ class Row:
 
 
 def _trunk_rows(arch: str, x: torch.Tensor, splits: Sequence[int], budgets: Sequence[float], selective: bool, gradients: str,
-                objectives: Sequence[str] = ("flops",), optimizer: str = "sgd") -> List[Row]:
+                objectives: Sequence[str] = ("flops",), optimizer: str = "sgd", width: float = 1.0) -> List[Row]:
     torch.manual_seed(0)
-    trunk = _trunk_maker(build_backbone(arch, x.shape[-1]).to(x.device), gradients, optimizer)
+    trunk = _trunk_maker(build_backbone(arch, x.shape[-1], width).to(x.device), gradients, optimizer)
+    arch = arch if width == 1 else f"{arch} ({width:g}x)"  # the rows' and table's name: SimCLR's "ResNet-50 (2x)"
     plain = trunk(objective="time" if "time" in objectives else "flops")  # profiled with timings where a plan needs them
     start = time.perf_counter()
     model = peak_model(plain.plan_request(), x, regions=True)  # what a budget plan measures, once per input shape
@@ -228,12 +229,14 @@ def run_benchmark(
     gradients: str = "allocated",
     objectives: Sequence[str] = ("auto",),
     optimizer: str = "sgd",
+    width: float = 1.0,
 ) -> str:
     """Run the benchmark; returns the markdown table (also written, with a plot, to ``out_dir``).
     ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side;
     ``"auto"`` is the one a trunk on ``device`` plans with by default (time on a GPU, FLOPs on a CPU).
     ``optimizer``: with ``gradients="in_backward"``, the optimizer each row steps in backward (a name of
-    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw). ``input_shape``: the batch every row steps, NxCxHxW."""
+    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw). ``input_shape``: the batch every row steps, NxCxHxW. ``width``: every ResNet of ``archs`` that many times as wide
+    (vissl's ``WIDTH_MULTIPLIER``; 2 and 4: SimCLR's ResNet-50 (2x) and (4x)), named so in its table."""
     if gradients == "in_backward" and optimizer not in NAMED_OPTIMIZERS:
         raise ValueError(f"gradients=\"in_backward\" steps an optimizer in backward: optimizer is one of {', '.join(NAMED_OPTIMIZERS)}, got {optimizer!r}")
     dev = torch.device(device)
@@ -241,12 +244,12 @@ def run_benchmark(
     x = torch.randn(*input_shape, generator=torch.Generator().manual_seed(0)).to(dev)
     tables, all_rows = [], []
     for arch in archs:
-        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients, objectives, optimizer)
+        rows = _trunk_rows(arch, x, splits, budgets, selective, gradients, objectives, optimizer, width)
         _measure(rows, x, repeats, progress, gradients)
         for r in rows:  # keep the figures, not a model copy per row: five big models would not fit
             r.run = r.module = None
         all_rows += rows
-        tables.append(_table(rows, arch, x, gradients, objectives, optimizer))
+        tables.append(_table(rows, rows[0].arch, x, gradients, objectives, optimizer))
         if out_dir:  # written as each model finishes, so a long run keeps what it measured
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "benchmark.md"), "w") as f:

@@ -183,6 +183,7 @@ def run_bench(args) -> int:
     try:  # the device and every name checked before an hour of measuring
         device = device_of(args.device)
         for arch in args.arch:
+            check_resnet_width(arch, args.width, "--width")
             build_backbone(arch, args.input[-1])
     except ValueError as e:
         _library_error(e)
@@ -192,7 +193,7 @@ def run_bench(args) -> int:
         table = run_benchmark(
             args.arch, input_shape=args.input, splits=args.splits, budgets=args.budgets,
             repeats=args.repeats, device=device, out_dir=args.out, selective=not args.no_selective, gradients=args.gradients,
-            objectives=args.objective, optimizer=args.optimizer,
+            objectives=args.objective, optimizer=args.optimizer, width=args.width,
         )
     except (RuntimeError, ValueError) as e:  # the model cannot run this input
         print(f"error: cannot benchmark an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)

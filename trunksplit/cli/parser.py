@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(sub)
     b = sub.add_parser("bench", help="measure plain, checkpoint_sequential, vissl, balanced and budget plans")
     b.add_argument("--arch", nargs="+", default=["resnet50"], help=BENCH_ARCH_HELP)
+    b.add_argument("--width", type=float, default=1.0, help=WIDTH_HELP + "; every --arch must be a ResNet then")
     b.add_argument("--input", type=batch_shape, default=(4, 3, 224, 224), help="the batch every row steps, NxCxHxW, as plan's --input")
     b.add_argument("--splits", type=_positive, nargs="+", default=[4, 6], help="segment counts of the vissl and balanced rows")
     b.add_argument("--budgets", type=_budget, nargs="*", default=[0.5, 0.45], help="budget rows: fractions of the unsplit peak, bytes (2e9) or sizes (2GiB)")
