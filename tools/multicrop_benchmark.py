@@ -10,7 +10,8 @@ grouped (``TRAIN.BACKWARD_BY_CROP_GROUP``: each resolution's forward and backwar
 step's peak beyond the model and its gradients as the launcher measures it (the tensor tracker on
 CPU, the allocator on CUDA), and its time, the median of ``--repeats`` interleaved steps. The
 optimizer's step is not part of either. ``--plot`` draws each step's live tensor bytes over its
-ops (unsplit trunk, whole and grouped), so the picture shows where the memory goes.
+ops (unsplit trunk, whole and grouped), so the picture shows where the memory goes, and prints each step's
+count of aten ops.
 ``--in-backward``: both steps with the recipe's optimizer stepped in backward (``OPTIM.IN_BACKWARD``;
 grouped, every group but the last holds its updates), its state made by a first step.
 ``--bf16``: both forwards under bf16 autocast (``TRAIN.AUTOCAST bf16``).
@@ -124,7 +125,9 @@ def plot(path: str, args) -> None:
             _step(cfg, m, crops, grouped)
             with _LiveBytes() as live:
                 _step(cfg, m, crops, grouped)
-            ax.plot([b / 2**20 for b in live.curve], color=colour, label="grouped" if grouped else "whole step")
+            label = f"{'grouped' if grouped else 'whole step'} ({len(live.curve)} aten ops)"  # a GPU launches about one kernel each
+            print(f"{method}, {label}")
+            ax.plot([b / 2**20 for b in live.curve], color=colour, label=label)
         ax.set_title(f"{method}: {args.arch}, {args.batch} images, crops {list(cfg.DATA.CROP_COUNTS)} x {list(cfg.DATA.CROP_SIZES)}px")
         ax.set_xlabel("op")
         ax.set_ylabel("live tensors (MiB)")
