@@ -192,7 +192,7 @@ def _loss_fn(trunk):
 
 def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gradients: str) -> None:
     runnable = [r for r in rows if r.run is not None]
-    bar = tqdm(total=len(runnable) * (2 + repeats), desc="bench", disable=not progress or not sys.stderr.isatty())  # a log: no \r lines
+    bar = tqdm(total=len(runnable) * (3 + repeats), desc="bench", disable=not progress or not sys.stderr.isatty())  # a log: no \r lines
 
     def zero_grad(r):  # as the training loop would between steps
         for p in r.module.parameters():
@@ -208,10 +208,14 @@ def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gra
             r.run(x).backward()
         r.peak, r.times = mem.peak_bytes, []
         bar.update(2)
-    for _ in range(repeats):  # interleaved, so drifting machine load hits every row alike
+    # interleaved, so drifting machine load hits every row alike; the first round untimed: each row has warmed up
+    # alone, and the allocator's free blocks are then the last row's, not enough for a row that peaks higher
+    for i in range(1 + repeats):
         for r in runnable:
             zero_grad(r)
-            r.times.append(wall_seconds(lambda: r.run(x).backward(), x.device))
+            seconds = wall_seconds(lambda: r.run(x).backward(), x.device)
+            if i:
+                r.times.append(seconds)
             bar.update(1)
     bar.close()
 

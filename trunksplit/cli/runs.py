@@ -6,15 +6,18 @@ import torch
 
 from ..ssl.knn import knn_of_run
 from ..ssl.metrics_log import keep_offline_knn
-from ..ssl.parallel import no_such_device
+from ..ssl.parallel import keep_freed_host_memory, no_such_device
 from ..ssl.report import REPORT, draw_report, read_run, summary
 
 
 def device_of(text: str) -> str:
     """``--device``: ``auto`` is cuda where there is one, else cpu; a device this machine lacks is a
-    ``ValueError`` (said before any work, not as the model failing to run its input)."""
+    ``ValueError`` (said before any work, not as the model failing to run its input). On a CPU the
+    command then keeps the host memory a step frees, as the launcher does there: with glibc's default each
+    step faults its activations' pages in again, a cost that grows with the step's peak, so ``bench``
+    timed a wide ResNet-50's plain step slower than its checkpointed ones (docs/benchmarks.md)."""
     if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        text = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -23,6 +26,8 @@ def device_of(text: str) -> str:
         raise ValueError(f"--device {text}: torch sees {torch.cuda.device_count()} GPU(s) on this machine; use cpu, or auto")
     if no_such_device(device):
         raise ValueError(f"--device {text}: torch has no usable {device.type} device on this machine; use cpu, or auto")
+    if device.type == "cpu":
+        keep_freed_host_memory()
     return text
 
 
