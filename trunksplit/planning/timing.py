@@ -17,8 +17,12 @@ checkpoint runs Python hooks for every tensor a segment saves, in the forward an
 which cost as much as the rerun ops themselves where ops are small (a GPU's launch-bound step;
 docs/benchmarks.md).
 """
+import ctypes
+import ctypes.util
 import functools
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -69,8 +73,12 @@ def interleaved_medians(steps: Mapping[str, Callable[[], Any]], device, repeats:
 
     The steps take turns within a round, so load drifting on a shared machine hits each alike (a step's
     calls in a row would each meet another moment's load); a call is timed between two synchronisations
-    of ``device``. Compare the medians of one call with each other, not with another call's:
-    ``interleaved_medians({"plain": plain_step, "split": split_step}, "cpu", repeats=5)``."""
+    of ``device``. On a CPU the process first keeps the host memory a step frees (:func:`keep_freed_host_memory`),
+    as the launcher does: with glibc's default each step faults its pages in again, a cost that grows with its
+    peak and so favours the steps that peak lower. Compare the medians of one call with each other, not with
+    another call's: ``interleaved_medians({"plain": plain_step, "split": split_step}, "cpu", repeats=5)``."""
+    if torch.device(device).type == "cpu":
+        keep_freed_host_memory()
     times: Dict[str, List[float]] = {name: [] for name in steps}
     for i in range(warmup + repeats):
         for name, step in steps.items():
@@ -234,3 +242,22 @@ def _run_in_segment(members: Sequence[nn.Module], policy: Optional[str], x: Any)
 
 def _run_region(members: Sequence[nn.Module], policy: str, x: Any) -> Any:
     return run_region(members, x, policy)
+
+
+def keep_freed_host_memory() -> bool:
+    """Tell glibc's malloc to keep the blocks a step frees for the next step, as CUDA's caching allocator
+    does, where by default it hands blocks above its mmap threshold (128 KiB, raised as blocks are freed, so
+    how many varies run to run) back to the system and the next step page-faults them in again: the step
+    runs faster, a step that peaks higher is no longer timed slower for its peak alone, and the ``"time"``
+    objective's prices hold (measured: docs/benchmarks.md). Blocks above 32 MiB (glibc's ceiling) are still
+    returned. Linux's glibc only; where the user set any ``MALLOC_*`` variable, theirs win. True if set.
+    The launcher, the ``trunksplit`` commands and :func:`interleaved_medians` call it on a CPU; the library's
+    planning does not (it would change the allocator of a process it was only asked to plan in)."""
+    if any(k.startswith("MALLOC_") for k in os.environ) or not sys.platform.startswith("linux"):
+        return False
+    try:  # glibc's mallopt, by ctypes: torch has no say over the host's allocator
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's malloc.h
+    return all([mallopt(m_mmap_threshold, 32 * 2**20), mallopt(m_trim_threshold, 2**31 - 1), mallopt(m_top_pad, 64 * 2**20)])

@@ -1,16 +1,15 @@
 """Processes and devices: one process, or many under ``torchrun`` (what runs on them: ``strategy.py``)."""
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import statistics
-import sys
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..planning.timing import keep_freed_host_memory
 
 
 def setup_distributed(cfg):
@@ -107,20 +106,3 @@ def convolution_slowdown(dtype: torch.dtype) -> float:
         return statistics.median(times[1:])
 
     return seconds(dtype) / seconds(None)
-
-
-def keep_freed_host_memory() -> bool:
-    """Tell glibc's malloc to keep the blocks a step frees for the next step, as CUDA's caching allocator
-    does, where by default it hands blocks above its mmap threshold (128 KiB, raised as blocks are freed, so
-    how many varies run to run) back to the system and the next step page-faults them in again: the step
-    runs faster and the ``"time"`` objective's prices hold (measured: docs/benchmarks.md). Blocks above
-    32 MiB (glibc's ceiling) are still returned. Linux's glibc only; where the user set any ``MALLOC_*``
-    variable, theirs win. True if set."""
-    if any(k.startswith("MALLOC_") for k in os.environ) or not sys.platform.startswith("linux"):
-        return False
-    try:  # glibc's mallopt, by ctypes: torch has no say over the host's allocator
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # glibc's malloc.h
-    return all([mallopt(m_mmap_threshold, 32 * 2**20), mallopt(m_trim_threshold, 2**31 - 1), mallopt(m_top_pad, 64 * 2**20)])
