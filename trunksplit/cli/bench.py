@@ -208,8 +208,8 @@ def _measure(rows: List[Row], x: torch.Tensor, repeats: int, progress: bool, gra
             r.run(x).backward()
         r.peak, r.times = mem.peak_bytes, []
         bar.update(2)
-    # interleaved, so drifting machine load hits every row alike; the first round untimed: each row has warmed up
-    # alone, and the allocator's free blocks are then the last row's, not enough for a row that peaks higher
+    # interleaved, so drifting machine load hits every row alike; the first round untimed: each row warmed up alone,
+    # and in the first round after that a row that peaks above the last one still grows the host allocator's heap
     for i in range(1 + repeats):
         for r in runnable:
             zero_grad(r)
@@ -239,8 +239,9 @@ def run_benchmark(
     ``objectives``: budget plans under each (see ``CheckpointedTrunk(objective=...)``), side by side;
     ``"auto"`` is the one a trunk on ``device`` plans with by default (time on a GPU, FLOPs on a CPU).
     ``optimizer``: with ``gradients="in_backward"``, the optimizer each row steps in backward (a name of
-    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw). ``input_shape``: the batch every row steps, NxCxHxW. ``width``: every ResNet of ``archs`` that many times as wide
-    (vissl's ``WIDTH_MULTIPLIER``; 2 and 4: SimCLR's ResNet-50 (2x) and (4x)), named so in its table."""
+    ``trunksplit.fit.NAMED_OPTIMIZERS``: sgd, lars, adamw). ``input_shape``: the batch every row steps, NxCxHxW.
+    ``width``: every ResNet of ``archs`` that many times as wide (vissl's ``WIDTH_MULTIPLIER``; 2 and 4: SimCLR's
+    ResNet-50 (2x) and (4x)), named so in its table."""
     if gradients == "in_backward" and optimizer not in NAMED_OPTIMIZERS:
         raise ValueError(f"gradients=\"in_backward\" steps an optimizer in backward: optimizer is one of {', '.join(NAMED_OPTIMIZERS)}, got {optimizer!r}")
     dev = torch.device(device)

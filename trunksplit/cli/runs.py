@@ -4,9 +4,9 @@ import sys
 
 import torch
 
+from ..planning.timing import keep_freed_host_memory
 from ..ssl.knn import knn_of_run
 from ..ssl.metrics_log import keep_offline_knn
-from ..planning.timing import keep_freed_host_memory
 from ..ssl.parallel import no_such_device
 from ..ssl.report import REPORT, draw_report, read_run, summary
 
