@@ -18,15 +18,14 @@ Prints a markdown table; ``--plot PATH`` draws the (peak, time) curves.
 """
 import argparse
 import copy
-import statistics
 import sys
-import time
 import warnings
 
 import torch
 
 from trunksplit import CheckpointedTrunk, PeakMemory, apply_activation_checkpointing
 from trunksplit.cli.parser import batch_shape
+from trunksplit.planning.timing import interleaved_medians
 
 TIMM = ("resnet50", "convnext_tiny", "vit_base_patch16_224", "swin_tiny_patch4_window7_224")
 HF = ("vit", "dinov2", "convnext")
@@ -67,13 +66,7 @@ def _peak(model, x, gradients: str) -> int:
 
 
 def _times(models: dict, x, repeats: int, gradients: str) -> dict:
-    out = {name: [] for name in models}
-    for _ in range(repeats):
-        for name, model in models.items():
-            start = time.perf_counter()
-            _step(model, x, gradients)
-            out[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in out.items()}
+    return interleaved_medians({name: (lambda m=model: _step(m, x, gradients)) for name, model in models.items()}, x.device, repeats)
 
 
 def _timm(name: str, x, gradients: str):

@@ -10,8 +10,6 @@ as ``trunk.compile()`` compiles it (static shapes, no layout optimisation), medi
 repeats, and the sum over the trunk beside the whole trunk compiled as one graph.
 """
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
@@ -19,6 +17,7 @@ from tabulate import tabulate
 
 from trunksplit import CheckpointedTrunk
 from trunksplit.cli.parser import batch_shape
+from trunksplit.planning.timing import interleaved_medians
 from trunksplit.ssl.backbones import build_backbone
 
 OPTIONS = dict(dynamic=False, options={"layout_optimization": False})  # as trunk.compile() compiles
@@ -31,14 +30,8 @@ def _step(fn, x) -> None:
 
 def _median_times(fns, x, repeats: int):
     """Median seconds of a step of each of ``fns``, interleaved, after two untimed rounds."""
-    times = [[] for _ in fns]
-    for i in range(repeats + 2):
-        for fn, ts in zip(fns, times):
-            start = time.perf_counter()
-            _step(fn, x)
-            if i >= 2:
-                ts.append(time.perf_counter() - start)
-    return [statistics.median(ts) for ts in times]
+    medians = interleaved_medians({i: (lambda fn=fn: _step(fn, x)) for i, fn in enumerate(fns)}, x.device, repeats, warmup=2)
+    return [medians[i] for i in range(len(fns))]
 
 
 def unit_rows(arch: str, x: torch.Tensor, repeats: int, memory_format=torch.contiguous_format):
