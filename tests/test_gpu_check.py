@@ -206,6 +206,14 @@ def test_a_stand_in_the_tool_cannot_build_is_refused_with_what_to_change(argv, s
         _tool("eager_overhead").main(["--device", "cpu", "--input", "2x3x64x64", "--budgets", "0.9", "--repeats", "1", *argv])
 
 
+def test_a_model_the_library_switch_benchmark_does_not_run_is_refused_naming_those_it_does(capsys):
+    """tools/library_checkpointing_benchmark.py measured nothing for a --models name outside its list, and said nothing."""
+    with pytest.raises(SystemExit) as exit_:
+        _tool("library_checkpointing_benchmark").main(["--against", "timm", "--models", "resnet18", "resnet50"])
+    assert exit_.value.code == 2
+    assert "--models resnet18: not a model of --against timm; those are resnet50, convnext_tiny" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # a benchmark tool's run (6 s): nothing in it is asserted but its table's shape
 def test_the_price_check_sets_each_kind_of_plan_beside_its_measured_step(capsys):
     """tools/price_check.py (docs/benchmarks.md): five plans over ResNet-50's stem and res2, each with its

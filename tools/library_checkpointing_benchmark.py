@@ -154,9 +154,13 @@ def _cell(pair) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     jobs = [("timm", n) for n in TIMM if "timm" in args.against] + [("hf", n) for n in HF if "hf" in args.against]
+    unknown = sorted(set(args.models or []) - {name for _, name in jobs})
+    if unknown:  # measured nothing for them before, and said nothing
+        parser.error(f"--models {' '.join(unknown)}: not a model of --against {' '.join(args.against)}; those are {', '.join(n for _, n in jobs)}")
     if args.models:
         jobs = [j for j in jobs if j[1] in args.models]
     print("| library | model | plain step (MiB) | switch: peak / time | trunksplit at the switch's peak | trunksplit at the switch's time | trunksplit's curve (peak / time) |")
