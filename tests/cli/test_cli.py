@@ -611,7 +611,7 @@ def test_bench_steps_the_resnet_width_asked_and_names_it_and_refuses_one_of_its_
         return sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("fc.")) / 2**20
 
     plain = float(re.search(r"^\| plain +\| +([\d.]+) ", table, re.M).group(1))
-    assert gradients(resnet_of_width("resnet18", 0.25)) <= plain + 0.05 < gradients(resnet_of_width("resnet18", 1)), table
+    assert gradients(resnet_of_width("resnet18", 0.25)) <= plain + 0.05 < gradients(resnet_of_width("resnet18", 1)), table  # MiB to one decimal
     assert main(["bench", "--arch", "resnet18", "vit_b_16", "--width", "2", "--out", str(tmp_path / "refused")]) == 2
     assert "error: --width 2.0 sets the width of torchvision's ResNets (resnet18 to resnet152, resnext, wide_resnet); vit_b_16 is not one" in capsys.readouterr().err
     assert os.listdir(tmp_path / "refused") == []
