@@ -210,6 +210,8 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
     [
         (["plan", "--arch", "resnet18", "--features", "res9", "--input", "2x3x64x64"], "unknown feature key(s) ['res9']"),
         (["plan", "--arch", "resnet18", "--input", "2x4x64x64"], "resnet18 cannot run an input of shape 2x4x64x64"),
+        # torch's BatchNorm raises a ValueError (res5 sees one value per channel): it read as a refusal of trunksplit's
+        (["plan", "--arch", "resnet18", "--input", "1x3x32x32"], "error: resnet18 cannot run an input of shape 1x3x32x32: Expected more than 1 value per channel"),
         (["plan", "--arch", "get_model", "--input", "2x3x64x64"], "torchvision has no model 'get_model'"),
         (["bench", "--arch", "resnet18", "nope"], "torchvision has no model 'nope'"),
         (["bench", "--arch", "resnet18", "--input", "2x4x64x64", "--repeats", "1"], "cannot benchmark an input of shape 2x4x64x64"),

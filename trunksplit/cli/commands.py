@@ -1,6 +1,7 @@
 """What ``trunksplit plan``, ``bench``, ``fit`` and ``bench-data`` run, once their arguments parse
 (:mod:`trunksplit.cli.parser`); ``knn`` and ``report`` run in ``runs.py``."""
 import contextlib
+import os
 import sys
 import time
 import warnings
@@ -51,6 +52,23 @@ def _library_error(e: Exception) -> None:
     print(f"error: {said}", file=sys.stderr)
 
 
+def _input_or_library_error(e: Exception, arch: str, shape) -> None:
+    """Print why a command stopped: the model failing to run the input (torch's error: channels, a size, or a
+    BatchNorm given one value per channel, torch's ``ValueError``), or a refusal of trunksplit's in the flags' terms."""
+    if isinstance(e, ValueError) and not _raised_in_torch(e):
+        _library_error(e)
+    else:
+        print(f"error: {arch} cannot run an input of shape {'x'.join(map(str, shape))}: {str(e).splitlines()[0]}", file=sys.stderr)
+
+
+def _raised_in_torch(e: Exception) -> bool:
+    """Whether ``e`` was raised by torch's own code (its innermost frame), not by trunksplit's."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep)
+
+
 def run_plan(args) -> int:
     try:
         device = device_of(args.device)  # before any model: a missing GPU is no fault of its input
@@ -75,11 +93,8 @@ def run_plan(args) -> int:
             if args.gradients == "in_backward":
                 trunk.update_temporaries = _update_temporaries(args.optimizer, device)
             plan, unsplit = _measured_plan(trunk, torch.randn(*args.input, device=device), args.world_size)
-        except ValueError as e:
-            _library_error(e)
-            return 2
-        except RuntimeError as e:  # the model cannot run this input (channels, size)
-            print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+        except (RuntimeError, ValueError) as e:
+            _input_or_library_error(e, args.arch, args.input)
             return 2
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
@@ -214,11 +229,8 @@ def run_fit(args) -> int:
         with _progress(2 * len(expand_units(feature_blocks(model))), "profiling units at two batches") as step:
             found = fit(model, args.input, args.memory, optimizer=None if args.optimizer == "none" else args.optimizer,
                         num_splits=args.splits, gradients=args.gradients, verify=not args.no_verify, world_size=args.world_size, progress=step)
-    except ValueError as e:
-        _library_error(e)
-        return 2
-    except RuntimeError as e:
-        print(f"error: {args.arch} cannot run an input of shape {'x'.join(map(str, args.input))}: {str(e).splitlines()[0]}", file=sys.stderr)
+    except (RuntimeError, ValueError) as e:
+        _input_or_library_error(e, args.arch, args.input)
         return 2
     print(found.plan)
     print(found)
