@@ -15,6 +15,7 @@ from torch import nn
 
 from trunksplit import CheckpointedTrunk, shard_trunk
 from trunksplit.planning.memory import profiled_peak
+from trunksplit.planning.plan import Segment, SplitPlan
 from trunksplit.planning.sharding import rank_memory
 from trunksplit.ssl.backbones import resnet_of_width
 
@@ -31,9 +32,16 @@ CASES = {
     "resnet18_balanced_after": ("resnet18", dict(num_splits=3, strategy="balanced"), False),
     "resnet18_balanced_before": ("resnet18", dict(num_splits=3, strategy="balanced"), True),
     "resnet18_budget_regions": ("resnet18", dict(memory_budget=0.8, gradients="kept"), False),
+    "resnet18_selective_regions": ("resnet18", dict(memory_budget=0.85, gradients="kept"), False),  # runs STORED's plan
     "vit_balanced": ("vit", dict(num_splits=3, strategy="balanced"), False),
     "traced_budget": ("traced", dict(memory_budget=0.7, gradients="kept"), False),  # 0.6 met once at 0.630 feasible, under load
 }
+
+# Plans stored, not measured (the budget planner's figures under FSDP2 vary from run to run): one unsplit segment of
+# selective regions, the plan the planner gave at 0.85 here. Its first region (conv1 .. maxpool) is recomputed from
+# maxpool's backward, before FSDP2's pre-backward hooks of conv1 and bn1 ran: the step failed in torch's replay (on
+# CI's machine in a budget case above, whose plan was of this kind).
+STORED = {"resnet18_selective_regions": (Segment("flatten", 0, 14, checkpointed=False, regions=((0, 4, "save_heavy"), (4, 10, "save_heavy"), (10, 14, "save_heavy"))),)}
 
 
 class Traced(nn.Module):
@@ -74,6 +82,8 @@ def _sharded_steps(rank, world_size, out):
             x = _micro_batch(name, rank)
             if plan_first:
                 trunk.plan_for(x)
+            if case in STORED:
+                trunk.store_plan(trunk.key_for(x), SplitPlan(units=tuple(n for n, _ in trunk.units), segments=STORED[case], strategy="budget"))
             shard_trunk(trunk)
             torch.manual_seed(7 + rank)
             loss_of(trunk(x)).backward()
@@ -111,7 +121,10 @@ def test_sharded_gradients_equal_one_process_accumulating_every_micro_batch(shar
     name, how, _ = CASES[case]
     saved = torch.load(sharded / f"{case}.pt", weights_only=False)
     plan = saved["plan"]
-    assert plan.predicted_peak_bytes is not None or how.get("num_splits") and plan.strategy == "vissl"
+    if case in STORED:
+        assert plan.segments == STORED[case]  # every rank ran the stored plan
+    else:
+        assert plan.predicted_peak_bytes is not None or how.get("num_splits") and plan.strategy == "vissl"
     if how.get("memory_budget"):
         assert plan.strategy == "budget" and plan.regions  # nested regions run under FSDP too
     reference = CheckpointedTrunk(_model(name))  # one process: unsharded, one unsplit segment

@@ -22,11 +22,11 @@ def selective_contexts(keep: Callable, first_forward: Callable[[], ContextManage
 
     The caller's contexts run outside torch's modes, whose recompute replays only the ops the forward
     ran (a guard's copies of buffers are not among them), and autocast's casts as they come in both
-    passes (:func:`casts_run_as_they_come`). The first recompute replays; a later one (a second
+    passes (:func:`ops_run_as_they_come`). The first recompute replays; a later one (a second
     backward) runs every op again (see the module docstring)."""
 
     def ours(make: Callable[[], ContextManager]) -> ContextManager:
-        return _both(make(), casts_run_as_they_come())
+        return _both(make(), ops_run_as_they_come())
 
     def contexts():
         forward, replay = create_selective_checkpoint_contexts(keep_policy(keep))
@@ -68,15 +68,31 @@ class _ReplayOnce:
         return self._entered.__exit__(*exc)
 
 
+def _ops_run_as_they_come() -> tuple:
+    """The ops torch's selective checkpoint runs here as they come, neither kept nor replayed (see
+    :func:`ops_run_as_they_come`): autocast's casts, and the profiler's annotations."""
+    profiler = torch.ops.profiler
+    return (torch.ops.aten._to_copy.default, profiler._record_function_enter.default, profiler._record_function_enter_new.default,
+            profiler._record_function_exit._RecordFunction)
+
+
 @contextlib.contextmanager
-def casts_run_as_they_come():
-    """Inside, torch's selective checkpoint runs autocast's casts as they come, neither kept nor replayed
-    (torch's public ``SAC_IGNORED_OPS``): a weight an earlier call under the same autocast had cast (a
-    trunk at a second crop size) is a cache hit in the forward and a cast in the recompute (a fresh
-    autocast), which torch, replaying only the forward's ops, refused (pytorch/pytorch#193338). The
-    forward keeps autocast's graph (the plain model's gradients, bit for bit); the recompute's cast has
-    the same values. Activations' casts are never kept here anyway. Only our additions are removed."""
-    added = [op for op in (torch.ops.aten._to_copy.default,) if op not in SAC_IGNORED_OPS]
+def ops_run_as_they_come():
+    """Inside, torch's selective checkpoint runs some ops as they come, neither kept nor replayed
+    (torch's public ``SAC_IGNORED_OPS``), where the recompute runs them a different number of times than
+    the forward did and torch, replaying only the forward's ops by count, refused the backward:
+
+    - autocast's casts: a weight an earlier call under the same autocast had cast (a trunk at a second
+      crop size) is a cache hit in the forward and a cast in the recompute (a fresh autocast)
+      (pytorch/pytorch#193338). The forward keeps autocast's graph (the plain model's gradients, bit
+      for bit); the recompute's cast has the same values. Activations' casts are never kept here anyway.
+    - ``record_function``'s annotations, which FSDP2's hooks make: a region holding several sharded units
+      recomputes the ones whose backward has not begun as a new forward (one more annotation each, the
+      root's), and the step failed ("invocation index 8 encountered during backward but not found").
+      They hold no values.
+
+    Only our additions are removed."""
+    added = [op for op in _ops_run_as_they_come() if op not in SAC_IGNORED_OPS]
     SAC_IGNORED_OPS.update(added)
     try:
         yield
