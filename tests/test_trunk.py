@@ -8,6 +8,7 @@ import torchvision
 from torch import nn
 
 from trunksplit import CheckpointedTrunk, feature_blocks
+from trunksplit.planning.plan import Segment, SplitPlan
 
 from reference import build, check_step, close, gradient_penalty, loss_of, plain_features, step_both
 
@@ -497,3 +498,52 @@ def test_a_stored_plan_runs_on_a_trunk_that_plans_by_input_and_one_running_vissl
     with pytest.raises(ValueError, match=r"runs vissl's fixed plan on every input, never a stored one: build it with strategy=\"balanced\" or a memory_budget"):
         vissl.store_plan(vissl.key_for(x), plan)
     assert vissl.plans == {} and vissl.plan_for(x).strategy == "vissl"
+
+
+def _plan(trunk, *segments):
+    return SplitPlan(units=tuple(n for n, _ in trunk.units), segments=segments, strategy="budget")
+
+
+@pytest.mark.parametrize("segments, says", [
+    ((Segment("a", 0, 5), Segment("b", 6, 14, checkpointed=False)), r"segment 'b' runs units \[6, 14\).*from where the one before it stopped \(5\)"),
+    ((Segment("a", 0, 7), Segment("b", 5, 14, checkpointed=False)), r"segment 'b' runs units \[5, 14\).*stopped \(7\)"),
+    ((Segment("a", 0, 5), Segment("b", 5, 10, checkpointed=False)), r"stop at unit 10 of 14: the last must run to the chain's end \(flatten\)"),
+    ((), r"stop at unit 0 of 14"),
+    ((Segment("a", 0, 5, regions=((3, 3, "recompute"),)), Segment("b", 5, 14, checkpointed=False)), r"region \(3, 3, 'recompute'\) must hold at least one unit"),
+    ((Segment("a", 0, 5, regions=((4, 7, "recompute"),)), Segment("b", 5, 14, checkpointed=False)), r"inside its segment 'a' \(units \[0, 5\)\)"),
+    ((Segment("a", 0, 5, regions=((1, 4, "recompute"), (3, 5, "recompute"))), Segment("b", 5, 14, checkpointed=False)),
+     r"region \(3, 5, 'recompute'\).*after the region before it \(which stops at 4\)"),
+    ((Segment("a", 0, 5), Segment("b", 5, 14, checkpointed=False, regions=((6, 8, "bogus"),))), r"unknown region policy 'bogus'; choose one of"),
+    ((Segment("a", 0, 5, regions=((2, 4, "save_expensive"),)), Segment("b", 5, 14, checkpointed=False)),
+     r"starts at conv1_relu, whose first op is in place .* start it a unit earlier or later"),
+    ((Segment("a", 0, 5), Segment("b", 5, 14, checkpointed=False, regions=((0, 2, "save_expensive"),))), r"inside its segment 'b'"),
+    ((Segment("a", 0, 5, regions=((0, 2, "save_heavy"),)), Segment("b", 5, 14, checkpointed=False)), r"is followed by conv1_relu, whose first op is in place"),
+])
+def test_a_stored_plan_that_would_not_run_the_chain_as_the_plain_model_is_refused_saying_what_to_change(segments, says):
+    """A plan made by hand or loaded runs as it is: one that skipped a unit ran the model without it (the step
+    went on, wrong), an empty region never ended (memory grew until the process was killed), a region
+    overlapping the next was dropped, one before an in-place op failed in backward naming an autograd
+    variable. Each is refused when stored, and the trunk keeps planning for itself."""
+    x = torch.randn(2, 3, 64, 64)
+    trunk = CheckpointedTrunk(build("resnet18"), memory_budget=0.9)
+    assert len(trunk.units) == 14
+    with pytest.raises(ValueError, match=says):
+        trunk.store_plan(trunk.key_for(x), _plan(trunk, *segments))
+    assert trunk.plans == {}
+
+
+def test_a_stored_plan_must_cut_after_every_requested_feature():
+    x = torch.randn(2, 3, 64, 64)
+    plain = build("resnet18")
+    model = copy.deepcopy(plain)
+    trunk = CheckpointedTrunk(model, out_feat_keys=["res4", "res5"], memory_budget=0.9)
+    names = [n for n, _ in trunk.units]
+    after_res4 = names.index("res4.1") + 1
+    with pytest.raises(ValueError, match=r"no segment starts after the requested feature res4.1 \(unit 9\)"):
+        trunk.store_plan(trunk.key_for(x), _plan(trunk, Segment("a", 0, 6), Segment("b", 6, len(names), checkpointed=False)))
+    assert trunk.plans == {}
+    plan = _plan(trunk, Segment("a", 0, after_res4), Segment("b", after_res4, len(names), checkpointed=False))
+    trunk.store_plan(trunk.key_for(x), plan)  # with the cut after res4 it runs: the plain model's features
+    want = plain_features(plain, x, ["res4", "res5"])
+    got = trunk(x)
+    assert trunk.plan is plan and all(torch.equal(w, g) for w, g in zip(want, got))

@@ -11,7 +11,7 @@ from .chains.names import from_source_names, source_names, to_source_names
 from .chains import FeatureBlocks, child_name, expand_units, feature_blocks, feature_ends, layer_splittable_before, stage_names, warn_of_hooks_bypassed
 from .planning.budget import MemoryBudget
 from .planning.memory import tensors_in
-from .planning.plan import SplitPlan, plain_where_frozen
+from .planning.plan import SplitPlan, check_plan, plain_where_frozen
 from .planning.request import STRATEGIES, UPDATE_TEMPORARIES, PlanRequest, frozen_parameters, plan_key, planned_temporaries, updates_held, warn_of_many_plans
 from .planning.search import plan_trunk
 from .planning.sharding import sharded_world_size
@@ -164,12 +164,12 @@ class CheckpointedTrunk(nn.Module):
         return dict(self._plans)
 
     def store_plan(self, key: Hashable, plan: SplitPlan) -> None:
-        """Run ``plan`` (made elsewhere: ``fit`` plans batches it never allocates) for inputs of ``key`` (:func:`plan_key`, or
-        :meth:`key_for` of a sample) instead of planning; it must cut these units, on a trunk that plans by input (:attr:`cost_aware`)."""
+        """Run ``plan`` (made elsewhere: ``fit`` plans batches it never allocates) for inputs of ``key`` (:func:`plan_key`, or :meth:`key_for`
+        of a sample) instead of planning, on a trunk that plans by input (:attr:`cost_aware`); one not cut as the planner cuts is refused (:func:`check_plan`)."""
         if not self.cost_aware and self._compiled is None:  # it would never be run: vissl's plan runs on every input
             raise ValueError("this trunk runs vissl's fixed plan on every input, never a stored one: build it with strategy=\"balanced\" or a memory_budget")
-        if tuple(plan.units) != tuple(n for n, _ in self.units):
-            raise ValueError(f"this plan cuts the units {list(plan.units)[:4]}..., not this trunk's {[n for n, _ in self.units][:4]}...")
+        request = self.plan_request()
+        check_plan(plan, request.names, request.splittable, request.forced)
         self._plans[key] = plan
 
     @torch.compiler.disable  # planning runs eagerly: it measures tensors, which dynamo cannot trace

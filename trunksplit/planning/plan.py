@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from tabulate import tabulate
 
-from ..recompute.policies import POLICIES
+from ..recompute.policies import POLICIES, policy as policy_named
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,49 @@ class SplitPlan:
         if self.compiled:
             text += "\ncompiled (trunk.compile()): each unit one graph inside eager checkpoints, the last segment's selective regions one graph each"
         return text
+
+
+def check_plan(plan: SplitPlan, names: Sequence[str], splittable: Sequence[bool], forced: Sequence[int]) -> None:
+    """Refuse, with a ``ValueError`` saying what to change, a plan (made by hand, or loaded) that would
+    not run the chain ``names`` as the plain model does. Why: a trunk runs a plan's segments and
+    regions as they are, so one that skipped units ran the model without them, an empty region never
+    ended, and a region that overlapped the next was dropped, all without a word.
+
+    The segments run every unit once, in order, each from where the one before stopped, and cut at
+    each of ``forced`` (after a requested feature). A region lies inside its segment, after the region
+    before it, and neither starts at a unit whose first op is in place (``splittable`` False there) nor
+    is followed by one: the in-place op would overwrite the input its recompute needs, or an output it
+    keeps (the planner's rule: :func:`trunksplit.planning.search.region_spans`)."""
+    n = len(names)
+    if tuple(plan.units) != tuple(names):
+        raise ValueError(f"this plan cuts the units {list(plan.units)[:4]}..., not this trunk's {list(names)[:4]}...")
+    stop = 0
+    for s in plan.segments:
+        if s.start != stop or s.stop <= s.start:
+            raise ValueError(f"segment {s.name!r} runs units [{s.start}, {s.stop}): each segment must run at least one unit, from where the one "
+                             f"before it stopped ({stop}), so that the segments run units 0 to {n} once each, in order")
+        stop = s.stop
+        for region in s.regions:
+            _check_region(region, s, stop_before=max([r[1] for r in s.regions if r[0] < region[0]], default=s.start), names=names, splittable=splittable)
+    if stop != n:
+        raise ValueError(f"the segments stop at unit {stop} of {n}: the last must run to the chain's end ({names[-1]})")
+    missing = [c for c in forced if c not in {s.start for s in plan.segments}]
+    if missing:
+        raise ValueError(f"no segment starts after the requested feature {names[missing[0] - 1]} (unit {missing[0] - 1}): a plan cuts after every requested feature")
+
+
+def _check_region(region: Tuple[int, int, str], segment: Segment, stop_before: int, names: Sequence[str], splittable: Sequence[bool]) -> None:
+    start, stop, name = region
+    policy_named(name)  # a name no policy has is refused, naming those there are
+    if not stop_before <= start < stop <= segment.stop:
+        raise ValueError(f"region {region} must hold at least one unit inside its segment {segment.name!r} (units [{segment.start}, {segment.stop})), "
+                         f"after the region before it (which stops at {stop_before})")
+    if not splittable[start]:
+        raise ValueError(f"region {region} starts at {names[start]}, whose first op is in place and would overwrite the input the region's "
+                         f"recompute needs: start it a unit earlier or later")
+    if stop < len(names) and not splittable[stop]:
+        raise ValueError(f"region {region} is followed by {names[stop]}, whose first op is in place and would overwrite what the region "
+                         f"keeps: end it a unit earlier or later")
 
 
 def plain_where_frozen(plan: SplitPlan, frozen: int) -> SplitPlan:
