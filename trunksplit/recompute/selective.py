@@ -21,8 +21,8 @@ def selective_contexts(keep: Callable, first_forward: Callable[[], ContextManage
     of the ops ``keep(func, args)`` picks, inside ``first_forward()`` and ``recompute()``.
 
     The caller's contexts run outside torch's modes, whose recompute replays only the ops the forward
-    ran (a guard's copies of buffers are not among them), and autocast's casts as they come in both
-    passes (:func:`ops_run_as_they_come`). The first recompute replays; a later one (a second
+    ran (a guard's copies of buffers are not among them), and autocast's casts and the profiler's
+    annotations as they come in both passes (:func:`ops_run_as_they_come`). The first recompute replays; a later one (a second
     backward) runs every op again (see the module docstring)."""
 
     def ours(make: Callable[[], ContextManager]) -> ContextManager:
@@ -68,14 +68,6 @@ class _ReplayOnce:
         return self._entered.__exit__(*exc)
 
 
-def _ops_run_as_they_come() -> tuple:
-    """The ops torch's selective checkpoint runs here as they come, neither kept nor replayed (see
-    :func:`ops_run_as_they_come`): autocast's casts, and the profiler's annotations."""
-    profiler = torch.ops.profiler
-    return (torch.ops.aten._to_copy.default, profiler._record_function_enter.default, profiler._record_function_enter_new.default,
-            profiler._record_function_exit._RecordFunction)
-
-
 @contextlib.contextmanager
 def ops_run_as_they_come():
     """Inside, torch's selective checkpoint runs some ops as they come, neither kept nor replayed
@@ -92,7 +84,10 @@ def ops_run_as_they_come():
       They hold no values.
 
     Only our additions are removed."""
-    added = [op for op in _ops_run_as_they_come() if op not in SAC_IGNORED_OPS]
+    profiler = torch.ops.profiler
+    ops = (torch.ops.aten._to_copy.default, profiler._record_function_enter.default, profiler._record_function_enter_new.default,
+           profiler._record_function_exit._RecordFunction)
+    added = [op for op in ops if op not in SAC_IGNORED_OPS]
     SAC_IGNORED_OPS.update(added)
     try:
         yield
