@@ -144,12 +144,12 @@ def test_sharded_gradients_equal_one_process_accumulating_every_micro_batch(shar
 
 def _region_plans(trunk):
     """Every region the planner may place on the trunk of runs of one to three of its smallest spans, as
-    the one region of an unsplit plan under each selective policy, and nested in a checkpointed segment."""
+    the one region of an unsplit plan under each policy, and nested in a checkpointed segment."""
     names = tuple(n for n, _ in trunk.units)
     spans = region_spans(trunk.units)
     regions = [(spans[i][0], spans[j][1]) for i in range(len(spans)) for j in range(i, min(i + 3, len(spans)))]
     whole = [(Segment("flatten", 0, len(names), checkpointed=False, regions=((a, b, p.name),)),)
-             for p in POLICIES.values() if p.selective for a, b in regions]
+             for p in POLICIES.values() for a, b in regions]
     nested = [(Segment("a", 0, len(names) - 1, regions=((a, b, "save_expensive"),)), Segment("flatten", len(names) - 1, len(names), checkpointed=False))
               for a, b in regions if b < len(names)]
     return [SplitPlan(units=names, segments=segments, strategy="budget") for segments in whole + nested]
@@ -169,7 +169,7 @@ def _every_region_steps(rank, world_size, out):
         torch.save({"plans": plans, "grads": grads}, os.path.join(out, "regions.pt"))
 
 
-@pytest.mark.slow  # 105 sharded steps: 25 s on 2 cores
+@pytest.mark.slow  # 177 sharded steps: 40 s on 2 cores
 def test_every_region_the_planner_may_place_runs_under_fsdp2_with_one_process_gradients(tmp_path):
     """The budget planner's figures under FSDP2 vary from run to run, and so do its plans: every plan it may make
     must run. A region holding several sharded units whose backward begins before their pre-backward hooks
