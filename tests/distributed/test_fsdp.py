@@ -41,8 +41,8 @@ CASES = {
 
 # Plans stored, not measured (the budget planner's figures under FSDP2 vary from run to run): one unsplit segment of
 # selective regions, the plan the planner gave at 0.85 here. Its first region (conv1 .. maxpool) is recomputed from
-# maxpool's backward, before FSDP2's pre-backward hooks of conv1 and bn1 ran: the step failed in torch's replay (on
-# CI's machine in a budget case above, whose plan was of this kind).
+# maxpool's backward, before FSDP2's pre-backward hooks of conv1 and bn1 ran: the step failed in torch's replay, as
+# CI's run of the budget cases above did (their measured plans vary; the error was this one).
 STORED = {"resnet18_selective_regions": (Segment("flatten", 0, 14, checkpointed=False, regions=((0, 4, "save_heavy"), (4, 10, "save_heavy"), (10, 14, "save_heavy"))),)}
 
 
@@ -141,7 +141,6 @@ def test_sharded_gradients_equal_one_process_accumulating_every_micro_batch(shar
         assert torch.linalg.vector_norm(got - ref) <= 1e-6 * torch.linalg.vector_norm(ref) + 1e-12, (case, n)
 
 
-
 def _region_plans(trunk):
     """Every region the planner may place on the trunk of runs of one to three of its smallest spans, as
     the one region of an unsplit plan under each policy, and nested in a checkpointed segment."""
@@ -184,6 +183,7 @@ def test_every_region_the_planner_may_place_runs_under_fsdp2_with_one_process_gr
     for plan, grads in zip(saved["plans"], saved["grads"]):
         for n, p in reference.named_parameters():
             assert torch.linalg.vector_norm(grads[n] - p.grad) <= 1e-6 * torch.linalg.vector_norm(p.grad) + 1e-12, (plan.regions, n)
+
 
 def test_sharding_without_a_process_group_twice_or_reentrant_is_a_clear_error():
     trunk = CheckpointedTrunk(_model("resnet18"), num_splits=2)
