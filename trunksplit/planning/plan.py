@@ -142,9 +142,10 @@ def check_plan(plan: SplitPlan, names: Sequence[str], splittable: Sequence[bool]
         if s.start != stop or s.stop <= s.start:
             raise ValueError(f"segment {s.name!r} runs units [{s.start}, {s.stop}): each segment must run at least one unit, from where the one "
                              f"before it stopped ({stop}), so that the segments run units 0 to {n} once each, in order")
-        stop = s.stop
-        for region in s.regions:
-            _check_region(region, s, stop_before=max([r[1] for r in s.regions if r[0] < region[0]], default=s.start), names=names, splittable=splittable)
+        stop, stop_before = s.stop, s.start
+        for region in sorted(s.regions):
+            _check_region(region, s, stop_before, names, splittable)
+            stop_before = region[1]
     if stop != n:
         raise ValueError(f"the segments stop at unit {stop} of {n}: the last must run to the chain's end ({names[-1]})")
     missing = [c for c in forced if c not in {s.start for s in plan.segments}]
