@@ -513,6 +513,8 @@ def _plan(trunk, *segments):
     ((Segment("a", 0, 5, regions=((4, 7, "recompute"),)), Segment("b", 5, 14, checkpointed=False)), r"inside its segment 'a' \(units \[0, 5\)\)"),
     ((Segment("a", 0, 5, regions=((1, 4, "recompute"), (3, 5, "recompute"))), Segment("b", 5, 14, checkpointed=False)),
      r"region \(3, 5, 'recompute'\).*after the region before it \(which stops at 4\)"),
+    ((Segment("a", 0, 5, regions=((1, 3, "recompute"), (1, 4, "save_heavy"))), Segment("b", 5, 14, checkpointed=False)),
+     r"region \(1, 4, 'save_heavy'\).*after the region before it \(which stops at 3\)"),
     ((Segment("a", 0, 5), Segment("b", 5, 14, checkpointed=False, regions=((6, 8, "bogus"),))), r"unknown region policy 'bogus'; choose one of"),
     ((Segment("a", 0, 5, regions=((2, 4, "save_expensive"),)), Segment("b", 5, 14, checkpointed=False)),
      r"starts at conv1_relu, whose first op is in place .* start it a unit earlier or later"),
